@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is a step they run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvfleet-installed
+PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
+STUBS := kvfleet/v1/.generated
+DEMO_MODEL := models/demo-tiny
+
+.PHONY: setup protos demo test bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: on a CPU-only machine pip then takes the local CPU wheel instead of a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+protos: $(STUBS)
+
+$(STUBS): $(PROTOS) $(STAMP)
+	mkdir -p kvfleet/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $(STUBS)
+
+$(DEMO_MODEL)/config.json: $(STAMP)
+	$(PY) -m kvfleet.cli make-model --out $(DEMO_MODEL) --preset tiny
+
+demo: setup protos $(DEMO_MODEL)/config.json
+	$(PY) -m kvfleet.cli demo --model $(DEMO_MODEL)
+
+test: setup protos
+	$(PY) -m pytest -q
+
+bench: setup protos
+	$(PY) bench/engine_vs_transformers.py --quick
+
+clean:
+	rm -rf $(VENV) kvfleet/v1 models build

@@ -1,0 +1,85 @@
+"""The narrow interface between an engine and the page table.
+
+The engine (compute_service) speaks only this interface. ``LocalBlockAllocator`` serves it from the
+in-process core (one node of ``block_service.page_table.PageTable``); the cluster serves it over gRPC
+from block_service. Full pools and exhausted quotas are answers (``Refusal``), never exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    """Why blocks were not granted: ``reason`` is ``"pool"`` (node full) or ``"quota"`` (tenant)."""
+
+    reason: str
+    node_id: str
+    tenant: str
+    blocks_asked: int
+    blocks_charged: int
+    blocks_allowed: int
+
+    def message(self) -> str:
+        if self.reason == "quota":
+            return (
+                f"tenant {self.tenant!r} KV quota exhausted on node {self.node_id}: asked "
+                f"{self.blocks_asked} blocks, {self.blocks_charged} charged of {self.blocks_allowed} allowed"
+            )
+        return (
+            f"block pool exhausted on node {self.node_id} for tenant {self.tenant!r}: asked "
+            f"{self.blocks_asked} blocks, {self.blocks_charged} in use of {self.blocks_allowed}"
+        )
+
+
+@dataclass(slots=True)
+class Allocation:
+    """A sequence's block table after allocation.
+
+    ``block_ids[:num_cached_blocks]`` came from the prefix cache: their KV is already written.
+    """
+
+    block_ids: list[int]
+    num_cached_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class AllocatorStats:
+    num_blocks: int
+    num_free: int          # never used or evicted: holds nothing
+    num_cached: int        # unreferenced but committed: reusable by prefix, evictable (LRU)
+    num_used: int          # referenced by at least one live sequence
+    prefix_queries: int    # blocks looked up in the prefix index
+    prefix_hits: int       # of those, found committed
+
+
+class BlockAllocator(Protocol):
+    """What an engine needs from the page table of its node."""
+
+    block_size: int
+    num_blocks: int
+
+    def num_available(self) -> int:
+        """Blocks that an allocation could take now: free plus evictable cached."""
+
+    def allocate(
+        self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> Allocation | Refusal:
+        """Give ``seq_id`` blocks for ``num_tokens`` tokens, reusing the longest committed prefix of
+        ``block_hashes`` (the hashes of the full blocks the engine is willing to reuse)."""
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
+        """Grow each ``(seq_id, num_tokens)`` to hold ``num_tokens`` tokens; per sequence, the newly
+        appended block ids (possibly none) or a refusal (that sequence unchanged)."""
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        """Mark ``(seq_id, block_index, block_hash)`` full and written: findable by prefix lookups."""
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        """Drop the sequences; their committed blocks stay cached (deepest evicted first)."""
+
+    def stats(self) -> AllocatorStats:
+        """Current figures of this node's pool."""

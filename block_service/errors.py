@@ -1,0 +1,34 @@
+"""Errors of the page table: each is a caller's mistake, and each maps to one gRPC status.
+
+A full pool or an exhausted quota is not an error but an answer (``allocator.Refusal``). These
+exceptions are raised before any state changes, so a rejected call leaves the page table as it was.
+"""
+
+from __future__ import annotations
+
+
+class BlockServiceError(Exception):
+    """Base of the errors a request can cause; ``str(err)`` is a message a person can act on."""
+
+
+class InvalidArgument(BlockServiceError, ValueError):
+    """Malformed field: bad count, hash of the wrong length, empty id, duplicate in one batch."""
+
+
+class NotFound(BlockServiceError, LookupError):
+    """Unknown node or sequence."""
+
+    def __str__(self) -> str:  # LookupError would quote the message like a dict key
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(BlockServiceError):
+    """A live sequence id used again, or a node registered twice with a different shape."""
+
+
+class PermissionDenied(BlockServiceError, PermissionError):
+    """A tenant touching another tenant's sequence."""
+
+
+class FailedPrecondition(BlockServiceError):
+    """A valid request that the current state forbids (e.g. re-committing a block with a new hash)."""

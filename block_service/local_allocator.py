@@ -1,0 +1,47 @@
+"""``BlockAllocator`` for one node, served from an in-process ``PageTable`` (the engine's own)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from block_service.allocator import Allocation, AllocatorStats, Refusal
+from block_service.page_table import PageTable
+
+
+class LocalBlockAllocator:
+    """One node's view of a page table; the engine's in-process allocator."""
+
+    def __init__(self, page_table: PageTable, node_id: str) -> None:
+        self.page_table = page_table
+        self.node_id = node_id
+        self.block_size = page_table.block_size(node_id)
+        self.num_blocks = page_table.allocator_stats(node_id).num_blocks
+
+    @classmethod
+    def standalone(
+        cls, num_blocks: int, block_size: int, bytes_per_block: int, node_id: str = "local"
+    ) -> LocalBlockAllocator:
+        """A page table of its own with this one node registered."""
+        table = PageTable()
+        table.register_node(node_id, num_blocks, block_size, bytes_per_block)
+        return cls(table, node_id)
+
+    def num_available(self) -> int:
+        return self.page_table.num_available(self.node_id)
+
+    def allocate(
+        self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> Allocation | Refusal:
+        return self.page_table.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens)
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
+        return self.page_table.extend(growth)
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        self.page_table.commit(commits)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        self.page_table.release(seq_ids)
+
+    def stats(self) -> AllocatorStats:
+        return self.page_table.allocator_stats(self.node_id)

@@ -1,0 +1,409 @@
+"""The fleet's page table: every node's block pool, every live sequence, every tenant's quota.
+
+Three layers, one job each: ``BlockPool`` owns one node's block metadata (free list, cached LRU,
+prefix index, reference counts); ``QuotaLedger`` owns one node's charges per tenant; ``PageTable``
+gives the per-sequence API over all nodes and keeps the block tables. Every call validates its whole
+batch before changing anything, so an exception leaves the state untouched; a full pool or quota is
+an answer (``Refusal``). The page table is deterministic, which the write-ahead log relies on:
+replaying the same calls on the same state gives the same block ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from block_service.allocator import Allocation, AllocatorStats, Refusal
+from block_service.block_pool import BlockPool
+from block_service.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+)
+from block_service.stats import Counters, NodeStats, TenantStats
+from block_service.tenants import QuotaLedger, TenantConfig, validate_name
+from kvfleet.block_hash import HASH_BYTES
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS = (1 << 31) - 1      # more is an absurd count, not a refusal
+MAX_SEQ_ID_LEN = 256
+WARN_INTERVAL_S = 1.0           # pool-exhausted warnings per node, at most one per interval
+
+
+@dataclass(slots=True, frozen=True)
+class AllocateRequest:
+    node_id: str
+    seq_id: str
+    tenant: str
+    block_hashes: Sequence[bytes]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SeqState:
+    """A live sequence: its block table and how many tokens the table holds."""
+
+    seq_id: str
+    node_id: str
+    tenant: str
+    block_ids: list[int]
+    num_tokens: int
+    num_committed: int  # blocks of this table committed (prefix hits included)
+
+
+@dataclass(slots=True)
+class _Node:
+    pool: BlockPool
+    ledger: QuotaLedger
+    seq_ids: dict[str, None] = field(default_factory=dict)  # insertion order: deterministic
+    counters: Counters = field(default_factory=Counters)
+    tenant_counters: dict[str, Counters] = field(default_factory=dict)
+    last_warning: float = float("-inf")
+
+    def tenant_counter(self, tenant: str) -> Counters:
+        c = self.tenant_counters.get(tenant)
+        if c is None:
+            c = self.tenant_counters[tenant] = Counters()
+        return c
+
+
+def _validate_tokens(n: object) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_TOKENS:
+        raise InvalidArgument(f"num_tokens must be an integer in 0..{MAX_TOKENS}, got {n!r}")
+    return n
+
+
+def validate_hashes(hashes: Sequence[bytes]) -> None:
+    for h in hashes:
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise InvalidArgument(f"a block hash must be {HASH_BYTES} bytes, got {h!r:.60}")
+    if len(set(hashes)) != len(hashes):
+        raise InvalidArgument("block hashes repeat: a chained hash names one block of a prompt")
+
+
+def _validate_seq_id(seq_id: object) -> str:
+    if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
+        raise InvalidArgument(f"seq_id must be a non-empty string of at most {MAX_SEQ_ID_LEN} chars")
+    return seq_id
+
+
+class PageTable:
+    def __init__(self) -> None:
+        self._nodes: dict[str, _Node] = {}
+        self._seqs: dict[str, SeqState] = {}
+        self._tenants: dict[str, TenantConfig] = {}
+
+    # ---- nodes and tenants ---------------------------------------------------------------------
+
+    def register_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int) -> bool:
+        """Add a node's pool; True if new. Registering the same shape again is a no-op."""
+        validate_name("node_id", node_id)
+        node = self._nodes.get(node_id)
+        if node is not None:
+            p = node.pool
+            if (p.num_blocks, p.block_size, p.bytes_per_block) == (num_blocks, block_size, bytes_per_block):
+                return False
+            raise AlreadyExists(
+                f"node {node_id!r} is registered with {p.num_blocks} blocks of {p.block_size} tokens, "
+                f"{p.bytes_per_block} bytes; deregister it first to change its pool"
+            )
+        ledger = QuotaLedger(bytes_per_block)
+        node = _Node(BlockPool(num_blocks, block_size, bytes_per_block), ledger)
+        ledger.configure(self._tenants.values())
+        self._nodes[node_id] = node
+        return True
+
+    def deregister_node(self, node_id: str) -> list[str]:
+        """Drop a node and release all its sequences; returns their ids."""
+        node = self._node(node_id)
+        released = list(node.seq_ids)
+        self._release(released)
+        del self._nodes[node_id]
+        return released
+
+    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+        """Add or update tenants (``replace_all``: the given list is the whole set)."""
+        configs = list(configs)
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("a tenant appears twice in one configuration")
+        tenants = {} if replace_all else dict(self._tenants)
+        tenants.update((c.name, c) for c in configs)
+        self._tenants = tenants
+        for node in self._nodes.values():
+            node.ledger.configure(tenants.values())
+
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    def tenants(self) -> list[TenantConfig]:
+        return list(self._tenants.values())
+
+    def block_size(self, node_id: str) -> int:
+        return self._node(node_id).pool.block_size
+
+    def sequence(self, seq_id: str) -> SeqState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown sequence {seq_id!r}")
+        return replace(seq, block_ids=list(seq.block_ids))
+
+    def num_available(self, node_id: str, tenant: str | None = None) -> int:
+        """Blocks an allocation could take now (for ``tenant``: less what others have reserved)."""
+        node = self._node(node_id)
+        avail = node.pool.num_available()
+        return avail - node.ledger.reserved_for_others(tenant) if tenant else avail
+
+    # ---- sequences -----------------------------------------------------------------------------
+
+    def allocate(
+        self, node_id: str, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> Allocation | Refusal:
+        return self.allocate_many([AllocateRequest(node_id, seq_id, tenant, block_hashes, num_tokens)])[0]
+
+    def allocate_many(self, requests: Sequence[AllocateRequest]) -> list[Allocation | Refusal]:
+        """Per request, the new block table (longest committed prefix reused) or a refusal."""
+        seen: set[str] = set()
+        for r in requests:
+            self._node(r.node_id)
+            _validate_seq_id(r.seq_id)
+            if r.seq_id in self._seqs or r.seq_id in seen:
+                raise AlreadyExists(f"sequence {r.seq_id!r} is already live")
+            seen.add(r.seq_id)
+            validate_name("tenant", r.tenant)
+            _validate_tokens(r.num_tokens)
+            validate_hashes(r.block_hashes)
+        return [self._allocate(r) for r in requests]
+
+    def _allocate(self, r: AllocateRequest) -> Allocation | Refusal:
+        node = self._nodes[r.node_id]
+        pool, tenant = node.pool, r.tenant
+        bs = pool.block_size
+        hashes = r.block_hashes[: r.num_tokens // bs]  # only full blocks are shared
+        hits = pool.lookup(hashes)
+        num_fresh = -(-r.num_tokens // bs) - len(hits)
+        refusal = self._refuse(r.node_id, node, tenant, pool.num_revivable(hits) + num_fresh)
+        if refusal is not None:
+            return refusal
+        revived = pool.acquire(hits, tenant)
+        block_ids = hits + pool.take(num_fresh, tenant)
+        node.ledger.charge(tenant, revived + num_fresh)
+        self._seqs[r.seq_id] = SeqState(r.seq_id, r.node_id, tenant, block_ids, r.num_tokens, len(hits))
+        node.seq_ids[r.seq_id] = None
+        for c in (node.counters, node.tenant_counter(tenant)):
+            c.prefix_queries += len(hashes)
+            c.prefix_hits += len(hits)
+        return Allocation(block_ids, len(hits))
+
+    def extend(self, growth: Sequence[tuple[str, int]], tenant: str | None = None) -> list[list[int] | Refusal]:
+        """Grow each ``(seq_id, num_tokens)``; per sequence the new block ids or a refusal."""
+        seqs = self._lookup([s for s, _ in growth], tenant)
+        for seq, (_, n) in zip(seqs, growth):
+            if _validate_tokens(n) < seq.num_tokens:
+                raise InvalidArgument(
+                    f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens; extend cannot shrink it to {n}"
+                )
+        results: list[list[int] | Refusal] = []
+        for seq, (_, n) in zip(seqs, growth):
+            node = self._nodes[seq.node_id]
+            need = -(-n // node.pool.block_size) - len(seq.block_ids)
+            refusal = self._refuse(seq.node_id, node, seq.tenant, need) if need else None
+            if refusal is not None:
+                results.append(refusal)
+                continue
+            fresh = node.pool.take(need, seq.tenant)
+            node.ledger.charge(seq.tenant, need)
+            seq.block_ids += fresh
+            seq.num_tokens = n
+            results.append(fresh)
+        return results
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]], tenant: str | None = None) -> int:
+        """Name full, written blocks by hash (findable from now on); returns how many were new."""
+        seqs = self._lookup([s for s, _, _ in commits], tenant, unique=False)
+        pending: dict[tuple[str, int], bytes] = {}
+        for seq, (_, i, h) in zip(seqs, commits):
+            validate_hashes([h])
+            bs = self._nodes[seq.node_id].pool.block_size
+            if not isinstance(i, int) or not 0 <= i < len(seq.block_ids) or (i + 1) * bs > seq.num_tokens:
+                raise InvalidArgument(
+                    f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens in {len(seq.block_ids)} blocks "
+                    f"of {bs}: block {i!r} is not a full block of it"
+                )
+            b = seq.block_ids[i]
+            old = self._nodes[seq.node_id].pool.hash[b]
+            if pending.setdefault((seq.node_id, b), h) != h:
+                raise InvalidArgument(f"block {i} of sequence {seq.seq_id!r} committed twice, two hashes")
+            if old not in (None, h):
+                raise FailedPrecondition(
+                    f"block {i} of sequence {seq.seq_id!r} is already committed with hash {old.hex()}"
+                )
+        num_new = 0
+        for seq, (_, i, h) in zip(seqs, commits):
+            if self._nodes[seq.node_id].pool.commit(seq.block_ids[i], h):
+                seq.num_committed += 1
+                num_new += 1
+        return num_new
+
+    def release(self, seq_ids: Sequence[str], tenant: str | None = None) -> None:
+        """Drop the sequences; each table is released deepest block first, so that the deepest
+        block of a prefix is the least recently used one and the first evicted."""
+        self._lookup(seq_ids, tenant)
+        self._release(seq_ids)
+
+    def _release(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            seq = self._seqs.pop(seq_id)
+            node = self._nodes[seq.node_id]
+            del node.seq_ids[seq_id]
+            uncharged: dict[str, int] = {}
+            node.pool.drop(seq.block_ids[::-1], uncharged)
+            for t, n in uncharged.items():
+                node.ledger.uncharge(t, n)
+
+    def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Per node, how many leading blocks of the prompt are committed there. Changes nothing."""
+        validate_hashes(block_hashes)
+        nodes = [(n, self._node(n)) for n in node_ids] if node_ids else self._nodes.items()
+        return {n: node.pool.num_cached_prefix(block_hashes) for n, node in nodes}
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"unknown node {node_id!r}")
+        return node
+
+    def _lookup(self, seq_ids: Sequence[str], tenant: str | None, unique: bool = True) -> list[SeqState]:
+        seqs = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise NotFound(f"unknown sequence {seq_id!r}")
+            if tenant is not None and seq.tenant != tenant:
+                raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant than {tenant!r}")
+            seqs.append(seq)
+        if unique and len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("a sequence appears twice in one batch")
+        return seqs
+
+    def _refuse(self, node_id: str, node: _Node, tenant: str, n: int) -> Refusal | None:
+        """None if ``tenant`` may be charged ``n`` more blocks on ``node`` now, else why not."""
+        ledger, pool = node.ledger, node.pool
+        allowed = ledger.quota_shortfall(tenant, n)
+        if allowed is not None:
+            for c in (node.counters, node.tenant_counter(tenant)):
+                c.refusals_quota += 1
+            return Refusal("quota", node_id, tenant, n, ledger.charged.get(tenant, 0), allowed)
+        if n <= pool.num_available() - ledger.reserved_for_others(tenant):
+            return None
+        for c in (node.counters, node.tenant_counter(tenant)):
+            c.refusals_pool += 1
+        now = time.monotonic()
+        if now - node.last_warning >= WARN_INTERVAL_S:
+            node.last_warning = now
+            log.warning(
+                "block_pool exhausted (alloc=%d/%d) node=%s tenant=%s asked=%d available=%d "
+                "reserved_for_others=%d top holders: %s",
+                pool.num_used, pool.num_blocks, node_id, tenant, n, pool.num_available(),
+                ledger.reserved_for_others(tenant), self._top_holders(node),
+            )
+        return Refusal("pool", node_id, tenant, n, pool.num_used, pool.num_blocks)
+
+    def _top_holders(self, node: _Node, top: int = 3) -> str:
+        seqs: dict[str, int] = {}
+        for seq_id in node.seq_ids:
+            t = self._seqs[seq_id].tenant
+            seqs[t] = seqs.get(t, 0) + 1
+        charged = node.ledger.charged
+        ranked = sorted(charged, key=lambda t: -charged[t])[:top]
+        return ", ".join(f"tenant={t} sequences={seqs.get(t, 0)} blocks={charged[t]}" for t in ranked) or "none"
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def node_stats(self, node_id: str) -> NodeStats:
+        node = self._node(node_id)
+        pool = node.pool
+        bs = pool.block_size
+        tail_waste = sum(len(s.block_ids) * bs - s.num_tokens for s in map(self._seqs.get, node.seq_ids))
+        return NodeStats(
+            node_id, pool.num_blocks, bs, pool.bytes_per_block, pool.num_free, pool.num_cached,
+            pool.num_used, len(node.seq_ids), pool.num_used * bs - tail_waste, pool.num_used * bs,
+            replace(node.counters),
+        )
+
+    def tenant_stats(self, node_id: str) -> list[TenantStats]:
+        """Per tenant configured or active on the node."""
+        node = self._node(node_id)
+        bs, ledger = node.pool.block_size, node.ledger
+        per: dict[str, list[int]] = {t: [0, 0, 0] for t in self._tenants}
+        for t in list(ledger.charged) + list(node.tenant_counters):
+            per.setdefault(t, [0, 0, 0])
+        for seq in map(self._seqs.get, node.seq_ids):
+            acc = per.setdefault(seq.tenant, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += seq.num_tokens
+            acc[2] += len(seq.block_ids) * bs
+        return [
+            TenantStats(
+                t, node_id, ledger.charged.get(t, 0), ledger.allowed.get(t), ledger.reserved.get(t, 0),
+                n_seqs, tokens, capacity, replace(node.tenant_counters.get(t) or Counters()),
+            )
+            for t, (n_seqs, tokens, capacity) in per.items()
+        ]
+
+    def allocator_stats(self, node_id: str) -> AllocatorStats:
+        node = self._node(node_id)
+        p, c = node.pool, node.counters
+        return AllocatorStats(p.num_blocks, p.num_free, p.num_cached, p.num_used, c.prefix_queries, c.prefix_hits)
+
+    # ---- snapshots and checks ------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """The whole state (not the counters), in a form ``from_dict`` restores exactly."""
+        return {
+            "tenants": [t.to_dict() for t in self._tenants.values()],
+            "nodes": {n: {"pool": node.pool.to_dict(), "ledger": node.ledger.to_dict()}
+                      for n, node in self._nodes.items()},
+            "sequences": [
+                [s.seq_id, s.node_id, s.tenant, list(s.block_ids), s.num_tokens, s.num_committed]
+                for s in self._seqs.values()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PageTable:
+        table = cls()
+        table._tenants = {t["name"]: TenantConfig(**t) for t in d["tenants"]}
+        for node_id, nd in d["nodes"].items():
+            pool = BlockPool.from_dict(nd["pool"])
+            ledger = QuotaLedger(pool.bytes_per_block)
+            ledger.restore(nd["ledger"], table._tenants.values())
+            table._nodes[node_id] = _Node(pool, ledger)
+        for seq_id, node_id, tenant, block_ids, num_tokens, num_committed in d["sequences"]:
+            table._seqs[seq_id] = SeqState(seq_id, node_id, tenant, list(block_ids), num_tokens, num_committed)
+            table._nodes[node_id].seq_ids[seq_id] = None
+        return table
+
+    def check(self) -> None:
+        """Assert DESIGN.md invariants 1-3 on every node."""
+        for node_id, node in self._nodes.items():
+            pool = node.pool
+            pool.check()
+            refs = [0] * pool.num_blocks
+            for seq_id in node.seq_ids:
+                seq = self._seqs[seq_id]
+                assert seq.node_id == node_id
+                assert len(set(seq.block_ids)) == len(seq.block_ids), f"{seq_id} holds a block twice"
+                assert len(seq.block_ids) == -(-seq.num_tokens // pool.block_size), f"{seq_id} table size"
+                for b in seq.block_ids:
+                    refs[b] += 1
+            assert refs == pool.ref, f"node {node_id}: reference counts differ from the block tables"
+            charged: dict[str, int] = {}
+            for b, t in enumerate(pool.owner):
+                if t is not None:
+                    charged[t] = charged.get(t, 0) + 1
+            node.ledger.check(charged)
+        assert sum(len(n.seq_ids) for n in self._nodes.values()) == len(self._seqs)

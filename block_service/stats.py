@@ -1,0 +1,56 @@
+"""Utilisation figures of the page table, per node and per tenant on a node.
+
+Tokens stored against the token capacity of the blocks holding them measures internal
+fragmentation: the unused tail of each sequence's last block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Counters:
+    """Events since start (not durable): prefix lookups and refusals."""
+
+    prefix_queries: int = 0  # block hashes looked up by allocations
+    prefix_hits: int = 0     # of those, found committed
+    refusals_pool: int = 0
+    refusals_quota: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class NodeStats:
+    node_id: str
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    num_free: int
+    num_cached: int
+    num_used: int
+    num_sequences: int
+    tokens_stored: int    # distinct token positions held by used blocks
+    token_capacity: int   # num_used * block_size
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def utilisation(self) -> float:
+        return self.num_used / self.num_blocks
+
+    @property
+    def fragmentation(self) -> float:
+        """Share of the used blocks' capacity holding no token."""
+        return 1 - self.tokens_stored / self.token_capacity if self.token_capacity else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class TenantStats:
+    tenant: str
+    node_id: str
+    blocks_charged: int
+    blocks_allowed: int | None  # None: unlimited
+    blocks_reserved: int
+    num_sequences: int
+    tokens_stored: int    # sum over the tenant's sequences (shared prefixes counted per sequence)
+    token_capacity: int   # sum of their block tables' capacity
+    counters: Counters = field(default_factory=Counters)

@@ -1,0 +1,177 @@
+"""Tenants and their KV quotas: the configuration, and one node's ledger of charged blocks.
+
+A quota is configured in MiB and becomes ``quota_bytes // bytes_per_block`` blocks on each node.
+A block is charged to the tenant that brought it into use (fresh, or revived from the cache) for
+as long as any sequence holds it, so a shared prefix block is charged once (DESIGN.md invariant 3).
+A reserved share is guaranteed: other tenants may not take the blocks a tenant has reserved and
+not yet used. A tenant without a configured quota is unlimited (the engine's in-process tenant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+from block_service.errors import InvalidArgument
+
+MIB = 1 << 20
+MAX_NAME_LEN = 128
+
+
+def validate_name(kind: str, name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise InvalidArgument(f"{kind} must be a non-empty string of at most {MAX_NAME_LEN} chars, got {name!r}")
+    return name
+
+
+@dataclass(slots=True, frozen=True)
+class TenantConfig:
+    """One tenant as the tenants file describes it (format shared with the router)."""
+
+    name: str
+    quota_mib: float | None = None  # None: unlimited
+    reserved_mib: float = 0.0       # guaranteed share, at most the quota
+    paid_level: int = 0
+    max_concurrent: int = 0         # 0: unlimited; enforced by the router's queue
+    api_key: str = ""
+
+    def __post_init__(self) -> None:
+        validate_name("tenant name", self.name)
+        if self.quota_mib is not None and not (0 <= self.quota_mib < 1 << 40):
+            raise InvalidArgument(f"tenant {self.name!r}: quota_mib must be >= 0, got {self.quota_mib}")
+        if not 0 <= self.reserved_mib <= (self.quota_mib if self.quota_mib is not None else 1 << 40):
+            raise InvalidArgument(
+                f"tenant {self.name!r}: reserved_mib must be in 0..quota_mib, got {self.reserved_mib}"
+            )
+        if self.paid_level < 0 or self.max_concurrent < 0:
+            raise InvalidArgument(f"tenant {self.name!r}: paid_level and max_concurrent must be >= 0")
+
+    def quota_blocks(self, bytes_per_block: int) -> int | None:
+        if self.quota_mib is None:
+            return None
+        return int(self.quota_mib * MIB) // bytes_per_block
+
+    def reserved_blocks(self, bytes_per_block: int) -> int:
+        return int(self.reserved_mib * MIB) // bytes_per_block
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_tenants(doc: Mapping) -> list[TenantConfig]:
+    """``{"tenants": [{name, api_key, quota_mib, reserved_mib?, paid_level, max_concurrent}, ...]}``."""
+    items = doc.get("tenants") if isinstance(doc, Mapping) else None
+    if not isinstance(items, list):
+        raise InvalidArgument("tenants file: expected a list under 'tenants:'")
+    configs = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            raise InvalidArgument(f"tenants file: each tenant must be a mapping, got {item!r}")
+        unknown = set(item) - set(TenantConfig.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"tenants file: unknown keys {sorted(unknown)} in {item.get('name')!r}")
+        try:
+            configs.append(TenantConfig(**item))
+        except TypeError as err:
+            raise InvalidArgument(f"tenants file: {err}") from None
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise InvalidArgument("tenants file: a tenant name appears twice")
+    return configs
+
+
+def load_tenants(path: str) -> list[TenantConfig]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return parse_tenants(yaml.safe_load(f) or {})
+
+
+class QuotaLedger:
+    """Blocks charged per tenant on one node, against quotas and reserved shares.
+
+    ``grace[t]`` keeps a quota cut honest: blocks charged beyond a quota lowered by configuration
+    stay until released (the grace shrinks with them) and no new block is granted meanwhile.
+    """
+
+    __slots__ = ("bytes_per_block", "charged", "allowed", "reserved", "grace", "_reserved_unused")
+
+    def __init__(self, bytes_per_block: int) -> None:
+        self.bytes_per_block = bytes_per_block
+        self.charged: dict[str, int] = {}
+        self.allowed: dict[str, int] = {}   # limited tenants only
+        self.reserved: dict[str, int] = {}  # tenants with a reserved share only
+        self.grace: dict[str, int] = {}
+        self._reserved_unused = 0           # sum over tenants of max(0, reserved - charged)
+
+    def configure(self, tenants: Iterable[TenantConfig]) -> None:
+        self.allowed, self.reserved = {}, {}
+        for t in tenants:
+            quota = t.quota_blocks(self.bytes_per_block)
+            if quota is not None:
+                self.allowed[t.name] = quota
+            if t.reserved_mib:
+                self.reserved[t.name] = t.reserved_blocks(self.bytes_per_block)
+        self.grace = {}
+        for name, quota in self.allowed.items():
+            over = self.charged.get(name, 0) - quota
+            if over > 0:
+                self.grace[name] = over
+        self._reserved_unused = sum(self._unused(name) for name in self.reserved)
+
+    def _unused(self, tenant: str) -> int:
+        return max(0, self.reserved.get(tenant, 0) - self.charged.get(tenant, 0))
+
+    def quota_shortfall(self, tenant: str, n: int) -> int | None:
+        """None if ``n`` more blocks fit in the tenant's quota, else the blocks allowed."""
+        allowed = self.allowed.get(tenant)
+        if allowed is None or self.charged.get(tenant, 0) + n <= allowed:
+            return None
+        return allowed
+
+    def reserved_for_others(self, tenant: str) -> int:
+        """Blocks other tenants have reserved and not used: not available to ``tenant``."""
+        return self._reserved_unused - self._unused(tenant)
+
+    def charge(self, tenant: str, n: int) -> None:
+        if not n:
+            return
+        before = self._unused(tenant)
+        self.charged[tenant] = self.charged.get(tenant, 0) + n
+        self._reserved_unused += self._unused(tenant) - before
+
+    def uncharge(self, tenant: str, n: int) -> None:
+        before = self._unused(tenant)
+        left = self.charged[tenant] - n
+        assert left >= 0, f"tenant {tenant!r} uncharged below zero"
+        if left:
+            self.charged[tenant] = left
+        else:
+            del self.charged[tenant]
+        self._reserved_unused += self._unused(tenant) - before
+        g = self.grace.get(tenant)
+        if g is not None:
+            g = min(g, left - self.allowed[tenant])
+            if g > 0:
+                self.grace[tenant] = g
+            else:
+                del self.grace[tenant]
+
+    def to_dict(self) -> dict:
+        return {"charged": dict(self.charged), "grace": dict(self.grace)}
+
+    def restore(self, d: dict, tenants: Iterable[TenantConfig]) -> None:
+        self.charged = dict(d["charged"])
+        self.configure(tenants)
+        self.grace = dict(d["grace"])
+
+    def check(self, charged: Mapping[str, int]) -> None:
+        """Invariant 3: ``charged`` recounted from the pool matches, and stays within quota."""
+        assert dict(charged) == self.charged, f"ledger {self.charged} != pool owners {dict(charged)}"
+        for name, n in self.charged.items():
+            allowed = self.allowed.get(name)
+            if allowed is not None:
+                assert n <= allowed + self.grace.get(name, 0), (
+                    f"tenant {name!r} charged {n} blocks, quota {allowed}"
+                )
+        assert self._reserved_unused == sum(self._unused(n) for n in self.reserved)

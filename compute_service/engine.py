@@ -1,0 +1,219 @@
+"""``LLMEngine``: a model directory served in-process with continuous batching over a paged pool.
+
+    add_request() -> Scheduler (policy) -> ModelRunner (tensors, model) -> Sampler -> outputs
+                         |
+                    KVCacheManager -> BlockAllocator (in-process core, or block_service remotely)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from block_service.allocator import AllocatorStats, BlockAllocator
+from compute_service.kv_cache_manager import KVCacheManager
+from compute_service.kv_pool import allocate_kv_cache, bytes_per_block, num_blocks_for, parse_block_size
+from compute_service.model_config import ModelConfig
+from compute_service.model_runner import ModelRunner
+from compute_service.request_output import RequestOutput, StopChecker
+from compute_service.sampler import Sampler
+from compute_service.sampling import SamplingParams
+from compute_service.scheduler import Scheduler, SchedulerConfig
+from compute_service.sequence import Sequence
+from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
+from compute_service.weights import load_model, parse_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int | str = 256
+    kv_cache_memory: int | None = None   # bytes; None = a fraction of free memory
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None     # None = the model's max_position_embeddings
+    node_id: str = "local"
+    share_prefix_across_tenants: bool = False
+
+    def __post_init__(self) -> None:
+        self.block_size = parse_block_size(self.block_size)
+        parse_dtype(self.dtype)
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+    num_preemptions: int
+    busy_seconds: float
+    blocks: AllocatorStats
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    on_output: Callable[[RequestOutput], None] | None = None
+    text: list[str] = field(default_factory=list)
+
+
+AllocatorFactory = Callable[[int, int, int], BlockAllocator]  # (num_blocks, block_size, bytes_per_block)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 allocator_factory: AllocatorFactory | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.device = torch.device(config.device)
+        dtype = parse_dtype(config.dtype)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        model = load_model(model_dir, mc, dtype, self.device)
+        block_size = int(config.block_size)
+        self.bytes_per_block = bytes_per_block(mc, block_size, dtype)
+        num_blocks = num_blocks_for(mc, block_size, dtype, self.device, config.kv_cache_memory)
+        if allocator_factory is None:
+            from block_service.local_allocator import LocalBlockAllocator
+
+            def allocator_factory(n: int, bs: int, bpb: int) -> BlockAllocator:
+                return LocalBlockAllocator.standalone(n, bs, bpb, node_id=config.node_id)
+        self.allocator = allocator_factory(num_blocks, block_size, self.bytes_per_block)
+        self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.kv)
+        kv_cache = allocate_kv_cache(mc, num_blocks, block_size, dtype, self.device)
+        self.runner = ModelRunner(model, kv_cache, block_size, self.device)
+        self.sampler = Sampler(self.device)
+        self.requests: dict[str, _Request] = {}
+        self._generated = self._prompt_computed = 0
+        self._busy = 0.0
+        log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d",
+                 mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
+                    tenant: str = "default", priority: int = 0,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """Queue a request; bad input raises ``ValueError`` naming the problem (nothing is queued)."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError("sampling must be SamplingParams")
+        if not request_id or request_id in self.requests:
+            raise ValueError(f"request_id must be non-empty and unique, got {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        need = self.kv.blocks_for(len(ids) + 1)
+        if need > self.allocator.num_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks but this node's pool has only "
+                             f"{self.allocator.num_blocks}")
+        seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
+        eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
+                                             StopChecker(sampling, eos, self.max_model_len), on_output)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, "abort", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; the outputs of every request that progressed."""
+        batch = self.scheduler.schedule()
+        outputs = [self._finish(self.requests[seq.seq_id], "abort", [], refusal.message())
+                   for seq, refusal in batch.refused]
+        if batch.is_empty:
+            return outputs
+        started = time.perf_counter()
+        logits, sampled = self.runner.execute(batch)
+        for seq, n in batch.prefills:
+            seq.num_computed += n
+            self._prompt_computed += n
+        for seq in batch.decodes:
+            seq.num_computed += 1
+        self.kv.commit_full_blocks([s for s, _ in batch.prefills] + batch.decodes)
+        tokens = self.sampler.sample(logits, sampled)
+        self._busy += time.perf_counter() - started
+        for seq, token in zip(sampled, tokens):
+            outputs.append(self._append_token(self.requests[seq.seq_id], token))
+        return outputs
+
+    def generate(self, prompts: list[str | list[int]], sampling: SamplingParams) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together; one merged output per prompt, in order."""
+        base = f"gen-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, sampling)
+        merged = {rid: RequestOutput.empty(rid) for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                merged[out.request_id] = merged[out.request_id].merged(out)
+        return [merged[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
+            num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
+            blocks=self.allocator.stats())
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _append_token(self, request: _Request, token: int) -> RequestOutput:
+        seq = request.seq
+        seq.token_ids.append(token)
+        self._generated += 1
+        text = request.detokenizer.push(token)
+        reason, text = request.stop.check(seq, token, text)
+        request.text.append(text)
+        if reason is not None:
+            return self._finish(request, reason, [token], text=text)
+        return self._output(request, [token], text, None)
+
+    def _finish(self, request: _Request, reason: str, new_tokens: list[int], error: str | None = None,
+                text: str = "") -> RequestOutput:
+        seq = request.seq
+        self.scheduler.finish([seq])
+        self.sampler.forget(seq.seq_id)
+        del self.requests[seq.seq_id]
+        out = self._output(request, new_tokens, text, reason, error)
+        return out
+
+    def _output(self, request: _Request, tokens: list[int], text: str, reason: str | None,
+                error: str | None = None) -> RequestOutput:
+        seq = request.seq
+        out = RequestOutput(
+            request_id=seq.seq_id, new_token_ids=tokens, new_text=text, finished=reason is not None,
+            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens, cached_tokens=seq.num_cached_tokens, error=error)
+        if request.on_output is not None:
+            request.on_output(out)
+        return out

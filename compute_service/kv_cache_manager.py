@@ -1,0 +1,83 @@
+"""Per-sequence use of a node's ``BlockAllocator``: what the scheduler calls to give a sequence its
+blocks, grow it, commit its full blocks under their chained hashes, and free it. Pure Python.
+
+The allocator holds the page table (here or in block_service); this class only translates a
+sequence's progress into allocator calls, batched per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from block_service.allocator import BlockAllocator, Refusal
+from compute_service.sequence import Sequence
+from kvfleet.block_hash import cluster_seed, next_block_hash, tenant_extra_key
+
+
+class KVCacheManager:
+    def __init__(self, allocator: BlockAllocator, share_prefix_across_tenants: bool = False):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.share_across_tenants = share_prefix_across_tenants
+        self.seed = cluster_seed()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, seq: Sequence) -> Refusal | None:
+        """Blocks for all of ``seq``'s current tokens; reuses cached prefix blocks, so on success
+        ``seq.num_computed`` starts past them. At least one token is always left to compute (its
+        logits are needed), so a fully cached prompt recomputes its last block."""
+        self._extend_hashes(seq, seq.num_tokens // self.block_size)
+        reusable = (seq.num_tokens - 1) // self.block_size
+        result = self.allocator.allocate(seq.seq_id, seq.tenant, seq.block_hashes[:reusable], seq.num_tokens)
+        if isinstance(result, Refusal):
+            return result
+        seq.block_table = list(result.block_ids)
+        seq.num_committed_blocks = result.num_cached_blocks
+        seq.num_computed = result.num_cached_blocks * self.block_size
+        return None
+
+    def grow(self, plan: list[tuple[Sequence, int]]) -> list[Refusal | None]:
+        """Make room for each ``(seq, n)``: ``n`` more tokens from ``seq.num_computed``; one
+        allocator call for all of them."""
+        if not plan:
+            return []
+        # every sequence is reported, not only those needing a block: the page table tracks fill levels
+        answers = self.allocator.extend([(seq.seq_id, seq.num_computed + n) for seq, n in plan])
+        results: list[Refusal | None] = []
+        for (seq, _), answer in zip(plan, answers):
+            if isinstance(answer, Refusal):
+                results.append(answer)
+            else:
+                seq.block_table.extend(answer)
+                results.append(None)
+        return results
+
+    def commit_full_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """Publish every block that became full and written this step (one allocator call)."""
+        commits: list[tuple[str, int, bytes]] = []
+        for seq in seqs:
+            num_full = seq.num_computed // self.block_size
+            if num_full <= seq.num_committed_blocks:
+                continue
+            self._extend_hashes(seq, num_full)
+            commits.extend((seq.seq_id, i, seq.block_hashes[i]) for i in range(seq.num_committed_blocks, num_full))
+            seq.num_committed_blocks = num_full
+        if commits:
+            self.allocator.commit(commits)
+
+    def free(self, seqs: Iterable[Sequence]) -> None:
+        seqs = list(seqs)
+        ids = [seq.seq_id for seq in seqs]
+        if ids:
+            self.allocator.release(ids)
+        for seq in seqs:
+            seq.block_table = []
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        extra = tenant_extra_key(seq.tenant, self.share_across_tenants)
+        for i in range(len(seq.block_hashes), num_blocks):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(next_block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], extra, self.seed))

@@ -1,0 +1,111 @@
+"""The Llama family (Llama, Qwen2, Mistral) as one small model over a paged KV pool.
+
+Tokens of all sequences in a step are packed into one ``[T]`` batch; attention reads and writes
+the pool through ``kernels`` (``store_kv``, ``paged_prefill``, ``paged_decode``). q/k/v and
+gate/up projections are fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from compute_service.attention_metadata import AttentionMetadata
+from compute_service.model_config import ModelConfig
+from compute_service.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]; kv_cache: [2, num_blocks, kv_heads, block_size, head_dim]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        p = meta.num_prefill_tokens
+        if p:
+            out[:p] = kernels.paged_prefill(
+                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
+                meta.prefill_query_start_loc, meta.scale)
+        if p < num_tokens:
+            out[p:] = kernels.paged_decode(
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                    config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` (float32) for the packed tokens picked by
+        ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]``."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_cache[i], meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()

@@ -1,0 +1,56 @@
+"""What a request yields per step, and when it stops. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from compute_service.sampling import SamplingParams
+from compute_service.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" | "length" | "abort" once finished
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0               # prompt tokens served from the prefix cache
+    error: str | None = None             # why an "abort" happened, when the engine aborted it
+
+    @classmethod
+    def empty(cls, request_id: str) -> "RequestOutput":
+        return cls(request_id)
+
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by ``later``: tokens and text concatenated, figures from ``later``."""
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text)
+
+
+class StopChecker:
+    """EOS, ``max_tokens``, ``max_model_len`` and stop strings (the stop string is cut from the text)."""
+
+    def __init__(self, sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.sampling = sampling
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.window = max((len(s) for s in sampling.stop), default=0)
+        self.tail = ""
+
+    def check(self, seq: Sequence, token: int, text: str) -> tuple[str | None, str]:
+        """(finish reason or None, the part of ``text`` to emit)."""
+        if self.sampling.stop and text:
+            searched = self.tail + text
+            hits = [i for i in (searched.find(s) for s in self.sampling.stop) if i >= 0]
+            if hits:
+                cut = min(hits) - len(self.tail)
+                return "stop", text[:max(cut, 0)]
+            self.tail = searched[-(self.window - 1):] if self.window > 1 else ""
+        if token in self.eos:
+            return "stop", text
+        if seq.num_output_tokens >= self.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", text
+        return None, text

@@ -1,0 +1,156 @@
+"""Continuous batching policy: which sequences run this step and how many tokens each. Pure Python.
+
+Each step fills a token budget: running sequences first (a decode token each, or their next
+prefill chunk), then waiting ones by priority (highest first, then oldest). A running sequence that
+cannot grow takes the blocks of the lowest-priority, newest running sequence, which is preempted
+(its KV dropped, its tokens kept) and requeued to be recomputed; committed blocks stay in the
+prefix cache, so recomputation usually starts from a prefix hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from block_service.allocator import Refusal
+from compute_service.kv_cache_manager import KVCacheManager
+from compute_service.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048   # per step; longer prompts are prefilled in chunks
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens this step), > 1
+    decodes: list[Sequence] = field(default_factory=list)               # one token each
+    preempted: list[Sequence] = field(default_factory=list)
+    refused: list[tuple[Sequence, Refusal]] = field(default_factory=list)  # can never be served
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Sort key: higher priority first, then older first."""
+    return (-seq.priority, seq.arrival)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=_rank)
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            plan.append((seq, n))
+            budget -= n
+        scheduled = self._grow(plan, batch)
+        if not batch.preempted:
+            scheduled += self._admit(budget, batch)
+        for seq, n in scheduled:
+            if n == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+        return batch
+
+    def _grow(self, plan: list[tuple[Sequence, int]], batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Blocks for the running sequences' next tokens; preempt to make room where refused."""
+        refusals = self.kv.grow(plan)
+        granted: list[tuple[Sequence, int]] = []
+        for (seq, n), refusal in zip(plan, refusals):
+            while refusal is not None and seq.status is Status.RUNNING:
+                victim = max(self.running, key=_rank)
+                if victim is seq and len(self.running) == 1:
+                    # alone and still too big: it can never be served by this pool
+                    self._finish_refused(seq, refusal, batch)
+                    break
+                self._preempt(victim, batch)
+                granted = [(s, k) for s, k in granted if s is not victim]
+                if victim is not seq:
+                    refusal = self.kv.grow([(seq, n)])[0]
+            if refusal is None and seq.status is Status.RUNNING:
+                granted.append((seq, n))
+        return granted
+
+    def _admit(self, budget: int, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        admitted: list[tuple[Sequence, int]] = []
+        self.waiting.sort(key=_rank)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            refusal = self.kv.allocate(seq)
+            if refusal is not None:
+                if not self.running and not admitted:
+                    self.waiting.pop(0)
+                    self._finish_refused(seq, refusal, batch)
+                    continue
+                break  # wait for running sequences to free blocks
+            self.waiting.pop(0)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            admitted.append((seq, n))
+            budget -= n
+        return admitted
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.kv.free([seq])
+        seq.reset_for_recompute()
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        log.debug("preempted %s (priority %d, %d tokens)", seq.seq_id, seq.priority, seq.num_tokens)
+
+    def _finish_refused(self, seq: Sequence, refusal: Refusal, batch: ScheduledBatch) -> None:
+        log.warning("request %s cannot be served: %s", seq.seq_id, refusal.message())
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free([seq])
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+        batch.refused.append((seq, refusal))
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Drop finished or aborted sequences and free their blocks."""
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        self.kv.free([s for s in seqs if s.block_table])

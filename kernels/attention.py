@@ -1,0 +1,103 @@
+"""The entry points the engine calls: each picks an implementation by device and environment.
+
+- CUDA tensors → Triton kernels (``triton_store``, ``triton_decode``, ``triton_prefill``).
+- CPU decode → the native C++ kernel (``cpu_decode``), built on first use; if it cannot be built, the
+  torch reference, with one logged warning.
+- CPU prefill and KV store → the torch reference (prefill is compute-bound; the reference gathers each
+  sequence's blocks once and runs ``scaled_dot_product_attention``).
+- ``KVFLEET_ATTENTION=reference`` forces the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import reference
+
+
+def _use_reference() -> bool:
+    return os.environ.get("KVFLEET_ATTENTION", "").lower() == "reference"
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.dtype == v_cache.dtype
+    assert k_cache.shape[2] % 16 == 0, f"block_size {k_cache.shape[2]} is not a multiple of 16"
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``."""
+    _check_cache(k_cache, v_cache)
+    assert key.shape == value.shape and key.shape[1:] == (k_cache.shape[1], k_cache.shape[3])
+    assert slot_mapping.shape == (key.shape[0],)
+    if k_cache.is_cuda and not _use_reference():
+        from kernels.triton_store import triton_store_kv
+
+        return triton_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return reference.store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV; returns ``[batch, num_heads, head_dim]``."""
+    _check_cache(k_cache, v_cache)
+    # query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch]
+    assert query.dim() == 3 and query.shape[2] == k_cache.shape[3]
+    assert query.shape[1] % k_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
+    assert block_tables.shape[0] == context_lens.shape[0] == query.shape[0]
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    if _use_reference():
+        return reference.paged_decode_reference(*args)
+    if query.is_cuda:
+        from kernels.triton_decode import triton_paged_decode
+
+        return triton_paged_decode(*args)
+    from kernels import cpu_decode
+
+    if cpu_decode.supports(query, k_cache):
+        return cpu_decode.cpu_paged_decode(*args)
+    return reference.paged_decode_reference(*args)
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over cached prefix + themselves; returns query's shape."""
+    _check_cache(k_cache, v_cache)
+    # query: [total_new_tokens, num_heads, head_dim]; query_start_loc: [batch + 1]
+    assert query.dim() == 3 and query.shape[2] == k_cache.shape[3]
+    assert query.shape[1] % k_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
+    assert query_start_loc.shape[0] == context_lens.shape[0] + 1 == block_tables.shape[0] + 1
+    args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale)
+    if query.is_cuda and not _use_reference():
+        from kernels.triton_prefill import triton_paged_prefill
+
+        return triton_paged_prefill(*args)
+    return reference.paged_prefill_reference(*args)

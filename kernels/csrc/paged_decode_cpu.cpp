@@ -1,0 +1,370 @@
+// Paged decode attention on CPU: one new query token per sequence over its paged K/V.
+//
+// Layout (one layer of the node's pool):
+//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]; each (block, kv head) tile is a
+//   contiguous block_size x head_dim matrix, read in place through the block table (no gather copy).
+//
+// Work item = (sequence, kv head, split). An item loads the G = num_heads / num_kv_heads query heads of
+// its group once, then streams its token range chunk by chunk (<= 64 tokens of one tile):
+//   scores[g][t] = q[g] . k[t]      (each K row read once for the whole group)
+//   online softmax per g             (running max m, running sum l, base-2 exponentials)
+//   acc[g]     += p[g][t] * v[t]     (each V row read once for the whole group)
+// With several splits per sequence (long contexts, few sequences), each item writes (m, l, acc) and a
+// second pass merges them. All arithmetic is float32; bf16/fp16/fp8 tiles are widened chunk by chunk.
+// The softmax scale and the FP8 K scale are folded into q, the FP8 V scale into the final output.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 16 floats; GCC lowers it to one zmm register with AVX-512 and to narrower registers otherwise.
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int W = 16;
+constexpr int CHUNK = 64;     // tokens per softmax update; a widened chunk of K or V is <= 64 * head_dim floats
+constexpr int MAX_NV = 32;    // head_dim <= 512
+constexpr float LOG2E = 1.4426950408889634f;
+
+struct bf16_t { uint16_t x; };
+struct fp16_t { uint16_t x; };
+struct fp8_t { uint8_t x; };
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float hsum(vf v) {
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5]; 2^f by the Cephes exp2f polynomial
+// (relative error ~2e-7, the rounding error of float32 itself).
+inline vf exp2v(vf x) {
+  x = x < splat(-126.f) ? splat(-126.f) : x;
+  vf y = x + 0.5f;
+  vi n = __builtin_convertvector(y, vi);  // truncation; fix it to floor for negative y
+  vf nf = __builtin_convertvector(n, vf);
+  n += (vi)(nf > y);                       // true lanes are -1
+  nf = __builtin_convertvector(n, vf);
+  vf f = x - nf;
+  vf p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  vi bits = (n + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// Widen `rows` rows of `d` elements into float rows of stride `dp` (zero padded).
+template <typename T>
+void widen(const T* src, int rows, int d, int dp, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const T* s = src + (int64_t)r * d;
+    float* o = dst + (int64_t)r * dp;
+    int i = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(o, s, sizeof(float) * d);
+      i = d;
+    } else if constexpr (std::is_same_v<T, bf16_t>) {
+      for (; i < d; ++i) {
+        uint32_t bits = (uint32_t)s[i].x << 16;
+        std::memcpy(o + i, &bits, 4);
+      }
+    } else if constexpr (std::is_same_v<T, fp16_t>) {
+#if defined(__F16C__) && defined(__AVX__)
+      for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+#endif
+      for (; i < d; ++i) o[i] = static_cast<float>(c10::Half(s[i].x, c10::Half::from_bits()));
+    } else {  // float8_e4m3fn: the 7 magnitude bits placed at float bit 20, times 2^(127-7)
+      for (; i < d; ++i) {
+        uint32_t bits = (uint32_t)(s[i].x & 0x7F) << 20;
+        float mag;
+        std::memcpy(&mag, &bits, 4);
+        mag *= 1.329227995784916e36f;  // 2^120
+        o[i] = (s[i].x & 0x80) ? -mag : mag;
+      }
+    }
+    for (; i < dp; ++i) o[i] = 0.f;
+  }
+}
+
+struct Item {
+  const float* q;   // [G][dp], already times softmax scale * log2(e) * k_scale
+  float* acc;       // [G][dp]
+  float* m;         // [G] running max (base 2)
+  float* l;         // [G] running sum
+};
+
+struct Geometry {
+  int G, d, dp, block_size;
+  int64_t block_stride;  // elements between blocks
+};
+
+// Attend one item's token range [t_begin, t_end). NV = dp / 16 when known at compile time, else 0.
+template <typename T, int NV>
+void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const int32_t* table,
+            int t_begin, int t_end, float* buf, float* s) {
+  const int nv = NV ? NV : g.dp / W;
+  const int G = g.G;
+  constexpr bool direct_ok = std::is_same_v<T, float>;
+  const bool direct = direct_ok && g.d == g.dp;
+  for (int t = t_begin; t < t_end;) {
+    const int block = table[t / g.block_size];
+    const int off = t % g.block_size;
+    const int n = std::min({CHUNK, g.block_size - off, t_end - t});
+    const int64_t tile = (int64_t)block * g.block_stride + (int64_t)off * g.d;
+    const T* k_src = k_head + tile;
+    const T* v_src = v_head + tile;
+    if (t + n < t_end) {  // next chunk's first lines, for a block that may be anywhere in the pool
+      const int nb = table[(t + n) / g.block_size];
+      const int64_t nt = (int64_t)nb * g.block_stride + (int64_t)((t + n) % g.block_size) * g.d;
+      __builtin_prefetch(k_head + nt);
+      __builtin_prefetch(v_head + nt);
+    }
+
+    // scores[g][t] = q[g] . k[t]
+    const float* K;
+    if (direct) {
+      K = reinterpret_cast<const float*>(k_src);
+    } else {
+      widen(k_src, n, g.d, g.dp, buf);
+      K = buf;
+    }
+    for (int r = 0; r < n; ++r) {
+      vf kr[NV ? NV : MAX_NV];
+      const float* krow = K + (int64_t)r * g.dp;
+      for (int j = 0; j < nv; ++j) kr[j] = load(krow + j * W);
+      for (int h = 0; h < G; ++h) {
+        const float* qh = it.q + (int64_t)h * g.dp;
+        vf a = load(qh) * kr[0];
+        for (int j = 1; j < nv; ++j) a += load(qh + j * W) * kr[j];
+        s[h * CHUNK + r] = hsum(a);
+      }
+    }
+
+    // online softmax: p = 2^(score - m_new); rescale acc and l when the max grows
+    const int n16 = (n + W - 1) / W * W;
+    for (int h = 0; h < G; ++h) {
+      float* sh = s + h * CHUNK;
+      float mc = sh[0];
+      for (int r = 1; r < n; ++r) mc = std::max(mc, sh[r]);
+      if (mc > it.m[h]) {
+        const float alpha = std::exp2(it.m[h] - mc);  // 0 on the first chunk (m = -inf)
+        it.l[h] *= alpha;
+        float* ah = it.acc + (int64_t)h * g.dp;
+        for (int j = 0; j < nv; ++j) store(ah + j * W, load(ah + j * W) * alpha);
+        it.m[h] = mc;
+      }
+      const vf mv = splat(it.m[h]);
+      vf sum = splat(0.f);
+      for (int r = n; r < n16; ++r) sh[r] = -std::numeric_limits<float>::infinity();
+      for (int r = 0; r < n16; r += W) {
+        vf p = exp2v(load(sh + r) - mv);
+        if (r + W > n) {  // zero the padding lanes
+          for (int z = n - r; z < W; ++z) p[z] = 0.f;
+        }
+        store(sh + r, p);
+        sum += p;
+      }
+      it.l[h] += hsum(sum);
+    }
+
+    // acc[g] += p[g][t] * v[t]
+    const float* V;
+    if (direct) {
+      V = reinterpret_cast<const float*>(v_src);
+    } else {
+      widen(v_src, n, g.d, g.dp, buf);
+      V = buf;
+    }
+    for (int r = 0; r < n; ++r) {
+      vf vr[NV ? NV : MAX_NV];
+      const float* vrow = V + (int64_t)r * g.dp;
+      for (int j = 0; j < nv; ++j) vr[j] = load(vrow + j * W);
+      for (int h = 0; h < G; ++h) {
+        const vf p = splat(s[h * CHUNK + r]);
+        float* ah = it.acc + (int64_t)h * g.dp;
+        for (int j = 0; j < nv; ++j) store(ah + j * W, load(ah + j * W) + p * vr[j]);
+      }
+    }
+    t += n;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t num_splits, at::Tensor& out32) {
+  const int B = q32.size(0), H = q32.size(1), d = q32.size(2);
+  const int Hkv = k_cache.size(1);
+  const int G = H / Hkv;
+  const int dp = (d + W - 1) / W * W;
+  const Geometry geo{G, d, dp, (int)k_cache.size(2), k_cache.stride(0)};
+  const int64_t head_stride = k_cache.stride(1);
+  const int max_blocks = block_tables.size(1);
+  const T* k_base = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* v_base = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  const float* qd = q32.data_ptr<float>();
+  float* od = out32.data_ptr<float>();
+
+  int max_len = 0;
+  for (int b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  int S = (int)num_splits;
+  if (S <= 0) {  // enough items to keep every thread busy, but no split shorter than 512 tokens
+    const int threads = at::get_num_threads();
+    S = 1;
+    while ((int64_t)B * Hkv * S < 4 * threads && max_len / (2 * S) >= 512) S *= 2;
+  }
+  const int64_t items = (int64_t)B * Hkv * S;
+  // partial results of split items: acc [items][G][dp], m and l [items][G]
+  at::Tensor part;
+  float* part_acc = nullptr;
+  float* part_ml = nullptr;
+  if (S > 1) {
+    part = at::empty({items * G * (dp + 2)}, q32.options());
+    part_acc = part.data_ptr<float>();
+    part_ml = part_acc + items * G * dp;
+  }
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    // per-thread scratch: q [G][dp], acc [G][dp], m, l [G], widened chunk [CHUNK][dp], scores [G][CHUNK]
+    std::vector<float> scratch((size_t)G * dp * 2 + 2 * G + (size_t)CHUNK * dp + (size_t)G * CHUNK + W);
+    float* qg = scratch.data();
+    float* acc = qg + (size_t)G * dp;
+    float* m = acc + (size_t)G * dp;
+    float* l = m + G;
+    float* buf = l + G;
+    float* s = buf + (size_t)CHUNK * dp;
+    for (int64_t item = begin; item < end; ++item) {
+      const int split = item % S;
+      const int kvh = (item / S) % Hkv;
+      const int b = item / S / Hkv;
+      const int len = lens[b];
+      const int per = ((len + S - 1) / S + W - 1) / W * W;
+      const int t0 = std::min(len, split * per), t1 = std::min(len, t0 + per);
+      const float qscale = (float)scale * LOG2E * ks[kvh];
+      for (int h = 0; h < G; ++h) {
+        const float* src = qd + ((int64_t)b * H + kvh * G + h) * d;
+        for (int i = 0; i < dp; ++i) qg[h * dp + i] = i < d ? src[i] * qscale : 0.f;
+        m[h] = -std::numeric_limits<float>::infinity();
+        l[h] = 0.f;
+      }
+      std::fill(acc, acc + (size_t)G * dp, 0.f);
+      if (t1 > t0) {
+        const Item it{qg, acc, m, l};
+        const T* kh = k_base + kvh * head_stride;
+        const T* vh = v_base + kvh * head_stride;
+        const int32_t* table = tables + (int64_t)b * max_blocks;
+        switch (dp / W) {
+          case 4: attend<T, 4>(it, geo, kh, vh, table, t0, t1, buf, s); break;
+          case 8: attend<T, 8>(it, geo, kh, vh, table, t0, t1, buf, s); break;
+          default: attend<T, 0>(it, geo, kh, vh, table, t0, t1, buf, s); break;
+        }
+      }
+      if (S == 1) {
+        for (int h = 0; h < G; ++h) {
+          const float inv = l[h] > 0.f ? vs[kvh] / l[h] : 0.f;
+          float* o = od + ((int64_t)b * H + kvh * G + h) * d;
+          for (int i = 0; i < d; ++i) o[i] = acc[h * dp + i] * inv;
+        }
+      } else {
+        std::memcpy(part_acc + item * G * dp, acc, sizeof(float) * G * dp);
+        for (int h = 0; h < G; ++h) {
+          part_ml[(item * G + h) * 2] = m[h];
+          part_ml[(item * G + h) * 2 + 1] = l[h];
+        }
+      }
+    }
+  });
+  if (S == 1) return;
+
+  // merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+  at::parallel_for(0, (int64_t)B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(dp);
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int b = bk / Hkv, kvh = bk % Hkv;
+      for (int h = 0; h < G; ++h) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int sp = 0; sp < S; ++sp) M = std::max(M, part_ml[((bk * S + sp) * G + h) * 2]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float L = 0.f;
+        for (int sp = 0; sp < S; ++sp) {
+          const int64_t item = bk * S + sp;
+          const float l = part_ml[(item * G + h) * 2 + 1];
+          if (l == 0.f) continue;
+          const float w = std::exp2(part_ml[(item * G + h) * 2] - M);
+          L += w * l;
+          const float* a = part_acc + (item * G + h) * dp;
+          for (int i = 0; i < d; ++i) o[i] += w * a[i];
+        }
+        const float inv = L > 0.f ? vs[kvh] / L : 0.f;
+        float* dst = od + ((int64_t)b * H + kvh * G + h) * d;
+        for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t num_splits) {
+  // query: [batch, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim]
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides());
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3), "tiles must be contiguous");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(1) == 0);
+  TORCH_CHECK((query.size(2) + W - 1) / W <= MAX_NV, "head_dim too large");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt);
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.numel() == k_cache.size(1));
+  TORCH_CHECK(v_scale.scalar_type() == at::kFloat && v_scale.numel() == k_cache.size(1));
+  at::Tensor q32 = query.to(at::kFloat).contiguous();
+  at::Tensor out32 = at::empty(q32.sizes(), q32.options());
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: run<float>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
+    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
+    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
+    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
+  }
+  return out32.to(query.scalar_type());
+}
+
+// Registered as torch.ops.kvfleet_kernels.paged_decode_cpu: no pybind, so the build stays small.
+TORCH_LIBRARY(kvfleet_kernels, m) {
+  m.def("paged_decode_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, Tensor k_scale, Tensor v_scale, int num_splits=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_kernels, CPU, m) { m.impl("paged_decode_cpu", &paged_decode); }

@@ -1,0 +1,43 @@
+"""The ``kvfleet`` command line. Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``; this file only lists them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-model": ("kvfleet.model_maker", "write a seeded random Llama-style model directory"),
+    "demo": ("kvfleet.demo", "run the demo: prompts through the engine, streamed, with stats"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Only the module of the command named in ``argv`` is imported (the others may be heavy)."""
+    parser = argparse.ArgumentParser(prog="kvfleet", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((arg for arg in argv if arg in COMMANDS), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command)
+            command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Cluster membership in etcd: compute nodes announce themselves, the router watches.
+
+Each node owns one key, ``/kvfleet/nodes/<node_id>``, attached to a lease of a few seconds that the
+node keeps alive. A node that dies stops refreshing; etcd deletes its key when the lease expires and
+every watcher sees the delete. The value is JSON::
+
+    {"address": "127.0.0.1:7001", "model": "/models/x", "num_blocks": 512, "block_size": 256,
+     "state": "READY"}
+
+States: WARMING (registered, not yet serving), READY (route to it), DRAINING (finishing its running
+requests; route nothing new). The only etcd client is ``aetcd`` (see issue 5: clients clash on
+``kv.proto``, so only one per process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import Enum
+
+import aetcd
+
+log = logging.getLogger(__name__)
+
+NODES_PREFIX = "/kvfleet/nodes/"
+
+
+class NodeState(str, Enum):
+    WARMING = "WARMING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+
+
+@dataclass(slots=True, frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    model: str
+    num_blocks: int
+    block_size: int
+    state: NodeState
+
+    def to_json(self) -> bytes:
+        fields = dataclasses.asdict(self)
+        del fields["node_id"]  # it is the key
+        fields["state"] = self.state.value
+        return json.dumps(fields, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, node_id: str, value: bytes) -> NodeInfo:
+        fields = json.loads(value)
+        return cls(
+            node_id=node_id,
+            address=str(fields["address"]),
+            model=str(fields["model"]),
+            num_blocks=int(fields["num_blocks"]),
+            block_size=int(fields["block_size"]),
+            state=NodeState(fields["state"]),
+        )
+
+
+def node_key(node_id: str, prefix: str = NODES_PREFIX) -> bytes:
+    if not node_id or "/" in node_id:
+        raise ValueError(f"node id must be non-empty and contain no '/', got {node_id!r}")
+    return (prefix + node_id).encode()
+
+
+def etcd_client(url: str, timeout: float | None = 5.0) -> aetcd.Client:
+    """An unconnected aetcd client for ``http://host:port`` (or ``host:port``)."""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise ValueError(f"etcd URL must look like http://host:port, got {url!r}")
+    return aetcd.Client(host=parsed.hostname, port=parsed.port or 2379, timeout=timeout)
+
+
+class NodeRegistration:
+    """One node's key under a lease that a background task keeps alive.
+
+    If the lease is lost anyway (etcd restarted, the node stalled longer than the TTL), the
+    keep-alive grants a new lease and writes the key again, so a node that is alive is listed.
+    """
+
+    def __init__(self, client: aetcd.Client, info: NodeInfo, ttl: int = 5, prefix: str = NODES_PREFIX):
+        if ttl < 2:
+            raise ValueError(f"lease ttl must be >= 2 seconds, got {ttl}")
+        self.client = client
+        self.info = info
+        self.ttl = ttl
+        self.key = node_key(info.node_id, prefix)
+        self.lease_id: int | None = None
+        self._keepalive: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._grant_and_put()
+        self._keepalive = asyncio.create_task(self._keep_alive(), name=f"lease-{self.info.node_id}")
+
+    async def _grant_and_put(self) -> None:
+        lease = await self.client.lease(self.ttl)
+        self.lease_id = lease.id
+        await self.client.put(self.key, self.info.to_json(), lease=self.lease_id)
+
+    async def _keep_alive(self) -> None:
+        interval = self.ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                reply = await self.client.refresh_lease(self.lease_id)
+                if reply is None or reply.TTL <= 0:
+                    log.warning("lease of node %s expired; registering again", self.info.node_id)
+                    await self._grant_and_put()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd briefly unreachable: try again next tick
+                log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, e)
+
+    async def set_state(self, state: NodeState) -> None:
+        self.info = dataclasses.replace(self.info, state=state)
+        await self.client.put(self.key, self.info.to_json(), lease=self.lease_id)
+
+    async def close(self, revoke: bool = True) -> None:
+        """Stop the keep-alive; with ``revoke`` the key disappears now instead of after the TTL."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
+            self._keepalive = None
+        if revoke and self.lease_id is not None:
+            await self.client.revoke_lease(self.lease_id)
+            self.lease_id = None
+
+
+@dataclass(slots=True, frozen=True)
+class MembershipChange:
+    node_id: str
+    info: NodeInfo | None  # None: the node left (key deleted or lease expired)
+
+
+async def list_nodes(client: aetcd.Client, prefix: str = NODES_PREFIX) -> tuple[dict[str, NodeInfo], int]:
+    """The nodes listed now, and the etcd revision of that listing."""
+    result = await client.get_prefix(prefix.encode())
+    nodes: dict[str, NodeInfo] = {}
+    for kv in result:
+        node_id = kv.key.decode()[len(prefix):]
+        try:
+            nodes[node_id] = NodeInfo.from_json(node_id, kv.value)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring malformed membership value for %s: %s", node_id, e)
+    return nodes, result.header.revision
+
+
+async def watch_nodes(
+    client: aetcd.Client, prefix: str = NODES_PREFIX, retry_s: float = 1.0
+) -> AsyncIterator[MembershipChange]:
+    """Every node listed now, then every change, forever.
+
+    If the watch breaks (etcd restarted, history compacted), the listing is read again and the
+    difference is yielded, so the consumer's view converges without gaps.
+    """
+    known: dict[str, NodeInfo] = {}
+    while True:
+        try:
+            nodes, revision = await list_nodes(client, prefix)
+            for node_id in [n for n in known if n not in nodes]:
+                del known[node_id]
+                yield MembershipChange(node_id, None)
+            for node_id, info in nodes.items():
+                if known.get(node_id) != info:
+                    known[node_id] = info
+                    yield MembershipChange(node_id, info)
+            watch = await client.watch_prefix(prefix.encode(), start_revision=revision + 1)
+            try:
+                async for event in watch:
+                    node_id = event.kv.key.decode()[len(prefix):]
+                    if event.kind == aetcd.EventKind.DELETE:
+                        if known.pop(node_id, None) is not None:
+                            yield MembershipChange(node_id, None)
+                        continue
+                    try:
+                        info = NodeInfo.from_json(node_id, event.kv.value)
+                    except (ValueError, KeyError, TypeError) as e:
+                        log.warning("ignoring malformed membership value for %s: %s", node_id, e)
+                        continue
+                    known[node_id] = info
+                    yield MembershipChange(node_id, info)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watch.cancel()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("membership watch on %s broke (%s); re-listing in %.1fs", prefix, e, retry_s)
+        await asyncio.sleep(retry_s)

@@ -1,0 +1,155 @@
+"""``kvfleet make-model``: a seeded, random-initialised Llama-family model directory that any Hugging
+Face tool can read (``config.json``, ``model.safetensors``, a byte-level ``tokenizer.json``).
+
+No download: the tokenizer is 256 byte tokens plus four specials, built with ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+PRESETS: dict[str, dict] = {
+    # tests: a few layers, hidden <= 128, GQA 4 query / 2 KV heads
+    "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                 rope_theta=10000.0),
+    # benchmarks: ~50M parameters, 12 query / 4 KV heads of 64
+    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192,
+                  rope_theta=500000.0),
+}
+
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def build_tokenizer():
+    """A byte-level tokenizer: token id == byte value, specials after the bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def model_config(preset: str, architecture: str = "llama", **overrides) -> dict:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
+    arch_class, model_type = ARCHITECTURES[architecture]
+    config = dict(
+        architectures=[arch_class], model_type=model_type, vocab_size=VOCAB_SIZE,
+        hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        torch_dtype="float32", attention_dropout=0.0, use_cache=True, initializer_range=0.02,
+    )
+    config.update(PRESETS[preset])
+    if architecture == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    if architecture == "mistral":
+        config.update(sliding_window=None)
+    config.update(overrides)
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return config
+
+
+def random_weights(config: dict, seed: int) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config["head_dim"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    std = 0.05
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight():
+        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+
+    tensors = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen)}
+    with_bias = config["model_type"] == "qwen2"
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = normal(q_out, hidden)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden)
+        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_out)
+        if with_bias:
+            tensors[p + "self_attn.q_proj.bias"] = normal(q_out)
+            tensors[p + "self_attn.k_proj.bias"] = normal(kv_out)
+            tensors[p + "self_attn.v_proj.bias"] = normal(kv_out)
+        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden)
+        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter)
+        tensors[p + "input_layernorm.weight"] = norm_weight()
+        tensors[p + "post_attention_layernorm.weight"] = norm_weight()
+    tensors["model.norm.weight"] = norm_weight()
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = normal(config["vocab_size"], hidden) * 4
+    return {name: t.contiguous() for name, t in tensors.items()}
+
+
+def make_model(out: str | Path, preset: str = "tiny", architecture: str = "llama",
+               seed: int = 0, **overrides) -> Path:
+    """Write a model directory and return its path."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    config = model_config(preset, architecture, **overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", unk_token="<unk>", model_max_length=config["max_position_embeddings"],
+    ), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(dict(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID), indent=2))
+    # config.json last: its presence marks a complete directory (the Makefile relies on it)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="directory to write")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = make_model(args.out, args.preset, args.architecture, args.seed)
+    print(f"wrote {args.preset} {args.architecture} model to {path}")
+    return 0

@@ -1,0 +1,79 @@
+"""OpenTelemetry for every kvfleet process: one trace per request, router → compute → block_service.
+
+``setup_tracing(service)`` installs an SDK tracer provider named after the service and instruments
+``grpc.aio`` globally (opentelemetry-instrumentation-grpc's aio server and client instrumentors
+patch ``grpc.aio.server`` / ``grpc.aio.insecure_channel``), so every server and channel created
+afterwards opens a span per RPC and carries the W3C ``traceparent`` in metadata. Create servers and
+channels after this call, through ``grpc.aio.*`` attribute access (not ``from grpc.aio import``).
+
+Spans are exported over OTLP/gRPC only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces-specific
+variable) is set; otherwise they are recorded for context propagation and dropped. etcd's own RPCs,
+health checks and reflection are not traced: they are noise around the requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+log = logging.getLogger(__name__)
+
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_UNTRACED_SERVICES = ("etcdserverpb.", "grpc.health.", "grpc.reflection.")
+
+_provider: TracerProvider | None = None
+
+
+def otlp_endpoint() -> str | None:
+    for var in _ENDPOINT_VARS:
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+def _traced(details) -> bool:
+    """Instrumentation filter: False for the RPCs that are not worth a span."""
+    method = getattr(details, "method", "") or ""
+    if isinstance(method, bytes):
+        method = method.decode()
+    return not method.lstrip("/").startswith(_UNTRACED_SERVICES)
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Install tracing for this process (idempotent: a second call returns the first provider)."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    from opentelemetry.instrumentation.grpc import (  # noqa: PLC0415 - patches grpc on import use
+        GrpcAioInstrumentorClient,
+        GrpcAioInstrumentorServer,
+    )
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    endpoint = otlp_endpoint()
+    if endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+
+        # The exporter reads the endpoint, headers and insecure flag from the standard variables.
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("tracing %s: exporting spans over OTLP to %s", service_name, endpoint)
+    trace.set_tracer_provider(provider)
+    GrpcAioInstrumentorServer(filter_=_traced).instrument(tracer_provider=provider)
+    GrpcAioInstrumentorClient(filter_=_traced).instrument(tracer_provider=provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flush spans still buffered (call before the process exits)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)

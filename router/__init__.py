@@ -1,0 +1,1 @@
+"""The public door of the cluster: authentication, admission by priority, KV-aware routing, relay."""

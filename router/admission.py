@@ -1,0 +1,61 @@
+"""Waiting for a turn: the asyncio side of ``PriorityQueue``.
+
+Each request awaits ``admit()``; whenever a slot may have opened (a request was queued or finished)
+the queue is drained as far as its limits allow and the chosen waiters wake. A waiter shed from a
+full queue gets ``Shed``; a waiter whose caller went away is taken out of the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from router.priority_queue import PriorityQueue, QueuedRequest
+
+
+class Shed(Exception):
+    """The queue was full and this request scored lowest (→ RESOURCE_EXHAUSTED)."""
+
+
+class Admission:
+    def __init__(self, queue: PriorityQueue, clock: Callable[[], float] = time.monotonic):
+        self.queue = queue
+        self.clock = clock
+
+    def _dispatch(self) -> None:
+        now = self.clock()
+        while (item := self.queue.pop(now)) is not None:
+            item.payload.set_result(None)
+
+    async def _wait(self, request_id: str, tenant: str, paid: float) -> None:
+        now = self.clock()
+        waiter: asyncio.Future = asyncio.get_running_loop().create_future()
+        shed = self.queue.push(QueuedRequest(request_id, tenant, paid, now, waiter), now)
+        if shed is not None:
+            shed.payload.set_exception(
+                Shed(f"router queue is full ({self.queue.max_size} requests waiting); "
+                     f"request {shed.request_id} of tenant {shed.tenant!r} was shed, retry later")
+            )
+        self._dispatch()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if self.queue.remove(request_id) is None and waiter.done() and not waiter.cancelled() \
+                    and waiter.exception() is None:
+                self.finish(tenant)  # popped in the same instant the caller left: give the slot back
+            raise
+
+    def finish(self, tenant: str) -> None:
+        self.queue.finish(tenant)
+        self._dispatch()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, request_id: str, tenant: str, paid: float) -> AsyncIterator[None]:
+        """``async with admission.slot(...)``: waits for a turn, holds it for the block."""
+        await self._wait(request_id, tenant, paid)
+        try:
+            yield
+        finally:
+            self.finish(tenant)

@@ -1,0 +1,107 @@
+"""The router's view of the compute nodes: membership from etcd, a channel per node, in-flight load.
+
+A node is routable while it is READY in etcd. ``ready_since`` is when the router saw it turn READY
+(the start of its cold-start ramp). Load is the router's own count of the blocks its in-flight
+requests hold on each node, kept current as tokens stream, so it needs no polling and has no lag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvfleet.membership import MembershipChange, NodeInfo, NodeState
+from kvfleet.v1 import compute_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclass(slots=True)
+class RouterNode:
+    info: NodeInfo
+    channel: grpc.aio.Channel
+    stub: compute_pb2_grpc.ComputeStub
+    ready_since: float | None = None   # None: not READY
+    active_blocks: int = 0             # blocks held by this router's in-flight requests there
+    num_in_flight: int = 0
+    num_routed: int = 0                # requests sent here since it joined
+    failed_at: float | None = None     # last time a call to it failed (cleared by a READY update)
+    _blocks_of: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    def track(self, request_id: str, num_tokens: int) -> None:
+        """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node."""
+        blocks = -(-num_tokens // self.info.block_size)
+        self.active_blocks += blocks - self._blocks_of.get(request_id, 0)
+        self._blocks_of[request_id] = blocks
+
+    def untrack(self, request_id: str) -> None:
+        self.active_blocks -= self._blocks_of.pop(request_id, 0)
+
+
+class NodeTable:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, failure_quarantine_s: float = 2.0):
+        self.clock = clock
+        self.failure_quarantine_s = failure_quarantine_s
+        self.nodes: dict[str, RouterNode] = {}
+        self.listeners: list[Callable[[], None]] = []
+
+    async def apply(self, change: MembershipChange) -> None:
+        node = self.nodes.get(change.node_id)
+        info = change.info
+        if info is None or (node is not None and node.info.address != info.address):
+            if node is not None:
+                log.info("node %s left (%s)", change.node_id, "lease gone" if info is None else "moved")
+                del self.nodes[change.node_id]
+                await node.channel.close()
+            node = None
+        if info is not None:
+            if node is None:
+                channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+                node = RouterNode(info, channel, compute_pb2_grpc.ComputeStub(channel))
+                self.nodes[info.node_id] = node
+            was_ready = node.ready_since is not None
+            node.info = info
+            if info.state == NodeState.READY:
+                node.failed_at = None
+                if not was_ready:
+                    node.ready_since = self.clock()
+                    log.info("node %s READY at %s (%d blocks of %d)", info.node_id, info.address,
+                             info.num_blocks, info.block_size)
+            else:
+                node.ready_since = None
+        for listener in self.listeners:
+            listener()
+
+    def mark_failed(self, node_id: str) -> None:
+        """A call to the node broke: keep it out of routing for a while, or until etcd says READY
+        again (a dead node's lease will expire and remove it)."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.failed_at = self.clock()
+
+    def ready(self) -> list[RouterNode]:
+        now = self.clock()
+        return [
+            n for n in self.nodes.values()
+            if n.ready_since is not None
+            and (n.failed_at is None or now - n.failed_at > self.failure_quarantine_s)
+        ]
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.channel.close()
+        self.nodes.clear()

@@ -1,0 +1,109 @@
+"""Which node serves a request: KV-aware cost, a hot-spot guard and cold-start warming.
+
+    cost(node) = w · (prompt blocks not cached on node) + (node's active blocks)
+
+A cached prompt block saves its prefill there; an active block is work the node is already doing.
+The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
+popular prefix onto one node, so when the winner is far busier than the least-loaded node
+(``active > ratio · least + margin``) the least-loaded node is taken instead.
+
+A node that just became READY has empty caches and so the lowest cost: without care it would take
+all traffic at once, before its allocator, caches and kernels settle. So for ``warmup_s`` after it
+turns READY a node is only a candidate with probability ``share``, ramping linearly from
+``warmup_min_share`` to 1.
+
+Pure logic: loads and clocks are passed in.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+_EPS = 1e-9
+
+
+@dataclass(slots=True, frozen=True)
+class RoutingConfig:
+    prefix_weight: float = 1.0         # w: cost of one uncached prompt block, in active blocks
+    hot_spot_ratio: float = 2.0        # the winner is "far busier" above ratio · least + margin
+    hot_spot_margin_blocks: int = 16
+    warmup_s: float = 30.0             # cold-start ramp length
+    warmup_min_share: float = 0.1      # candidate probability right after READY
+
+    def __post_init__(self) -> None:
+        if self.prefix_weight < 0:
+            raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
+        if self.hot_spot_ratio < 1:
+            raise ValueError(f"hot_spot_ratio must be >= 1, got {self.hot_spot_ratio}")
+        if self.hot_spot_margin_blocks < 0:
+            raise ValueError(f"hot_spot_margin_blocks must be >= 0, got {self.hot_spot_margin_blocks}")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
+        if not 0 < self.warmup_min_share <= 1:
+            raise ValueError(f"warmup_min_share must be in (0, 1], got {self.warmup_min_share}")
+
+
+@dataclass(slots=True, frozen=True)
+class NodeLoad:
+    node_id: str
+    active_blocks: int           # blocks held by the node's running sequences
+    cached_prefix_blocks: int    # leading prompt blocks already committed on the node
+    ready_since: float           # when the node turned READY (same clock as `now`)
+
+
+@dataclass(slots=True, frozen=True)
+class RouteDecision:
+    node_id: str
+    cost: float
+    cached_prefix_blocks: int
+    reason: str  # "kv": lowest cost; "hot_spot": least loaded instead of a far busier winner
+
+
+class NodePicker:
+    def __init__(self, config: RoutingConfig = RoutingConfig(), rng: random.Random | None = None):
+        self.config = config
+        self._rng = rng or random.Random()
+
+    def share(self, node: NodeLoad, now: float) -> float:
+        """The probability that ``node`` is a candidate: ramps to 1 over the warm-up window."""
+        if self.config.warmup_s == 0:
+            return 1.0
+        ramp = max(now - node.ready_since, 0.0) / self.config.warmup_s
+        lo = self.config.warmup_min_share
+        return min(1.0, lo + (1.0 - lo) * ramp)
+
+    def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
+        uncached = max(num_prompt_blocks - node.cached_prefix_blocks, 0)
+        return self.config.prefix_weight * uncached + node.active_blocks
+
+    def choose(
+        self,
+        nodes: Sequence[NodeLoad],
+        num_prompt_blocks: int,
+        now: float,
+        exclude: Collection[str] = (),
+    ) -> RouteDecision | None:
+        """The node for a prompt of ``num_prompt_blocks`` full blocks; None when no node is left
+        after ``exclude`` (nodes that already failed this request)."""
+        nodes = [n for n in nodes if n.node_id not in exclude]
+        if not nodes:
+            return None
+        candidates = [n for n in nodes if self._rng.random() < self.share(n, now)] or nodes
+        costs = [self.cost(n, num_prompt_blocks) for n in candidates]
+        best_cost = min(costs)
+        winner = self._rng.choice([n for n, c in zip(candidates, costs) if c <= best_cost + _EPS])
+        least_active = min(n.active_blocks for n in candidates)
+        limit = self.config.hot_spot_ratio * least_active + self.config.hot_spot_margin_blocks
+        if winner.active_blocks > limit:
+            winner = self._rng.choice([n for n in candidates if n.active_blocks == least_active])
+            reason = "hot_spot"
+        else:
+            reason = "kv"
+        return RouteDecision(
+            node_id=winner.node_id,
+            cost=self.cost(winner, num_prompt_blocks),
+            cached_prefix_blocks=winner.cached_prefix_blocks,
+            reason=reason,
+        )

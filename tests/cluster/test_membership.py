@@ -1,0 +1,79 @@
+"""Membership against a real etcd process."""
+
+import asyncio
+import time
+
+import pytest
+
+from kvfleet.membership import (
+    MembershipChange,
+    NodeInfo,
+    NodeRegistration,
+    NodeState,
+    etcd_client,
+    list_nodes,
+    node_key,
+    watch_nodes,
+)
+
+
+def info(node_id="n1", state=NodeState.WARMING):
+    return NodeInfo(node_id, "127.0.0.1:7001", "/models/tiny", 64, 256, state)
+
+
+def test_node_info_round_trips_and_keys_are_checked():
+    i = info(state=NodeState.READY)
+    assert NodeInfo.from_json("n1", i.to_json()) == i
+    assert node_key("n1") == b"/kvfleet/nodes/n1"
+    for bad in ["", "a/b"]:
+        with pytest.raises(ValueError):
+            node_key(bad)
+    with pytest.raises(ValueError, match="etcd URL"):
+        etcd_client("grpc://x:1")
+
+
+async def _next(changes, timeout=10.0) -> MembershipChange:
+    return await asyncio.wait_for(anext(changes), timeout)
+
+
+def test_register_update_watch_and_revoke(etcd):
+    prefix = "/kvfleet/test-a/"
+
+    async def main():
+        async with etcd_client(etcd.url) as client:
+            changes = watch_nodes(client, prefix)
+            reg = NodeRegistration(client, info(), ttl=3, prefix=prefix)
+            await reg.start()
+            first = await _next(changes)
+            assert first.info == info()
+            await reg.set_state(NodeState.READY)
+            assert (await _next(changes)).info.state == NodeState.READY
+            nodes, _ = await list_nodes(client, prefix)
+            assert nodes == {"n1": info(state=NodeState.READY)}
+            # The keep-alive holds the key well past its TTL.
+            await asyncio.sleep(4.5)
+            assert (await list_nodes(client, prefix))[0]
+            await reg.close()
+            assert await _next(changes) == MembershipChange("n1", None)
+            await changes.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_silent_node_leaves_within_its_ttl(etcd):
+    prefix = "/kvfleet/test-b/"
+
+    async def main():
+        async with etcd_client(etcd.url) as client:
+            reg = NodeRegistration(client, info("n2"), ttl=2, prefix=prefix)
+            await reg.start()
+            changes = watch_nodes(client, prefix)
+            assert (await _next(changes)).node_id == "n2"
+            await reg.close(revoke=False)  # as if the process had been killed
+            t0 = time.monotonic()
+            assert await _next(changes, timeout=8) == MembershipChange("n2", None)
+            # etcd checks expiry at a coarse tick: allow one extra second over the TTL.
+            assert time.monotonic() - t0 <= 2 + 1.5
+            await changes.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,65 @@
+"""Tiny models for the engine tests (built once per session) and the transformers reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvfleet.model_maker import make_model
+
+VARIANTS = {
+    "llama": dict(architecture="llama"),
+    "qwen2": dict(architecture="qwen2", tie_word_embeddings=True),   # q/k/v bias, tied embeddings
+    "mqa": dict(architecture="llama", num_key_value_heads=1),        # one KV head
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_model(root / name, "tiny", seed=7, **kw) for name, kw in VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama"]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+class HFReference:
+    """Greedy tokens and last-position logits from ``transformers`` in float32, cached per prompt."""
+
+    def __init__(self, model_dir):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._cache: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            ids = torch.tensor([prompt])
+            out = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=257, pad_token_id=258, output_logits=True,
+                                      return_dict_in_generate=True)
+            self._cache[key] = (out.sequences[0, len(prompt):].tolist(), out.logits[0][0].float())
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dirs):
+    refs: dict[str, HFReference] = {}
+
+    def get(name: str) -> HFReference:
+        if name not in refs:
+            refs[name] = HFReference(model_dirs[name])
+        return refs[name]
+
+    return get

@@ -1,0 +1,71 @@
+"""The torch references against float64 dense attention, and the dispatch in reference mode."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.testing import assert_close, dense_attention, make_case
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_reference(block_size, dtype):
+    case = make_case([1, 17, 255, 1030], block_size=block_size, dtype=dtype)
+    assert_close(reference.paged_decode_reference(*case.decode_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_reference(block_size, dtype):
+    # Whole prompts (q_len == context), chunks after a cached prefix, and a single token.
+    case = make_case([17, 300, 70, 1], q_lens=[17, 45, 1, 1], block_size=block_size, dtype=dtype)
+    assert_close(reference.paged_prefill_reference(*case.prefill_args()), dense_attention(case))
+
+
+def test_prefill_skips_empty_sequences():
+    case = make_case([20, 33], q_lens=[0, 5])
+    assert_close(reference.paged_prefill_reference(*case.prefill_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_gqa_groups(num_heads, num_kv_heads):
+    case = make_case([40, 129], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert_close(reference.paged_decode_reference(*case.decode_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_with_per_head_scale(query_dtype):
+    case = make_case([33, 300], dtype=query_dtype, cache_dtype=torch.float8_e4m3fn)
+    assert case.k_cache.dtype == torch.float8_e4m3fn
+    assert_close(reference.paged_decode_reference(*case.decode_args()), dense_attention(case))
+    prefill = make_case([33, 300], q_lens=[33, 7], dtype=query_dtype, cache_dtype=torch.float8_e4m3fn)
+    assert_close(reference.paged_prefill_reference(*prefill.prefill_args()), dense_attention(prefill))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_writes_slots_and_skips_padding(cache_dtype):
+    num_blocks, num_kv_heads, block_size, head_dim = 4, 2, 16, 8
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.zeros(shape, dtype=cache_dtype)
+    v_cache = torch.zeros(shape, dtype=cache_dtype)
+    key = torch.randn(3, num_kv_heads, head_dim)
+    value = torch.randn(3, num_kv_heads, head_dim)
+    slots = torch.tensor([2 * block_size + 5, -1, 0])
+    scale = torch.tensor([0.01, 0.02]) if cache_dtype == torch.float8_e4m3fn else None
+    kernels.store_kv(key, value, k_cache, v_cache, slots, scale, scale)
+    expect_k = reference.quantize_kv(key, cache_dtype, scale)
+    expect_v = reference.quantize_kv(value, cache_dtype, scale)
+    assert torch.equal(k_cache[2, :, 5].float(), expect_k[0].float())
+    assert torch.equal(v_cache[0, :, 0].float(), expect_v[2].float())
+    assert torch.count_nonzero(k_cache.float()) == torch.count_nonzero(expect_k[[0, 2]].float())
+
+
+def test_dispatch_reference_mode(monkeypatch):
+    monkeypatch.setenv("KVFLEET_ATTENTION", "reference")
+    case = make_case([5, 64], block_size=16)
+    assert_close(kernels.paged_decode(*case.decode_args()), dense_attention(case))
+    prefill = make_case([5, 64], q_lens=[5, 3])
+    assert_close(kernels.paged_prefill(*prefill.prefill_args()), dense_attention(prefill))

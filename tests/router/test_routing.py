@@ -1,0 +1,87 @@
+import random
+from collections import Counter
+
+import pytest
+
+from router.routing import NodeLoad, NodePicker, RoutingConfig
+
+OLD = -1e6  # READY long ago: fully warmed
+
+
+def node(nid, active=0, cached=0, since=OLD):
+    return NodeLoad(nid, active, cached, since)
+
+
+def picker(**kw):
+    return NodePicker(RoutingConfig(**kw), random.Random(0))
+
+
+def test_prefix_cached_node_wins_against_a_little_more_load():
+    p = picker()
+    d = p.choose([node("a", active=3, cached=8), node("b", active=0)], num_prompt_blocks=10, now=0)
+    assert (d.node_id, d.reason, d.cached_prefix_blocks) == ("a", "kv", 8)
+    assert d.cost == 1 * 2 + 3
+
+
+def test_load_wins_when_the_prefix_saving_is_small():
+    d = picker().choose([node("a", active=20, cached=2), node("b", active=5)], 10, 0)
+    assert d.node_id == "b"
+
+
+def test_prefix_weight_scales_the_cache_term():
+    nodes = [node("a", active=12, cached=10), node("b", active=0)]
+    assert picker(prefix_weight=1.0).choose(nodes, 10, 0).node_id == "b"
+    assert picker(prefix_weight=2.0).choose(nodes, 10, 0).node_id == "a"
+
+
+def test_ties_are_broken_at_random():
+    p = picker()
+    picks = Counter(p.choose([node("a"), node("b"), node("c")], 4, 0).node_id for _ in range(300))
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 50
+
+
+def test_hot_spot_guard_falls_back_to_least_loaded():
+    p = picker(prefix_weight=10.0, hot_spot_ratio=2.0, hot_spot_margin_blocks=4)
+    nodes = [node("hot", active=30, cached=10), node("cool", active=5), node("warm", active=12)]
+    d = p.choose(nodes, 10, 0)
+    assert (d.node_id, d.reason) == ("cool", "hot_spot")
+    # Not far busier: 14 <= 2 · 5 + 4, so the prefix keeps the request.
+    nodes[0] = node("hot", active=14, cached=10)
+    assert p.choose(nodes, 10, 0).node_id == "hot"
+
+
+def test_exclude_and_empty():
+    p = picker()
+    assert p.choose([], 1, 0) is None
+    assert p.choose([node("a")], 1, 0, exclude={"a"}) is None
+    assert p.choose([node("a"), node("b", active=50)], 1, 0, exclude={"a"}).node_id == "b"
+
+
+def test_cold_start_share_ramps_over_the_window():
+    p = picker(warmup_s=10.0, warmup_min_share=0.1)
+    fresh = node("new", since=0.0)
+    assert p.share(fresh, 0.0) == pytest.approx(0.1)
+    assert p.share(fresh, 5.0) == pytest.approx(0.55)
+    assert p.share(fresh, 10.0) == p.share(fresh, 99.0) == 1.0
+
+    def fraction_to_new(now, n=2000):
+        # The new node is idle, the old one busy: on cost alone the new node would take everything.
+        nodes = [node("old", active=8), fresh]
+        return sum(p.choose(nodes, 2, now).node_id == "new" for _ in range(n)) / n
+
+    shares = [fraction_to_new(t) for t in (0.0, 5.0, 10.0)]
+    assert shares[0] == pytest.approx(0.1, abs=0.03)
+    assert shares[1] == pytest.approx(0.55, abs=0.05)
+    assert shares[2] == 1.0
+
+
+def test_only_warming_nodes_still_serve():
+    p = picker(warmup_s=10.0, warmup_min_share=0.01)
+    assert p.choose([node("a", since=0.0)], 1, 0.0).node_id == "a"
+
+
+def test_bad_config():
+    for kw in [dict(prefix_weight=-1), dict(hot_spot_ratio=0.5), dict(warmup_s=-1),
+               dict(warmup_min_share=0), dict(hot_spot_margin_blocks=-1)]:
+        with pytest.raises(ValueError):
+            RoutingConfig(**kw)
