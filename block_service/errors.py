@@ -32,3 +32,7 @@ class PermissionDenied(BlockServiceError, PermissionError):
 
 class FailedPrecondition(BlockServiceError):
     """A valid request that the current state forbids (e.g. re-committing a block with a new hash)."""
+
+
+class Unavailable(BlockServiceError):
+    """The service cannot make changes durable (its log failed); nothing was changed."""

@@ -31,26 +31,28 @@ class RequestOutput:
 
 
 class StopChecker:
-    """EOS, ``max_tokens``, ``max_model_len`` and stop strings (the stop string is cut from the text)."""
+    """EOS, ``max_tokens``, ``max_model_len`` and stop strings. Text that could be the start of a
+    stop string is held back until it is known not to be one; a matched stop string is not emitted."""
 
     def __init__(self, sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int):
         self.sampling = sampling
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.window = max((len(s) for s in sampling.stop), default=0)
-        self.tail = ""
+        self.hold = max((len(s) for s in sampling.stop), default=1) - 1
+        self.pending = ""   # never holds a whole stop string
 
     def check(self, seq: Sequence, token: int, text: str) -> tuple[str | None, str]:
-        """(finish reason or None, the part of ``text`` to emit)."""
-        if self.sampling.stop and text:
-            searched = self.tail + text
-            hits = [i for i in (searched.find(s) for s in self.sampling.stop) if i >= 0]
+        """(finish reason or None, the text to emit now)."""
+        self.pending += text
+        if self.sampling.stop:
+            hits = [i for i in (self.pending.find(s) for s in self.sampling.stop) if i >= 0]
             if hits:
-                cut = min(hits) - len(self.tail)
-                return "stop", text[:max(cut, 0)]
-            self.tail = searched[-(self.window - 1):] if self.window > 1 else ""
+                return "stop", self.pending[:min(hits)]
+        reason = None
         if token in self.eos:
-            return "stop", text
-        if seq.num_output_tokens >= self.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", text
-        return None, text
+            reason = "stop"
+        elif seq.num_output_tokens >= self.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        cut = len(self.pending) if reason else max(len(self.pending) - self.hold, 0)
+        emit, self.pending = self.pending[:cut], self.pending[cut:]
+        return reason, emit

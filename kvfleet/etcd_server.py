@@ -81,6 +81,7 @@ class EtcdServer:
             raise RuntimeError("etcd already started")
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="kvfleet-etcd-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         last_error = ""
         for _ in range(3):  # a free port can be taken between our probe and etcd's bind
             self.client_port, peer_port = free_port(self.host), free_port(self.host)

@@ -1,6 +1,6 @@
 """Waiting for a turn: the asyncio side of ``PriorityQueue``.
 
-Each request awaits ``admit()``; whenever a slot may have opened (a request was queued or finished)
+Each request awaits ``wait()`` and calls ``finish()`` when done; whenever a slot may have opened (a request was queued or finished)
 the queue is drained as far as its limits allow and the chosen waiters wake. A waiter shed from a
 full queue gets ``Shed``; a waiter whose caller went away is taken out of the queue.
 """
@@ -8,9 +8,8 @@ full queue gets ``Shed``; a waiter whose caller went away is taken out of the qu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from router.priority_queue import PriorityQueue, QueuedRequest
 
@@ -29,7 +28,8 @@ class Admission:
         while (item := self.queue.pop(now)) is not None:
             item.payload.set_result(None)
 
-    async def _wait(self, request_id: str, tenant: str, paid: float) -> None:
+    async def wait(self, request_id: str, tenant: str, paid: float) -> None:
+        """Return when this request may run; call ``finish(tenant)`` when it is done."""
         now = self.clock()
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
         shed = self.queue.push(QueuedRequest(request_id, tenant, paid, now, waiter), now)
@@ -50,12 +50,3 @@ class Admission:
     def finish(self, tenant: str) -> None:
         self.queue.finish(tenant)
         self._dispatch()
-
-    @contextlib.asynccontextmanager
-    async def slot(self, request_id: str, tenant: str, paid: float) -> AsyncIterator[None]:
-        """``async with admission.slot(...)``: waits for a turn, holds it for the block."""
-        await self._wait(request_id, tenant, paid)
-        try:
-            yield
-        finally:
-            self.finish(tenant)

@@ -57,7 +57,6 @@ class NodeTable:
         self.clock = clock
         self.failure_quarantine_s = failure_quarantine_s
         self.nodes: dict[str, RouterNode] = {}
-        self.listeners: list[Callable[[], None]] = []
 
     async def apply(self, change: MembershipChange) -> None:
         node = self.nodes.get(change.node_id)
@@ -83,8 +82,6 @@ class NodeTable:
                              info.num_blocks, info.block_size)
             else:
                 node.ready_since = None
-        for listener in self.listeners:
-            listener()
 
     def mark_failed(self, node_id: str) -> None:
         """A call to the node broke: keep it out of routing for a while, or until etcd says READY

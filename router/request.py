@@ -8,13 +8,14 @@ unset number from zero, so the public API's zero values mean "off": ``top_p`` 0 
 from __future__ import annotations
 
 import math
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
 from compute_service.sampling import SamplingParams
 
-MAX_REQUEST_ID_LEN = 128
+MAX_REQUEST_ID_LEN = 100  # + a 9-character suffix, within block_service's 128 for sequence ids
 MAX_PROMPT_CHARS = 4 << 20
 
 
@@ -30,7 +31,8 @@ class TextTokenizer(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class ParsedRequest:
-    request_id: str
+    request_id: str          # the client's (or a generated) id, echoed in every chunk
+    seq_id: str              # the id inside the cluster: unique even when two tenants reuse a request_id
     prompt_ids: list[int]
     sampling: SamplingParams
 
@@ -102,4 +104,5 @@ def parse_request(req, tokenizer: TextTokenizer) -> ParsedRequest:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
-    return ParsedRequest(request_id, ids, sampling_from_proto(req.sampling))
+    seq_id = f"{request_id}-{secrets.token_hex(4)}"
+    return ParsedRequest(request_id, seq_id, ids, sampling_from_proto(req.sampling))

@@ -125,46 +125,54 @@ struct Geometry {
   int64_t block_stride;  // elements between blocks
 };
 
+// Prefetch into L2 the `part`-th of `parts` slices of the byte range [p, p + bytes).
+inline void prefetch_slice(const void* p, int64_t bytes, int part, int parts) {
+  const char* c = static_cast<const char*>(p);
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i) __builtin_prefetch(c + i * 64, 0, 2);
+}
+
 // Attend one item's token range [t_begin, t_end). NV = dp / 16 when known at compile time, else 0.
+// Chunks are walked head by head so that q[h] (scores) and acc[h] (values) stay in registers while the
+// chunk's rows come from L1; the next chunk's K and V are prefetched meanwhile (the next tile can be
+// anywhere in the pool, and the hardware prefetcher stops at every 4 KiB page).
 template <typename T, int NV>
 void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const int32_t* table,
             int t_begin, int t_end, float* buf, float* s) {
   const int nv = NV ? NV : g.dp / W;
   const int G = g.G;
-  constexpr bool direct_ok = std::is_same_v<T, float>;
-  const bool direct = direct_ok && g.d == g.dp;
+  const bool direct = std::is_same_v<T, float> && g.d == g.dp;
+  auto chunk_len = [&](int t) { return std::min({CHUNK, g.block_size - t % g.block_size, t_end - t}); };
+  auto tile_at = [&](int t) {
+    return (int64_t)table[t / g.block_size] * g.block_stride + (int64_t)(t % g.block_size) * g.d;
+  };
+  int n = chunk_len(t_begin);
+  int64_t tile = tile_at(t_begin);
   for (int t = t_begin; t < t_end;) {
-    const int block = table[t / g.block_size];
-    const int off = t % g.block_size;
-    const int n = std::min({CHUNK, g.block_size - off, t_end - t});
-    const int64_t tile = (int64_t)block * g.block_stride + (int64_t)off * g.d;
-    const T* k_src = k_head + tile;
-    const T* v_src = v_head + tile;
-    if (t + n < t_end) {  // next chunk's first lines, for a block that may be anywhere in the pool
-      const int nb = table[(t + n) / g.block_size];
-      const int64_t nt = (int64_t)nb * g.block_stride + (int64_t)((t + n) % g.block_size) * g.d;
-      __builtin_prefetch(k_head + nt);
-      __builtin_prefetch(v_head + nt);
-    }
+    const int t_next = t + n;
+    const int n_next = t_next < t_end ? chunk_len(t_next) : 0;
+    const int64_t tile_next = n_next ? tile_at(t_next) : 0;
+    const int64_t next_bytes = (int64_t)n_next * g.d * sizeof(T);
 
-    // scores[g][t] = q[g] . k[t]
+    // scores[h][r] = q[h] . k[r]
     const float* K;
     if (direct) {
-      K = reinterpret_cast<const float*>(k_src);
+      K = reinterpret_cast<const float*>(k_head + tile);
     } else {
-      widen(k_src, n, g.d, g.dp, buf);
+      widen(k_head + tile, n, g.d, g.dp, buf);
       K = buf;
     }
-    for (int r = 0; r < n; ++r) {
-      vf kr[NV ? NV : MAX_NV];
-      const float* krow = K + (int64_t)r * g.dp;
-      for (int j = 0; j < nv; ++j) kr[j] = load(krow + j * W);
-      for (int h = 0; h < G; ++h) {
-        const float* qh = it.q + (int64_t)h * g.dp;
-        vf a = load(qh) * kr[0];
-        for (int j = 1; j < nv; ++j) a += load(qh + j * W) * kr[j];
-        s[h * CHUNK + r] = hsum(a);
+    for (int h = 0; h < G; ++h) {
+      vf qv[NV ? NV : MAX_NV];
+      for (int j = 0; j < nv; ++j) qv[j] = load(it.q + (int64_t)h * g.dp + j * W);
+      float* sh = s + h * CHUNK;
+      for (int r = 0; r < n; ++r) {
+        const float* krow = K + (int64_t)r * g.dp;
+        vf a = qv[0] * load(krow);
+        for (int j = 1; j < nv; ++j) a += qv[j] * load(krow + j * W);
+        sh[r] = hsum(a);
       }
+      if (n_next) prefetch_slice(k_head + tile_next, next_bytes, h, G);
     }
 
     // online softmax: p = 2^(score - m_new); rescale acc and l when the max grows
@@ -194,25 +202,30 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
       it.l[h] += hsum(sum);
     }
 
-    // acc[g] += p[g][t] * v[t]
+    // acc[h] += p[h][r] * v[r]
     const float* V;
     if (direct) {
-      V = reinterpret_cast<const float*>(v_src);
+      V = reinterpret_cast<const float*>(v_head + tile);
     } else {
-      widen(v_src, n, g.d, g.dp, buf);
+      widen(v_head + tile, n, g.d, g.dp, buf);
       V = buf;
     }
-    for (int r = 0; r < n; ++r) {
-      vf vr[NV ? NV : MAX_NV];
-      const float* vrow = V + (int64_t)r * g.dp;
-      for (int j = 0; j < nv; ++j) vr[j] = load(vrow + j * W);
-      for (int h = 0; h < G; ++h) {
-        const vf p = splat(s[h * CHUNK + r]);
-        float* ah = it.acc + (int64_t)h * g.dp;
-        for (int j = 0; j < nv; ++j) store(ah + j * W, load(ah + j * W) + p * vr[j]);
+    for (int h = 0; h < G; ++h) {
+      float* ah = it.acc + (int64_t)h * g.dp;
+      vf av[NV ? NV : MAX_NV];
+      for (int j = 0; j < nv; ++j) av[j] = load(ah + j * W);
+      const float* sh = s + h * CHUNK;
+      for (int r = 0; r < n; ++r) {
+        const vf p = splat(sh[r]);
+        const float* vrow = V + (int64_t)r * g.dp;
+        for (int j = 0; j < nv; ++j) av[j] += p * load(vrow + j * W);
       }
+      for (int j = 0; j < nv; ++j) store(ah + j * W, av[j]);
+      if (n_next) prefetch_slice(v_head + tile_next, next_bytes, h, G);
     }
-    t += n;
+    t = t_next;
+    n = n_next;
+    tile = tile_next;
   }
 }
 

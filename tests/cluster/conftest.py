@@ -1,8 +1,36 @@
 """Process-level fixtures: real servers on loopback, always stopped, even when a test fails."""
 
+from __future__ import annotations
+
+import random
+
+import grpc
 import pytest
 
 from kvfleet.etcd_server import EtcdServer
+from kvfleet.local_cluster import LocalCluster
+from kvfleet.model_maker import make_model
+from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+
+BLOCK_SIZE = 16
+TENANTS = """\
+tenants:
+  - name: gold
+    api_key: sk-gold
+    quota_mib: 256
+    paid_level: 2
+    max_concurrent: 16
+  - name: free
+    api_key: sk-free
+    quota_mib: 256
+    paid_level: 0
+    max_concurrent: 16
+  - name: tiny
+    api_key: sk-tiny
+    quota_mib: 0.1
+    paid_level: 0
+    max_concurrent: 4
+"""
 
 
 @pytest.fixture(scope="module")
@@ -12,3 +40,60 @@ def etcd():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("cluster-model") / "tiny", "tiny", seed=11)
+
+
+@pytest.fixture
+def start_cluster(model_dir, tmp_path):
+    """``start_cluster(num_nodes=2, **kw)`` → a started LocalCluster, stopped after the test."""
+    started: list[LocalCluster] = []
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+
+    def start(num_nodes: int = 2, **kw) -> LocalCluster:
+        kw.setdefault("block_size", BLOCK_SIZE)
+        kw.setdefault("kv_cache_memory", 16 << 20)
+        kw.setdefault("tenants_file", tenants)
+        cluster = LocalCluster(model_dir, num_nodes, work_dir=tmp_path / f"cluster{len(started)}", **kw)
+        started.append(cluster)
+        return cluster.start()
+
+    try:
+        yield start
+    finally:
+        for cluster in started:
+            cluster.stop()
+        for cluster in started:
+            leftovers = [c.name for c in cluster.children() if c.alive()]
+            assert not leftovers, f"processes left running: {leftovers}"
+            assert cluster.etcd.process is None
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def request(tokens=None, text=None, max_tokens=8, request_id="", **sampling):
+    req = inference_pb2.GenerateRequest(request_id=request_id,
+                                        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+    if tokens is not None:
+        req.tokens.ids.extend(tokens)
+    if text is not None:
+        req.text = text
+    return req
+
+
+def stream(address: str, req, api_key: str = "sk-gold", timeout: float = 120.0):
+    """The chunks of one Generate call (a list); raises grpc.RpcError."""
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return list(stub.Generate(req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout))
+
+
+def tokens_of(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]

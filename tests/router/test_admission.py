@@ -14,10 +14,13 @@ def test_waiters_run_by_score_and_shed_when_full():
         release = asyncio.Event()
 
         async def job(rid, tenant, paid, hold=False):
-            async with admission.slot(rid, tenant, paid):
+            await admission.wait(rid, tenant, paid)
+            try:
                 order.append(rid)
                 if hold:
                     await release.wait()
+            finally:
+                admission.finish(tenant)
 
         first = asyncio.create_task(job("first", "free", 0.0, hold=True))
         await asyncio.sleep(0)
@@ -43,12 +46,13 @@ def test_a_cancelled_waiter_leaves_the_queue():
         gate = asyncio.Event()
 
         async def hold():
-            async with admission.slot("a", "t", 0.0):
-                await gate.wait()
+            await admission.wait("a", "t", 0.0)
+            await gate.wait()
+            admission.finish("t")
 
         holder = asyncio.create_task(hold())
         await asyncio.sleep(0)
-        waiter = asyncio.create_task(admission.slot("b", "t", 0.0).__aenter__())
+        waiter = asyncio.create_task(admission.wait("b", "t", 0.0))
         await asyncio.sleep(0)
         assert "b" in admission.queue
         waiter.cancel()

@@ -1,0 +1,41 @@
+"""Shared pieces of the benchmarks: the benchmark model, seeded prompts, child-process runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_MODEL = ROOT / "models" / "bench-small"
+
+
+def ensure_model(preset: str = "small", path: Path = BENCH_MODEL) -> Path:
+    if not (path / "config.json").is_file():
+        sys.path.insert(0, str(ROOT))
+        from kvfleet.model_maker import make_model
+
+        make_model(path, preset, seed=0)
+    return path
+
+
+def seeded_prompts(count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def run_child(script: Path, args: list[str]) -> dict:
+    """Run one side of a benchmark in its own process (so its peak memory is its own); its last
+    stdout line is a JSON object."""
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{script.name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

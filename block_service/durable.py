@@ -1,0 +1,297 @@
+"""Durability as a layer over the pure page table.
+
+Every call that changes the page table becomes one log record (``wal_records``); the records of all
+concurrent calls are group-committed — one write and one fsync — before any of them is answered.
+A snapshot (on an interval, on clean shutdown, after recovery) lets older logs be deleted. The state
+directory holds::
+
+    snapshot-<lsn>.snap   the whole state after <lsn> records; the newest two are kept
+    wal-<lsn>.log         records <lsn>, <lsn>+1, ...; deleted once a newer snapshot is durable
+    wal-<lsn>.log.bad     a log that stopped recovery early, kept for inspection
+
+Recovery loads the newest snapshot that verifies, replays the logs that follow it in order, and stops
+at the first torn or corrupt record: the state is then exactly the state after the last good record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from block_service import wal_records as rec
+from block_service.allocator import Allocation, Refusal
+from block_service.errors import Unavailable
+from block_service.page_table import AllocateRequest, PageTable
+from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
+from block_service.tenants import TenantConfig
+from block_service.wal import LogWriter, frame, log_name, scan_log
+
+log = logging.getLogger(__name__)
+
+_LSN = re.compile(r"-(\d{20})\.(snap|log)$")
+KEEP_SNAPSHOTS = 2
+
+
+def _numbered(state_dir: str, pattern: str) -> list[tuple[int, str]]:
+    """``(lsn, path)`` of the files matching ``pattern``, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(state_dir, pattern)):
+        m = _LSN.search(path)
+        if m:
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    snapshot_path: str | None = None
+    snapshot_lsn: int = 0
+    records_applied: int = 0
+    lsn: int = 0                    # records in the recovered state since the first start
+    stop_path: str | None = None    # where replay stopped early, if it did
+    stop_offset: int | None = None
+    stop_reason: str | None = None
+    skipped: list[str] = field(default_factory=list)  # files not used, with why
+
+    def summary(self) -> str:
+        text = (f"recovered {self.lsn} records: snapshot {self.snapshot_path or '(none)'} at {self.snapshot_lsn}, "
+                f"{self.records_applied} log records applied")
+        if self.stop_reason:
+            text += f"; stopped at {self.stop_path} offset {self.stop_offset}: {self.stop_reason}"
+        return text + "".join(f"; skipped {s}" for s in self.skipped)
+
+
+def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
+    """Rebuild the page table from ``state_dir`` without writing anything."""
+    report = RecoveryReport()
+    table = PageTable()
+    for lsn, path in reversed(_numbered(state_dir, "snapshot-*.snap")):
+        try:
+            report.snapshot_lsn, state = read_snapshot(path)
+            table = PageTable.from_dict(state)
+            report.snapshot_path = path
+            break
+        except SnapshotError as err:
+            report.skipped.append(str(err))
+    expected = report.snapshot_lsn
+    for start, path in _numbered(state_dir, "wal-*.log"):
+        if start < report.snapshot_lsn:
+            continue
+        if report.stop_reason:
+            report.skipped.append(f"{path}: after the stop")
+            continue
+        scan, records = scan_log(path)
+        if scan.start_lsn not in (-1, expected) or (scan.start_lsn == -1 and start != expected):
+            report.stop_path, report.stop_offset = path, 0
+            report.stop_reason = f"log starts at record {start}, expected {expected} (a log is missing)"
+            continue
+        for offset, payload in records:
+            try:
+                rec.apply(table, payload)
+            except Exception as err:  # CRC-valid but inapplicable: a bug or a foreign file
+                scan.error = f"record at offset {offset} does not apply: {err}"
+                scan.end_offset = offset
+                break
+            expected += 1
+            report.records_applied += 1
+        if scan.error:
+            report.stop_path, report.stop_offset, report.stop_reason = path, scan.end_offset, scan.error
+    report.lsn = expected
+    return table, report
+
+
+class DurablePageTable:
+    """The page table's mutators, each recorded in the log; reads go to ``self.table`` directly.
+
+    Without a ``state_dir`` nothing is logged (durability off, for measurements and tests).
+    """
+
+    def __init__(self, table: PageTable, state_dir: str | None, lsn: int = 0, fsync: bool = True) -> None:
+        self.table = table
+        self.state_dir = state_dir
+        self.fsync = fsync
+        self.lsn = lsn            # records appended
+        self.durable_lsn = lsn    # records on disk
+        self._buf = bytearray()
+        self._writer: LogWriter | None = None
+        self._flushing: asyncio.Future | None = None
+        self._snapshot_lock = asyncio.Lock()
+        self._failed: BaseException | None = None
+        self.last_snapshot = time.monotonic()
+
+    @classmethod
+    def open(cls, state_dir: str, fsync: bool = True) -> tuple[DurablePageTable, RecoveryReport]:
+        """Recover from ``state_dir`` (created if missing), then start a clean snapshot and log."""
+        os.makedirs(state_dir, exist_ok=True)
+        table, report = recover(state_dir)
+        store = cls(table, state_dir, report.lsn, fsync)
+        write_snapshot(state_dir, report.lsn, table.to_dict(), fsync)
+        if report.stop_path:  # only now that the snapshot holds everything before the stop
+            for lsn, path in _numbered(state_dir, "wal-*.log"):
+                if lsn >= report.snapshot_lsn and path >= report.stop_path:
+                    os.replace(path, path + ".bad")
+        store._writer = LogWriter(os.path.join(state_dir, log_name(report.lsn)), report.lsn, fsync)
+        store._cleanup(report.lsn)
+        return store, report
+
+    # ---- mutators: call the core, log what changed ---------------------------------------------
+
+    def register_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int) -> bool:
+        self._check_writable()
+        created = self.table.register_node(node_id, num_blocks, block_size, bytes_per_block)
+        if created:
+            self._log(rec.encode_register(node_id, num_blocks, block_size, bytes_per_block))
+        return created
+
+    def deregister_node(self, node_id: str) -> list[str]:
+        self._check_writable()
+        released = self.table.deregister_node(node_id)
+        self._log(rec.encode_deregister(node_id))
+        return released
+
+    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+        self._check_writable()
+        configs = list(configs)
+        self.table.configure_tenants(configs, replace_all)
+        self._log(rec.encode_tenants(configs, replace_all))
+
+    def allocate_many(self, requests: Sequence[AllocateRequest]) -> list[Allocation | Refusal]:
+        self._check_writable()
+        results = self.table.allocate_many(requests)
+        done = [r for r, res in zip(requests, results) if type(res) is Allocation]
+        if done:
+            self._log(rec.encode_allocate(done))
+        return results
+
+    def extend(self, growth: Sequence[tuple[str, int]], tenant: str | None = None) -> list[list[int] | Refusal]:
+        self._check_writable()
+        results = self.table.extend(growth, tenant)
+        done = [g for g, res in zip(growth, results) if type(res) is list]
+        if done:
+            self._log(rec.encode_extend(done))
+        return results
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]], tenant: str | None = None) -> int:
+        self._check_writable()
+        num_new = self.table.commit(commits, tenant)
+        if num_new:
+            self._log(rec.encode_commit(commits))
+        return num_new
+
+    def release(self, seq_ids: Sequence[str], tenant: str | None = None) -> None:
+        self._check_writable()
+        self.table.release(seq_ids, tenant)
+        if seq_ids:
+            self._log(rec.encode_release(seq_ids))
+
+    # ---- the log -------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._failed is not None:
+            raise Unavailable(f"the write-ahead log failed ({self._failed}); restart the service")
+
+    def _log(self, payload: bytes) -> None:
+        if self._writer is None:
+            return
+        self._buf += frame(payload)
+        self.lsn += 1
+
+    @property
+    def log_bytes(self) -> int:
+        return self._writer.size if self._writer else 0
+
+    def _write(self, data: bytes, lsn: int) -> None:
+        try:
+            self._writer.write(data)
+        except OSError as err:
+            self._failed = err
+            log.critical("write-ahead log write failed: %s; refusing further changes", err)
+            raise Unavailable(f"the write-ahead log failed: {err}") from err
+        self.durable_lsn = lsn
+
+    def sync(self) -> None:
+        """Write and fsync every pending record (blocking)."""
+        if self._buf:
+            data, lsn = bytes(self._buf), self.lsn
+            self._buf.clear()
+            self._write(data, lsn)
+
+    async def flush(self) -> None:
+        """Return once every record appended so far is durable; concurrent callers share fsyncs."""
+        target = self.lsn
+        while self.durable_lsn < target:
+            if self._failed is not None:
+                self._check_writable()
+            if self._flushing is None:
+                self._flushing = asyncio.ensure_future(self._flush_once())
+            await asyncio.shield(self._flushing)
+
+    async def _flush_once(self) -> None:
+        try:
+            data, lsn = bytes(self._buf), self.lsn
+            self._buf.clear()
+            await asyncio.get_running_loop().run_in_executor(None, self._write, data, lsn)
+        finally:
+            self._flushing = None
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def snapshot(self) -> str | None:
+        """Write a snapshot of the current state and start a new log (blocking)."""
+        if self._writer is None:
+            return None
+        self.sync()
+        lsn, state = self._rotate()
+        return self._finish_snapshot(lsn, state)
+
+    async def snapshot_async(self) -> str | None:
+        """Like ``snapshot`` but the snapshot file is written off the event loop; changes made
+        meanwhile go to the new log."""
+        if self._writer is None:
+            return None
+        async with self._snapshot_lock:
+            while self._buf or self._flushing is not None:
+                await self.flush()
+                if self._flushing is not None:
+                    await asyncio.shield(self._flushing)
+            lsn, state = self._rotate()
+            return await asyncio.get_running_loop().run_in_executor(None, self._finish_snapshot, lsn, state)
+
+    def _rotate(self) -> tuple[int, dict]:
+        """Cut the log at the current record: returns ``(lsn, state)`` to snapshot."""
+        assert not self._buf and self._flushing is None, "rotate with records in flight"
+        self._check_writable()
+        lsn, state = self.lsn, self.table.to_dict()
+        old, self._writer = self._writer, LogWriter(os.path.join(self.state_dir, log_name(lsn)), lsn, self.fsync)
+        old.close()
+        self.last_snapshot = time.monotonic()
+        return lsn, state
+
+    def _finish_snapshot(self, lsn: int, state: dict) -> str:
+        path = write_snapshot(self.state_dir, lsn, state, self.fsync)
+        self._cleanup(lsn)
+        return path
+
+    def _cleanup(self, lsn: int) -> None:
+        """Delete logs that the snapshot at ``lsn`` covers and all but the newest snapshots."""
+        for start, path in _numbered(self.state_dir, "wal-*.log"):
+            if start < lsn:
+                os.remove(path)
+        for _, path in _numbered(self.state_dir, "snapshot-*.snap")[:-KEEP_SNAPSHOTS]:
+            os.remove(path)
+        for path in glob.glob(os.path.join(self.state_dir, "*.tmp")):
+            os.remove(path)
+
+    def close(self) -> None:
+        """Clean shutdown: snapshot, so that the next start replays nothing."""
+        if self._writer is not None:
+            if self._failed is None:
+                self.snapshot()
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,119 @@
+"""``kvfleet compute``: one compute node, from model load to drained exit.
+
+    load model, size pool → register pool with block_service → serve gRPC, etcd: WARMING
+    → warm up → etcd: READY → ... SIGTERM → etcd: DRAINING → running requests finish
+    → blocks released → lease revoked → exit 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve Compute on (port 0: any)")
+    parser.add_argument("--advertise", default=None,
+                        help="host:port the router should dial (default: --listen with the bound port)")
+    parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    parser.add_argument("--block-service", default=None,
+                        help="block_service host:port (default: an in-process page table, for one node alone)")
+    parser.add_argument("--etcd", default=None, help="etcd URL to register in, e.g. http://127.0.0.1:2379")
+    parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
+    parser.add_argument("--block-size", default="256", help="tokens per block (16-2048, multiple of 16) or chat/code/document")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
+    parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
+
+
+def _build_engine(args: argparse.Namespace, remote):
+    from compute_service.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+
+    config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                          device=args.device, max_num_seqs=args.max_num_seqs, node_id=args.node_id)
+    return LLMEngine(args.model, config, allocator_factory=remote)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import grpc  # noqa: PLC0415
+
+    from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
+    from compute_service.server import ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
+    from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
+    from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    remote = None
+    if args.block_service:
+        from compute_service.remote_allocator import RemoteAllocatorFactory  # noqa: PLC0415
+
+        remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
+    engine = await asyncio.to_thread(_build_engine, args, remote)
+    async_engine = AsyncEngine(engine)
+    allocator = engine.allocator
+    status = NodeStatus(args.node_id, block_rpcs=getattr(allocator, "num_rpcs", None))
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(async_engine, status), server)
+    port = server.add_insecure_port(args.listen)
+    await server.start()
+    address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
+
+    client = etcd_client(args.etcd) if args.etcd else None
+    registration = None
+    if client is not None:
+        await client.connect()
+        info = NodeInfo(args.node_id, address, str(args.model), allocator.num_blocks, allocator.block_size,
+                        NodeState.WARMING)
+        registration = NodeRegistration(client, info, ttl=args.lease_ttl)
+        await registration.start()
+    seconds = await warm_up(async_engine)
+    status.state = NodeState.READY
+    if registration is not None:
+        await registration.set_state(NodeState.READY)
+    log.info("node %s READY on %s after a %.1fs warm-up (%d blocks of %d tokens)", args.node_id, address,
+             seconds, allocator.num_blocks, allocator.block_size)
+    if args.port_file:
+        with open(args.port_file, "w") as f:
+            f.write(str(port))
+
+    await stop.wait()
+    log.info("node %s draining (%d requests in flight)", args.node_id, status.num_in_flight)
+    status.state = NodeState.DRAINING
+    if registration is not None:
+        await registration.set_state(NodeState.DRAINING)
+    try:
+        await asyncio.wait_for(status.idle.wait(), args.drain_timeout)
+    except asyncio.TimeoutError:
+        log.warning("drain timed out with %d requests in flight; aborting them", status.num_in_flight)
+    await server.stop(grace=2)  # cancels what is left; the engine aborts and releases their blocks
+    await asyncio.to_thread(async_engine.shutdown)
+    if remote is not None:
+        await remote.close()
+    if registration is not None:
+        await registration.close()
+        await client.close()
+    log.info("node %s stopped", args.node_id)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfleet.tracing import setup_tracing, shutdown_tracing  # noqa: PLC0415
+
+    setup_tracing("kvfleet-compute")
+    try:
+        asyncio.run(serve(args))
+    finally:
+        shutdown_tracing()
+    return 0

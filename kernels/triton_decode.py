@@ -1,0 +1,216 @@
+"""Triton paged decode attention: split-KV, GQA-grouped, with a reduction pass.
+
+Pass 1, grid (batch, num_kv_heads, num_splits): a program takes the G = num_heads / num_kv_heads query
+heads of one KV head as the rows of one tile, so each K/V tile is read once for the whole group, and
+walks its split's tokens BLOCK_N at a time through the block table:
+
+    token t ─▶ block_tables[b, t // block_size] ─▶ k_cache[block, kv_head, t % block_size, :]
+
+It leaves unnormalised partial results: acc [batch, num_heads, num_splits, head_dim] and the running
+max / sum (base 2) [batch, num_heads, num_splits, 2].
+Pass 2, grid (batch, num_heads): merges the splits, divides by the sum, applies the FP8 V scale.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import is_fp8
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr,
+    acc_ptr, ml_ptr,
+    qk_scale, tokens_per_split,
+    stride_qb, stride_qh,
+    stride_cb, stride_ch, stride_co,
+    stride_bt,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh, stride_ms,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_K_SCALE: tl.constexpr, USE_FP32: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(context_len, start + tokens_per_split)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    # q: [BLOCK_G, BLOCK_D], with softmax scale and log2(e) folded in (exponentials are base 2)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_K_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    q = q * qk_scale
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    head_base = kv_head * stride_ch
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        block = tl.load(block_tables_ptr + b * stride_bt + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        # offsets: [BLOCK_N, BLOCK_D] into one (block, kv head) tile each row
+        offs = block[:, None] * stride_cb + head_base + (t % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if IS_FP8 and not USE_FP32:  # tensor cores take FP8 tiles widened to bf16, q stays close to exact
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
+        if USE_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        s = tl.where(t_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if USE_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    out = b * stride_ab + heads * stride_ah + split * stride_as
+    tl.store(acc_ptr + out[:, None] + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    ml = b * stride_mb + heads * stride_mh + split * stride_ms
+    tl.store(ml_ptr + ml, m, mask=g_mask)
+    tl.store(ml_ptr + ml + 1, l, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    acc_ptr, ml_ptr, v_scale_ptr, out_ptr,
+    num_splits, num_kv_groups,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh, stride_ms,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = sp < num_splits
+    base = b * stride_ab + head * stride_ah
+    ml = b * stride_mb + head * stride_mh + sp * stride_ms
+    m = tl.load(ml_ptr + ml, mask=s_mask, other=float("-inf"))
+    l = tl.load(ml_ptr + ml + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # empty splits (l == 0) weigh nothing
+    total = tl.sum(w * l, 0)
+    acc = tl.load(acc_ptr + base + sp[:, None] * stride_as + d[None, :],
+                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    if HAS_V_SCALE:
+        o = o * tl.load(v_scale_ptr + head // num_kv_groups)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
+    """Enough programs to fill the device twice over, none with fewer than 256 tokens."""
+    if query.is_cuda:
+        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    else:
+        num_sms = 2
+    splits = 1
+    while query.shape[0] * num_kv_heads * splits < 2 * num_sms and max_context // (2 * splits) >= 256:
+        splits *= 2
+    return splits
+
+
+def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits):
+    # query: [batch, num_heads, head_dim], rows contiguous
+    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
+    # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
+    batch, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert context_lens.is_contiguous() and block_size % 16 == 0
+    # fp32 caches (and the CPU interpreter, whose bf16 arithmetic is wrong) take exact fp32 dots
+    fp32 = k_cache.dtype == torch.float32 or _interpreting()
+
+    # tokens_per_split: a multiple of BLOCK_N so that only the last tile of a split is ragged
+    block_n = 64 if head_dim <= 128 else 32
+    max_context = block_tables.shape[1] * block_size  # an upper bound, known without a device sync
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    dummy = context_lens  # stands in for absent scale pointers
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, context_lens,
+        k_scale if k_scale is not None else dummy,
+        acc, ml,
+        scale * LOG2E, tokens_per_split,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        ml.stride(0), ml.stride(1), ml.stride(2),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_K_SCALE=k_scale is not None, USE_FP32=fp32,
+        IS_FP8=is_fp8(k_cache.dtype),
+    )
+    out = torch.empty_like(query)
+    _decode_reduce_kernel[(batch, num_heads)](
+        acc, ml, v_scale if v_scale is not None else dummy, out,
+        num_splits, group,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        ml.stride(0), ml.stride(1), ml.stride(2),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HAS_V_SCALE=v_scale is not None,
+    )
+    return out
+
+
+def triton_paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.paged_decode_reference``; ``num_splits`` None picks one per device."""
+    if num_splits is None:
+        num_splits = default_num_splits(query, k_cache.shape[1], block_tables.shape[1] * k_cache.shape[2])
+    return _launch_decode(
+        query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
+        block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+        scale, _float(k_scale), _float(v_scale), num_splits,
+    )
+
+
+def _float(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.float().contiguous()
+

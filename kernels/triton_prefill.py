@@ -1,0 +1,160 @@
+"""Triton paged prefill attention: packed new tokens over their cached prefix and themselves, causal.
+
+Grid (batch, num_kv_heads, row tiles). The rows of a tile are (new token, query head of the group)
+pairs, so each K/V tile is read once for the whole GQA group:
+
+    row r ─▶ token i = r // G, head kv_head * G + r % G, position ctx - q_len + i
+
+Sequence b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the packed query and the
+last ``q_len`` of its ``context_lens[b]`` positions; row r sees keys ``0..position`` (its K/V, like the
+whole prefix, is already in the cache), so a tile walks keys only up to its last row's position.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import is_fp8
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_co,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    context_len = tl.load(context_lens_ptr + b)
+    row0 = tile * BLOCK_M
+    if row0 >= q_len * GROUP:
+        return
+
+    r = row0 + tl.arange(0, BLOCK_M)
+    i = r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    r_mask = i < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    pos = context_len - q_len + i  # [BLOCK_M]
+    q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    q = q * qk_scale
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
+    kv_end = context_len - q_len + last_row // GROUP + 1  # keys past the tile's last position are masked
+    head_base = kv_head * stride_ch
+    for t0 in range(0, kv_end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = t < kv_end
+        block = tl.load(block_tables_ptr + b * stride_bt + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        offs = block[:, None] * stride_cb + head_base + (t % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if IS_FP8 and not USE_FP32:
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
+        if USE_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows may see no key at all
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if USE_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if HAS_SCALE:
+        o = o * tl.load(v_scale_ptr + kv_head)
+    tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                    k_scale, v_scale, max_q_len):
+    # query: [total_new_tokens, num_heads, head_dim], rows contiguous; query_start_loc: [batch + 1] int32
+    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
+    # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
+    total, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    batch = context_lens.shape[0]
+    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and query_start_loc.shape == (batch + 1,) and block_size % 16 == 0
+    assert (k_scale is None) == (v_scale is None)
+    fp32 = k_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    out = torch.empty_like(query)
+    if total == 0:
+        return out
+    block_m, block_n = (64, 64) if head_dim <= 128 else (32, 32)
+    grid = (batch, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
+    dummy = context_lens
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SCALE=k_scale is not None, USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
+    )
+    return out
+
+
+def triton_paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.paged_prefill_reference``."""
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query.shape[0] else 0  # one sync
+    if k_scale is not None or v_scale is not None:
+        num_kv_heads = k_cache.shape[1]
+        ones = torch.ones(num_kv_heads, dtype=torch.float32, device=query.device)
+        k_scale = ones if k_scale is None else k_scale.float().contiguous()
+        v_scale = ones if v_scale is None else v_scale.float().contiguous()
+    return _launch_prefill(
+        query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
+        block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+        query_start_loc, scale, k_scale, v_scale, max_q_len,
+    )

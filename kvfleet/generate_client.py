@@ -1,0 +1,62 @@
+"""``kvfleet generate``: send one prompt to the router and print the tokens as they stream in."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--router", default=os.environ.get("KVFLEET_ROUTER", DEFAULT_ROUTER),
+                        help=f"router host:port (default $KVFLEET_ROUTER or {DEFAULT_ROUTER})")
+    parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
+                        help="tenant API key (default $KVFLEET_API_KEY)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole call")
+
+
+def request_message(args: argparse.Namespace):
+    from kvfleet.v1 import inference_pb2  # noqa: PLC0415
+
+    return inference_pb2.GenerateRequest(
+        request_id=args.request_id,
+        text=args.prompt,
+        sampling=inference_pb2.SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+
+    from kvfleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: PLC0415
+
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    with grpc.insecure_channel(args.router) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            for chunk in stub.Generate(request_message(args), metadata=metadata, timeout=args.timeout):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    u = chunk.usage
+                    reason = inference_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_")
+                    print(f"\n[{reason.lower()}: node {chunk.node_id}, {u.prompt_tokens} prompt tokens "
+                          f"({u.cached_tokens} cached), {u.completion_tokens} generated]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,292 @@
+"""``kvfleet up``: the whole cluster as child processes on loopback, and the same for tests.
+
+    etcd (EtcdServer) → block_service → N × ``kvfleet compute`` → ``kvfleet router``
+
+Every child gets its own log file in the work directory and dies with this process (Linux
+``PR_SET_PDEATHSIG``); ``stop()`` sends SIGTERM to all (compute nodes drain), waits, then SIGKILLs
+whatever is left, so no process outlives the cluster even when a test fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet.etcd_server import EtcdServer, die_with_parent, free_port
+
+DEFAULT_MODEL = "models/demo-tiny"
+DEMO_TENANTS = """\
+tenants:
+  - name: gold
+    api_key: sk-gold
+    quota_mib: 256
+    paid_level: 2
+    max_concurrent: 16
+  - name: free
+    api_key: sk-free
+    quota_mib: 64
+    paid_level: 0
+    max_concurrent: 4
+"""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    port: int
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        num_nodes: int = 2,
+        tenants_file: str | Path | None = None,
+        work_dir: str | Path | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int = 64 << 20,
+        with_block_service: bool = True,
+        compute_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_level: str = "INFO",
+    ):
+        self.model_dir = str(Path(model_dir).resolve())
+        self.num_nodes = num_nodes
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-cluster-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if tenants_file is None:
+            tenants_file = self.work_dir / "tenants.yaml"
+            Path(tenants_file).write_text(DEMO_TENANTS)
+        self.tenants_file = str(tenants_file)
+        self.block_size = block_size
+        self.kv_cache_memory = kv_cache_memory
+        self.with_block_service = with_block_service
+        self.compute_args = tuple(compute_args)
+        self.router_args = tuple(router_args)
+        self.env = {**os.environ, **(env or {})}
+        self.log_level = log_level
+        self.etcd: EtcdServer | None = None
+        self.block_service: Child | None = None
+        self.nodes: dict[str, Child] = {}
+        self.router: Child | None = None
+
+    # -- addresses --------------------------------------------------------------------------------
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.router.port}"
+
+    @property
+    def block_service_address(self) -> str | None:
+        return f"127.0.0.1:{self.block_service.port}" if self.block_service else None
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], port: int) -> Child:
+        log_path = self.work_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvfleet.cli", "--log-level", self.log_level, *argv],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent,
+            )
+        return Child(name, process, log_path, port)
+
+    def start(self, timeout: float = 120.0) -> LocalCluster:
+        try:
+            self.etcd = EtcdServer(data_dir=self.work_dir / "etcd").start()
+            if self.with_block_service:
+                port = free_port()
+                self.block_service = self._spawn("block_service", [
+                    "block-service", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
+                    "--tenants", self.tenants_file, "--state-dir", str(self.work_dir / "block_state"),
+                ], port)
+                self._wait_port(self.block_service, timeout)
+            for i in range(self.num_nodes):
+                self.add_node(f"node-{i}", wait=False)
+            self.wait_ready(list(self.nodes), timeout)
+            port = free_port()
+            argv = ["router", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
+                    "--tenants", self.tenants_file, "--model", self.model_dir, *self.router_args]
+            if self.block_service:
+                argv += ["--block-service", self.block_service_address]
+            self.router = self._spawn("router", argv, port)
+            self._wait_router(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_node(self, node_id: str, wait: bool = True, timeout: float = 120.0, extra: tuple[str, ...] = ()) -> Child:
+        port = free_port()
+        argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
+                "--node-id", node_id, "--block-size", str(self.block_size),
+                "--kv-cache-memory", str(self.kv_cache_memory), *self.compute_args, *extra]
+        if self.block_service:
+            argv += ["--block-service", self.block_service_address]
+        child = self.nodes[node_id] = self._spawn(node_id, argv, port)
+        if wait:
+            self.wait_ready([node_id], timeout)
+        return child
+
+    def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        child = self.nodes[node_id]
+        child.process.send_signal(sig)
+        if sig == signal.SIGKILL:
+            child.process.wait()
+
+    # -- readiness --------------------------------------------------------------------------------
+
+    def _check_alive(self, child: Child) -> None:
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
+
+    def _wait_port(self, child: Child, timeout: float) -> None:
+        import socket  # noqa: PLC0415
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive(child)
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", child.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"{child.name} did not listen on {child.port} within {timeout}s:\n{child.log_tail()}")
+
+    def node_states(self) -> dict[str, str]:
+        """Node id → state, as etcd lists them now."""
+        from kvfleet.membership import etcd_client, list_nodes  # noqa: PLC0415
+
+        async def read():
+            async with etcd_client(self.etcd.url) as client:
+                nodes, _ = await list_nodes(client)
+            return {n: info.state.value for n, info in nodes.items()}
+
+        return asyncio.run(read())
+
+    def wait_ready(self, node_ids: list[str], timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for node_id in node_ids:
+                self._check_alive(self.nodes[node_id])
+            states = self.node_states()
+            if all(states.get(n) == "READY" for n in node_ids):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"nodes {node_ids} not READY within {timeout}s: {self.node_states()}")
+
+    def _wait_router(self, timeout: float) -> None:
+        import grpc  # noqa: PLC0415
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.router_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(self.router)
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"router not SERVING within {timeout}s:\n{self.router.log_tail()}")
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def children(self) -> list[Child]:
+        # Stop order: the router first (no new work), then the nodes (they drain), block_service last.
+        return [c for c in [self.router, *self.nodes.values(), self.block_service] if c is not None]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for child in self.children():
+            if child.alive():
+                child.process.terminate()
+        deadline = time.monotonic() + timeout
+        for child in self.children():
+            try:
+                child.process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- `kvfleet up` -------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="compute nodes (default 2)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"model directory (default {DEFAULT_MODEL}, made with make-model if missing)")
+    parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
+    parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        print("--nodes must be at least 1", file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "config.json").exists():
+        if args.model != DEFAULT_MODEL:
+            print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+        from kvfleet.model_maker import make_model  # noqa: PLC0415
+
+        make_model(args.model, preset="tiny")
+    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        key = "sk-gold" if args.tenants is None else "<your api key>"
+        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes, "
+              f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop:
+            for child in cluster.children():
+                if not child.alive():
+                    print(f"{child.name} exited ({child.process.returncode}); stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping the cluster ...", flush=True)
+        cluster.stop()
+    return 0

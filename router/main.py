@@ -1,0 +1,95 @@
+"""``kvfleet router``: the public Inference service in front of the compute nodes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0: any)")
+    parser.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
+    parser.add_argument("--block-service", default=None, help="block_service host:port (prefix lookups)")
+    parser.add_argument("--tenants", required=True, help="tenants YAML file")
+    parser.add_argument("--model", default=None, help="model directory for the tokenizer "
+                        "(default: the one the compute nodes advertise)")
+    parser.add_argument("--queue-size", type=int, default=1024, help="waiting requests before shedding")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="requests running at once across the cluster (default: no limit)")
+    parser.add_argument("--w-paid", type=float, default=0.6, help="queue score weight of the paid level")
+    parser.add_argument("--w-wait", type=float, default=0.4, help="queue score weight of the waiting time")
+    parser.add_argument("--prefix-weight", type=float, default=1.0,
+                        help="routing cost of one uncached prompt block, in active blocks")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
+    parser.add_argument("--hot-spot-ratio", type=float, default=2.0,
+                        help="fall back to least loaded above ratio x least-loaded active blocks + margin")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from kvfleet.membership import etcd_client, watch_nodes
+    from router.admission import Admission
+    from router.nodes import NodeTable
+    from router.prefix_lookup import connect_prefix_lookup
+    from router.priority_queue import PriorityQueue, QueueWeights
+    from router.relay import Relay
+    from router.routing import NodePicker, RoutingConfig
+    from router.server import TokenizerSource, build_server
+    from router.tenants import TenantDirectory
+
+    tenants = TenantDirectory.from_file(args.tenants)
+    queue = PriorityQueue(args.queue_size, tenants.concurrency_limits(), QueueWeights(args.w_paid, args.w_wait),
+                          capacity=args.capacity)
+    nodes = NodeTable()
+    picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
+                                      hot_spot_ratio=args.hot_spot_ratio))
+    prefix = await connect_prefix_lookup(args.block_service)
+    relay = Relay(nodes, picker, prefix)
+    server = await build_server(args.listen, tenants, Admission(queue), relay, nodes,
+                                TokenizerSource(nodes, args.model))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def follow_membership(client) -> None:
+        async for change in watch_nodes(client):
+            await nodes.apply(change)
+            await server.update_health()
+
+    async with etcd_client(args.etcd) as client:
+        watcher = asyncio.create_task(follow_membership(client))
+        await server.server.start()
+        host = args.listen.rsplit(":", 1)[0]
+        log.info("router serving kvfleet.v1.Inference on %s:%d (%d tenants)", host, server.port, len(tenants))
+        if args.port_file:
+            with open(args.port_file, "w") as f:
+                f.write(str(server.port))
+        await stop.wait()
+        log.info("router stopping")
+        await server.server.stop(grace=5)
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await nodes.close()
+        await prefix.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfleet.tenants import TenantsFileError
+    from kvfleet.tracing import setup_tracing, shutdown_tracing
+
+    setup_tracing("kvfleet-router")
+    try:
+        asyncio.run(serve(args))
+    except TenantsFileError as e:
+        log.error("%s", e)
+        return 2
+    finally:
+        shutdown_tracing()
+    return 0

@@ -1,0 +1,178 @@
+"""Relaying one request's token stream from compute nodes to the client, surviving node failures.
+
+    attempt: route (prefix lookup + NodePicker) → Compute.Generate(prompt + tokens sent so far)
+             → forward each chunk → on a node failure, exclude the node and attempt again
+
+A failure before the first token is a plain retry. A failure mid-stream resumes on another node
+from the prompt plus every token already forwarded, asking only for the tokens still owed, so the
+client sees each token exactly once; under greedy sampling the resumed run produces exactly the
+tokens the uninterrupted run would have.
+
+Failures are told from answers by status: INVALID_ARGUMENT, PERMISSION_DENIED, NOT_FOUND and a
+tenant's quota refusal are answers for the client; UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, a
+stream that ends without a finish, and a full pool (trailing metadata ``kvfleet-refusal: pool``)
+are the node's problem and another node is tried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from opentelemetry import trace
+
+from kvfleet.tenants import Tenant
+from kvfleet.v1 import compute_pb2, inference_pb2
+from router.nodes import NodeTable, RouterNode
+from router.request import ParsedRequest, sampling_to_proto
+from router.routing import NodeLoad, NodePicker
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+REFUSAL_KEY = "kvfleet-refusal"
+_ANSWERS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+class RelayError(Exception):
+    """The request cannot be served; ``code`` is the gRPC status for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PrefixLookup(Protocol):
+    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
+        """Per node id, how many leading full blocks of ``token_ids`` are committed there."""
+
+
+@dataclass(slots=True)
+class _Progress:
+    sent: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None    # as reported by the first node that served the prompt
+    excluded: set[str] = field(default_factory=set)
+    attempts: int = 0
+
+
+class Relay:
+    def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4):
+        self.nodes = nodes
+        self.picker = picker
+        self.prefix = prefix
+        self.max_attempts = max_attempts
+
+    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: _Progress) -> RouterNode:
+        with tracer.start_as_current_span("route") as span:
+            candidates = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
+            if not candidates:
+                tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
+                raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
+            try:
+                cached = await self.prefix.match(tenant.name, ids, candidates)
+            except Exception as e:  # routing without prefix knowledge still serves the request
+                log.warning("prefix lookup failed, routing by load only: %s", e)
+                cached = {}
+            loads = [NodeLoad(n.node_id, n.active_blocks, cached.get(n.node_id, 0), n.ready_since) for n in candidates]
+            num_blocks = len(ids) // candidates[0].info.block_size
+            decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
+            span.set_attribute("kvfleet.node_id", decision.node_id)
+            span.set_attribute("kvfleet.route_reason", decision.reason)
+            span.set_attribute("kvfleet.cached_prefix_blocks", decision.cached_prefix_blocks)
+            span.set_attribute("kvfleet.num_candidates", len(candidates))
+            return self.nodes.nodes[decision.node_id]
+
+    async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        progress = _Progress()
+        while True:
+            remaining = req.sampling.max_tokens - len(progress.sent)
+            if remaining <= 0:  # the node died after the last token but before saying so
+                yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
+                return
+            ids = req.prompt_ids + progress.sent
+            node = await self._route(req, tenant, ids, progress)
+            try:
+                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, remaining, progress)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                        if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                            return
+                failure = "stream ended without a finish"
+            except grpc.aio.AioRpcError as e:
+                failure = self._classify(e, node)
+            progress.excluded.add(node.node_id)
+            progress.attempts += 1
+            self.nodes.mark_failed(node.node_id)
+            log.warning("request %s: node %s failed after %d tokens (%s); %s", req.request_id, node.node_id,
+                        len(progress.sent), failure, "resuming" if progress.sent else "retrying")
+            trace.get_current_span().add_event("node_failed", {"kvfleet.node_id": node.node_id,
+                                                               "kvfleet.tokens_sent": len(progress.sent)})
+            if progress.attempts >= self.max_attempts:
+                raise RelayError(grpc.StatusCode.UNAVAILABLE,
+                                 f"request {req.request_id} failed on {progress.attempts} nodes; last: {failure}")
+
+    def _classify(self, e: grpc.aio.AioRpcError, node: RouterNode) -> str:
+        """Raise ``RelayError`` for an answer meant for the client; return a description for a
+        node failure."""
+        code = e.code()
+        if code in _ANSWERS:
+            raise RelayError(code, e.details() or code.name)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            trailing = dict(e.trailing_metadata() or ())
+            if trailing.get(REFUSAL_KEY) != "pool":
+                raise RelayError(code, e.details() or "resource exhausted")
+        return f"{code.name}: {e.details()}"
+
+    async def _attempt(
+        self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], remaining: int,
+        progress: _Progress,
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        message = compute_pb2.ComputeRequest(
+            request_id=req.seq_id, tenant=tenant.name, priority=tenant.paid_level,
+            prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
+        )
+        sampling_to_proto(req.sampling, message.sampling)
+        message.sampling.max_tokens = remaining
+        node.track(req.seq_id, len(ids))
+        node.num_in_flight += 1
+        node.num_routed += 1
+        call = node.stub.Generate(message)
+        try:
+            async for chunk in call:
+                if progress.cached_tokens is None and chunk.HasField("usage"):
+                    progress.cached_tokens = min(chunk.usage.cached_tokens, len(req.prompt_ids))
+                progress.sent.extend(chunk.token_ids)
+                node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))
+                if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield self._last_chunk(req, progress, chunk.text, chunk.finish_reason, chunk.token_ids, node)
+                    return
+                yield inference_pb2.GenerateChunk(
+                    request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text, node_id=node.node_id
+                )
+        finally:
+            call.cancel()  # a no-op when finished; aborts the node's request when the client left
+            node.untrack(req.seq_id)
+            node.num_in_flight -= 1
+
+    def _last_chunk(self, req, progress, text, reason, token_ids=(), node: RouterNode | None = None):
+        span = trace.get_current_span()
+        span.set_attribute("kvfleet.prompt_tokens", len(req.prompt_ids))
+        span.set_attribute("kvfleet.completion_tokens", len(progress.sent))
+        span.set_attribute("kvfleet.resumes", progress.attempts)
+        return inference_pb2.GenerateChunk(
+            request_id=req.request_id, token_ids=token_ids, text=text, finish_reason=reason,
+            node_id=node.node_id if node else "",
+            usage=inference_pb2.Usage(
+                prompt_tokens=len(req.prompt_ids), completion_tokens=len(progress.sent),
+                cached_tokens=progress.cached_tokens or 0,
+            ),
+        )

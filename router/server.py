@@ -1,0 +1,134 @@
+"""The router's gRPC surface: ``kvfleet.v1.Inference`` plus health and reflection.
+
+The servicer is glue: authenticate (``TenantDirectory``), check and tokenize (``parse_request``),
+wait for a turn (``Admission``), relay (``Relay``). Every refusal is mapped to its status in
+``_STATUS``, in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+
+from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+from router.admission import Admission, Shed
+from router.nodes import NodeTable
+from router.relay import Relay, RelayError
+from router.request import InvalidRequest, parse_request
+from router.tenants import AuthError, TenantDirectory
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+_STATUS: dict[type[Exception], grpc.StatusCode] = {
+    AuthError: grpc.StatusCode.UNAUTHENTICATED,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Shed: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class NoTokenizer(Exception):
+    """No model directory to read ``tokenizer.json`` from yet (→ UNAVAILABLE)."""
+
+
+_STATUS[NoTokenizer] = grpc.StatusCode.UNAVAILABLE
+
+
+class TokenizerSource:
+    """The model's tokenizer, from ``--model`` or else the model directory a READY node advertises
+    (the router runs next to the nodes, or mounts the same model volume)."""
+
+    def __init__(self, nodes: NodeTable, model_dir: str | None = None):
+        self.nodes = nodes
+        self.model_dir = model_dir
+        self._tokenizer = None
+        self._lock = asyncio.Lock()
+
+    async def get(self):
+        if self._tokenizer is not None:
+            return self._tokenizer
+        async with self._lock:
+            if self._tokenizer is None:
+                from compute_service.tokenizer import Tokenizer  # noqa: PLC0415 - tokenizers is slow to import
+
+                model_dir = self.model_dir or next((n.info.model for n in self.nodes.ready()), None)
+                if model_dir is None:
+                    raise NoTokenizer("no READY compute node yet (its model directory gives the tokenizer)")
+                self._tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+        return self._tokenizer
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, tenants: TenantDirectory, admission: Admission, relay: Relay, tokenizers: TokenizerSource):
+        self.tenants = tenants
+        self.admission = admission
+        self.relay = relay
+        self.tokenizers = tokenizers
+
+    async def Generate(self, request, context):
+        span = trace.get_current_span()
+        try:
+            metadata = dict(context.invocation_metadata() or ())
+            tenant = self.tenants.authenticate(metadata.get("authorization"))
+            span.set_attribute("kvfleet.tenant", tenant.name)
+            parsed = parse_request(request, await self.tokenizers.get())
+            span.set_attribute("kvfleet.request_id", parsed.request_id)
+            with tracer.start_as_current_span("queue", attributes={"kvfleet.tenant": tenant.name}):
+                await self.admission.wait(parsed.seq_id, tenant.name, self.tenants.normalised_paid_level(tenant))
+        except tuple(_STATUS) as e:
+            await context.abort(_STATUS[type(e)], str(e))
+        try:
+            async for chunk in self.relay.run(parsed, tenant):
+                yield chunk
+        except RelayError as e:
+            await context.abort(e.code, str(e))
+        finally:
+            self.admission.finish(tenant.name)
+
+
+@dataclass(slots=True)
+class RouterServer:
+    server: grpc.aio.Server
+    port: int
+    nodes: NodeTable
+    health: health.aio.HealthServicer
+
+    async def update_health(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.nodes.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def build_server(
+    listen: str,
+    tenants: TenantDirectory,
+    admission: Admission,
+    relay: Relay,
+    nodes: NodeTable,
+    tokenizers: TokenizerSource,
+) -> RouterServer:
+    """Bind the router's services on ``listen`` (``host:port``; port 0 picks one); not started."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    inference_pb2_grpc.add_InferenceServicer_to_server(
+        InferenceServicer(tenants, admission, relay, tokenizers), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}")
+    routed = RouterServer(server, port, nodes, health_servicer)
+    await routed.update_health()
+    return routed

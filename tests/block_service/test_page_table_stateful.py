@@ -1,0 +1,133 @@
+"""Random operation sequences over several nodes and tenants: invariants 1-3 after every step,
+refusals and rejected calls change nothing, and replaying the log rebuilds the same state."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from block_service.allocator import Allocation, Refusal
+from block_service.durable import DurablePageTable, recover
+from block_service.errors import BlockServiceError
+from block_service.page_table import AllocateRequest
+from block_service.tenants import TenantConfig
+
+NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
+TENANTS = ["a", "b", "c"]
+BPB = 1 << 18  # four blocks per MiB
+
+
+def family_hash(family: int, i: int) -> bytes:
+    """Same family, same index: same content, so sequences of a family share their prefix."""
+    return hashlib.blake2b(f"{family}/{i}".encode(), digest_size=16).digest()
+
+
+class PageTableMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvfleet-stateful-")
+        self.store, _ = DurablePageTable.open(self.dir, fsync=False)
+        self.table = self.store.table
+        for node, (n, bs) in NODES.items():
+            self.store.register_node(node, n, bs, BPB)
+        self.store.configure_tenants([TenantConfig("a", quota_mib=1.5, reserved_mib=0.5),
+                                      TenantConfig("b", quota_mib=2)])
+        self.family: dict[str, int] = {}
+        self.count = 0
+
+    def teardown(self) -> None:
+        if hasattr(self, "dir"):
+            self.store.sync()
+            replayed, report = recover(self.dir)
+            assert report.stop_reason is None, report.summary()
+            assert replayed.to_dict() == self.table.to_dict()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _unchanged_on_refusal(self, call, is_refusal) -> object:
+        before = self.table.to_dict()
+        try:
+            result = call()
+        except BlockServiceError:
+            assert self.table.to_dict() == before
+            return None
+        if is_refusal(result):
+            assert self.table.to_dict() == before
+        return result
+
+    @rule(node=st.sampled_from(sorted(NODES)), tenant=st.sampled_from(TENANTS), family=st.integers(0, 2),
+          num_hashes=st.integers(0, 4), num_tokens=st.integers(0, 200))
+    def allocate(self, node: str, tenant: str, family: int, num_hashes: int, num_tokens: int) -> None:
+        if node not in self.table.node_ids():
+            return
+        self.count += 1
+        seq_id = f"s{self.count}"
+        hashes = [family_hash(family, i) for i in range(num_hashes)]
+        req = AllocateRequest(node, seq_id, tenant, hashes, num_tokens)
+        result = self._unchanged_on_refusal(lambda: self.store.allocate_many([req])[0],
+                                            lambda r: isinstance(r, Refusal))
+        if isinstance(result, Allocation):
+            self.family[seq_id] = family
+
+    @precondition(lambda self: self.family)
+    @rule(data=st.data(), grow=st.integers(0, 70))
+    def extend(self, data: st.DataObject, grow: int) -> None:
+        seq_ids = data.draw(st.lists(st.sampled_from(sorted(self.family)), min_size=1, max_size=3, unique=True))
+        growth = [(s, self.table.sequence(s).num_tokens + grow) for s in seq_ids]
+        self._unchanged_on_refusal(lambda: self.store.extend(growth),
+                                   lambda r: all(isinstance(x, Refusal) for x in r))
+
+    @precondition(lambda self: self.family)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.family)))
+        seq = self.table.sequence(seq_id)
+        full = seq.num_tokens // self.table.block_size(seq.node_id)
+        if full:
+            i = data.draw(st.integers(0, full - 1))
+            self.store.commit([(seq_id, i, family_hash(self.family[seq_id], i))])
+
+    @precondition(lambda self: self.family)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq_ids = data.draw(st.lists(st.sampled_from(sorted(self.family)), min_size=1, max_size=3, unique=True))
+        self.store.release(seq_ids)
+        for s in seq_ids:
+            del self.family[s]
+
+    @rule(node=st.sampled_from(sorted(NODES)))
+    def toggle_node(self, node: str) -> None:
+        if node in self.table.node_ids():
+            for s in self.store.deregister_node(node):
+                del self.family[s]
+        else:
+            self.store.register_node(node, *NODES[node], BPB)
+
+    @rule(tenant=st.sampled_from(TENANTS[:2]), quota=st.sampled_from([0.25, 1, 3, None]))
+    def configure(self, tenant: str, quota: float | None) -> None:
+        self.store.configure_tenants([TenantConfig(tenant, quota_mib=quota)])
+
+    @rule(family=st.integers(0, 2), bad=st.sampled_from(["dup", "short", "unknown"]))
+    def bad_calls_change_nothing(self, family: int, bad: str) -> None:
+        calls = {
+            "dup": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [family_hash(family, 0)] * 2, 40)]),
+            "short": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [b"x"], 40)]),
+            "unknown": lambda: self.store.release(["nope"]),
+        }
+        self._unchanged_on_refusal(calls[bad], lambda r: False)
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if hasattr(self, "table"):
+            self.table.check()
+            for node in self.table.node_ids():
+                s = self.table.node_stats(node)
+                assert s.num_free + s.num_cached + s.num_used == s.num_blocks
+
+
+PageTableMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPageTableMachine = PageTableMachine.TestCase
