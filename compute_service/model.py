@@ -14,7 +14,7 @@ from torch import nn
 import kernels
 from compute_service.attention_metadata import AttentionMetadata
 from compute_service.model_config import ModelConfig
-from compute_service.rope import RotaryEmbedding
+from compute_service.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: [2, num_blocks, kv_heads, block_size, head_dim]
         num_tokens = x.shape[0]
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -71,7 +71,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -82,8 +82,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -105,7 +105,8 @@ class CausalLM(nn.Module):
         """Logits ``[len(logits_indices), vocab]`` (float32) for the packed tokens picked by
         ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]``."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

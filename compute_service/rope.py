@@ -32,7 +32,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables ``[max_positions, head_dim]``; applied to packed tokens."""
+    """Precomputed cos/sin tables ``[max_positions, head_dim]``."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None):
         super().__init__()
@@ -42,11 +42,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, KV, D], positions: [T]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` for the packed tokens' positions (once per forward)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [T, H, D], k: [T, KV, D], cos/sin: [T, 1, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

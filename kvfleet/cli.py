@@ -12,6 +12,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("kvfleet.model_maker", "write a seeded random Llama-style model directory"),
     "demo": ("kvfleet.demo", "run the demo: prompts through the engine, streamed, with stats"),
+    "block-service": ("block_service.main", "run block_service: the fleet's page table, quotas, durable log"),
+    "checkpoint": ("block_service.checkpoint", "check block_service snapshots and logs (verify PATH)"),
     "compute": ("compute_service.main", "run a compute node: model, KV pool, Compute service, etcd membership"),
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet.generate_client", "send a prompt to the router and stream the answer"),

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
-import grpc
 import pytest
 
 from kvfleet.etcd_server import EtcdServer
 from kvfleet.local_cluster import LocalCluster
 from kvfleet.model_maker import make_model
-from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
-BLOCK_SIZE = 16
+from cluster_helpers import BLOCK_SIZE
+
 TENANTS = """\
 tenants:
   - name: gold
@@ -71,29 +68,3 @@ def start_cluster(model_dir, tmp_path):
             leftovers = [c.name for c in cluster.children() if c.alive()]
             assert not leftovers, f"processes left running: {leftovers}"
             assert cluster.etcd.process is None
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(length)]
-
-
-def request(tokens=None, text=None, max_tokens=8, request_id="", **sampling):
-    req = inference_pb2.GenerateRequest(request_id=request_id,
-                                        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
-    if tokens is not None:
-        req.tokens.ids.extend(tokens)
-    if text is not None:
-        req.text = text
-    return req
-
-
-def stream(address: str, req, api_key: str = "sk-gold", timeout: float = 120.0):
-    """The chunks of one Generate call (a list); raises grpc.RpcError."""
-    with grpc.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        return list(stub.Generate(req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout))
-
-
-def tokens_of(chunks) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]

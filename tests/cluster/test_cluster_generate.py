@@ -11,7 +11,7 @@ from compute_service.engine import EngineConfig, LLMEngine
 from compute_service.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
-from conftest import BLOCK_SIZE, random_prompt, request, stream, tokens_of
+from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream, tokens_of
 
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([5, 16, 37, 70])]
 

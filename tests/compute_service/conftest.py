@@ -13,6 +13,10 @@ VARIANTS = {
     "llama": dict(architecture="llama"),
     "qwen2": dict(architecture="qwen2", tie_word_embeddings=True),   # q/k/v bias, tied embeddings
     "mqa": dict(architecture="llama", num_key_value_heads=1),        # one KV head
+    "mistral": dict(architecture="mistral"),
+    "llama3_rope": dict(architecture="llama", rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=256)),
 }
 
 

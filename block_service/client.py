@@ -1,0 +1,100 @@
+"""An async client of block_service with the page table's own signatures.
+
+``BlockManagerClient`` speaks the same calls as ``PageTable`` (``allocate_many``, ``extend``,
+``commit``, ``release``, ``match_prefix``, ...), batched, and raises the same errors
+(``block_service.errors``) for the same status codes, so code written against the core runs against
+the service unchanged. Transport failures stay ``grpc.aio.AioRpcError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from block_service import wire
+from block_service.allocator import Allocation, Refusal
+from block_service.errors import ERRORS_BY_CODE
+from block_service.page_table import AllocateRequest, SeqState
+from block_service.stats import NodeStats, TenantStats
+from block_service.tenants import TenantConfig
+from kvfleet.v1 import block_manager_pb2 as pb
+from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
+
+class BlockManagerClient:
+    def __init__(self, target: str, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.BlockManagerStub(self._channel)
+
+    async def __aenter__(self) -> BlockManagerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+
+    async def _call(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            error = ERRORS_BY_CODE.get(err.code().name)
+            if error is None:
+                raise
+            raise error(err.details()) from None
+
+    # ---- the page table's calls ----------------------------------------------------------------
+
+    async def allocate_many(self, requests: Sequence[AllocateRequest]) -> list[Allocation | Refusal]:
+        resp = await self._call("AllocateMany", wire.allocate_request_to_pb(requests))
+        return wire.allocate_results_from_pb(resp)
+
+    async def allocate(
+        self, node_id: str, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> Allocation | Refusal:
+        return (await self.allocate_many([AllocateRequest(node_id, seq_id, tenant, block_hashes, num_tokens)]))[0]
+
+    async def extend(self, growth: Sequence[tuple[str, int]], tenant: str | None = None) -> list[list[int] | Refusal]:
+        resp = await self._call("ExtendMany", wire.extend_request_to_pb(growth, tenant))
+        return wire.extend_results_from_pb(resp)
+
+    async def commit(self, commits: Sequence[tuple[str, int, bytes]], tenant: str | None = None) -> int:
+        resp = await self._call("CommitMany", wire.commit_request_to_pb(commits, tenant))
+        return resp.num_committed
+
+    async def release(self, seq_ids: Sequence[str], tenant: str | None = None) -> None:
+        await self._call("ReleaseMany", pb.ReleaseManyRequest(seq_ids=seq_ids, tenant=tenant or ""))
+
+    async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
+        req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])
+        resp = await self._call("MatchPrefix", req)
+        return {m.node_id: m.num_cached_blocks for m in resp.nodes}
+
+    async def register_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int) -> bool:
+        req = pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
+                                     bytes_per_block=bytes_per_block)
+        return (await self._call("RegisterNode", req)).created
+
+    async def deregister_node(self, node_id: str) -> list[str]:
+        resp = await self._call("DeregisterNode", pb.DeregisterNodeRequest(node_id=node_id))
+        return list(resp.released_seq_ids)
+
+    async def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+        req = pb.ConfigureTenantsRequest(tenants=[wire.tenant_to_pb(c) for c in configs], replace_all=replace_all)
+        await self._call("ConfigureTenants", req)
+
+    async def stats(self, node_ids: Sequence[str] | None = None) -> tuple[list[NodeStats], list[TenantStats]]:
+        resp = await self._call("Stats", pb.BlockStatsRequest(node_ids=node_ids or []))
+        return ([wire.node_stats_from_pb(n) for n in resp.nodes],
+                [wire.tenant_stats_from_pb(t) for t in resp.tenants])
+
+    async def sequences(self, seq_ids: Sequence[str], tenant: str | None = None) -> list[SeqState]:
+        resp = await self._call("GetSequences", pb.GetSequencesRequest(seq_ids=seq_ids, tenant=tenant or ""))
+        return [wire.sequence_from_pb(s) for s in resp.sequences]

@@ -1,0 +1,116 @@
+"""The BlockManager gRPC servicer: protobuf in, page-table call, protobuf out.
+
+Each handler converts (``wire``), calls the durable page table, waits for its log record to be
+fsynced (group commit: concurrent calls share one fsync), and answers. Errors become status codes in
+one place, ``_answers``; a rejected call has changed nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from block_service import wire
+from block_service.durable import DurablePageTable
+from block_service.errors import BlockServiceError, PermissionDenied
+from kvfleet.v1 import block_manager_pb2 as pb
+from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+def _answers(handler):
+    """Map the page table's errors to gRPC status codes; anything else is a bug: INTERNAL."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await handler(self, request, context)
+        except BlockServiceError as err:
+            await context.abort(grpc.StatusCode[err.code], str(err))
+        except Exception as err:
+            log.exception("%s failed", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    return wrapped
+
+
+def _tenant(request) -> str | None:
+    return request.tenant or None
+
+
+class BlockManagerServicer(pb_grpc.BlockManagerServicer):
+    def __init__(self, store: DurablePageTable) -> None:
+        self.store = store
+        self.table = store.table
+
+    @_answers
+    async def AllocateMany(self, request, context):
+        results = self.store.allocate_many(wire.allocate_request_from_pb(request))
+        await self.store.flush()
+        return wire.allocate_results_to_pb(results)
+
+    @_answers
+    async def ExtendMany(self, request, context):
+        results = self.store.extend(wire.extend_request_from_pb(request), _tenant(request))
+        await self.store.flush()
+        return wire.extend_results_to_pb(results)
+
+    @_answers
+    async def CommitMany(self, request, context):
+        num_new = self.store.commit(wire.commit_request_from_pb(request), _tenant(request))
+        await self.store.flush()
+        return pb.CommitManyResponse(num_committed=num_new)
+
+    @_answers
+    async def ReleaseMany(self, request, context):
+        self.store.release(list(request.seq_ids), _tenant(request))
+        await self.store.flush()
+        return pb.ReleaseManyResponse()
+
+    @_answers
+    async def MatchPrefix(self, request, context):
+        matches = self.table.match_prefix(wire.split_hashes(request.block_hashes), list(request.node_ids))
+        return pb.MatchPrefixResponse(nodes=[
+            pb.NodePrefixMatch(node_id=n, num_cached_blocks=k, block_size=self.table.block_size(n))
+            for n, k in matches.items()
+        ])
+
+    @_answers
+    async def RegisterNode(self, request, context):
+        created = self.store.register_node(request.node_id, request.num_blocks, request.block_size,
+                                           request.bytes_per_block)
+        await self.store.flush()
+        return pb.RegisterNodeResponse(created=created)
+
+    @_answers
+    async def DeregisterNode(self, request, context):
+        released = self.store.deregister_node(request.node_id)
+        await self.store.flush()
+        return pb.DeregisterNodeResponse(released_seq_ids=released)
+
+    @_answers
+    async def ConfigureTenants(self, request, context):
+        configs = [wire.tenant_from_pb(t) for t in request.tenants]
+        self.store.configure_tenants(configs, request.replace_all)
+        await self.store.flush()
+        return pb.ConfigureTenantsResponse()
+
+    @_answers
+    async def Stats(self, request, context):
+        node_ids = list(request.node_ids) or self.table.node_ids()
+        return pb.BlockStatsResponse(
+            nodes=[wire.node_stats_to_pb(self.table.node_stats(n)) for n in node_ids],
+            tenants=[wire.tenant_stats_to_pb(t) for n in node_ids for t in self.table.tenant_stats(n)],
+            log_records=self.store.durable_lsn,
+            log_bytes=self.store.log_bytes,
+        )
+
+    @_answers
+    async def GetSequences(self, request, context):
+        tenant = _tenant(request)
+        seqs = [self.table.sequence(s) for s in request.seq_ids]
+        if tenant is not None and any(s.tenant != tenant for s in seqs):
+            raise PermissionDenied(f"a sequence asked for belongs to another tenant than {tenant!r}")
+        return pb.GetSequencesResponse(sequences=[wire.sequence_to_pb(s) for s in seqs])

@@ -1,0 +1,174 @@
+"""Conversions between the BlockManager protobuf messages and the page table's dataclasses.
+
+Both directions live here, in pairs, so that server and client agree by construction. Hashes travel
+as one ``bytes`` field per prompt (16 bytes per block, concatenated), commits as runs of consecutive
+blocks of one sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from block_service.allocator import Allocation, Refusal
+from block_service.errors import InvalidArgument
+from block_service.page_table import AllocateRequest, SeqState
+from block_service.stats import Counters, NodeStats, TenantStats
+from block_service.tenants import TenantConfig
+from kvfleet.block_hash import HASH_BYTES
+from kvfleet.v1 import block_manager_pb2 as pb
+
+
+def split_hashes(data: bytes) -> list[bytes]:
+    if len(data) % HASH_BYTES:
+        raise InvalidArgument(f"block_hashes must be {HASH_BYTES}-byte hashes concatenated, got {len(data)} bytes")
+    return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+def refusal_to_pb(r: Refusal) -> pb.BlockRefusal:
+    return pb.BlockRefusal(reason=r.reason, node_id=r.node_id, tenant=r.tenant, blocks_asked=r.blocks_asked,
+                           blocks_charged=r.blocks_charged, blocks_allowed=r.blocks_allowed, message=r.message())
+
+
+def refusal_from_pb(m: pb.BlockRefusal) -> Refusal:
+    return Refusal(m.reason, m.node_id, m.tenant, m.blocks_asked, m.blocks_charged, m.blocks_allowed)
+
+
+# ---- allocate -----------------------------------------------------------------------------------
+
+def allocate_request_to_pb(requests: Sequence[AllocateRequest]) -> pb.AllocateManyRequest:
+    return pb.AllocateManyRequest(sequences=[
+        pb.SequenceAllocation(node_id=r.node_id, seq_id=r.seq_id, tenant=r.tenant,
+                              block_hashes=b"".join(r.block_hashes), num_tokens=r.num_tokens)
+        for r in requests
+    ])
+
+
+def allocate_request_from_pb(m: pb.AllocateManyRequest) -> list[AllocateRequest]:
+    return [AllocateRequest(s.node_id, s.seq_id, s.tenant, split_hashes(s.block_hashes), s.num_tokens)
+            for s in m.sequences]
+
+
+def allocate_results_to_pb(results: Sequence[Allocation | Refusal]) -> pb.AllocateManyResponse:
+    out = pb.AllocateManyResponse()
+    for r in results:
+        if isinstance(r, Refusal):
+            out.results.add(refusal=refusal_to_pb(r))
+        else:
+            out.results.add(block_ids=pb.BlockIds(ids=r.block_ids), num_cached_blocks=r.num_cached_blocks)
+    return out
+
+
+def allocate_results_from_pb(m: pb.AllocateManyResponse) -> list[Allocation | Refusal]:
+    return [Allocation(list(r.block_ids.ids), r.num_cached_blocks) if r.HasField("block_ids")
+            else refusal_from_pb(r.refusal) for r in m.results]
+
+
+# ---- extend -------------------------------------------------------------------------------------
+
+def extend_request_to_pb(growth: Sequence[tuple[str, int]], tenant: str | None) -> pb.ExtendManyRequest:
+    return pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id=s, num_tokens=n) for s, n in growth],
+                                tenant=tenant or "")
+
+
+def extend_request_from_pb(m: pb.ExtendManyRequest) -> list[tuple[str, int]]:
+    return [(g.seq_id, g.num_tokens) for g in m.sequences]
+
+
+def extend_results_to_pb(results: Sequence[list[int] | Refusal]) -> pb.ExtendManyResponse:
+    out = pb.ExtendManyResponse()
+    for r in results:
+        if isinstance(r, Refusal):
+            out.results.add(refusal=refusal_to_pb(r))
+        else:
+            out.results.add(new_block_ids=pb.BlockIds(ids=r))
+    return out
+
+
+def extend_results_from_pb(m: pb.ExtendManyResponse) -> list[list[int] | Refusal]:
+    return [list(r.new_block_ids.ids) if r.HasField("new_block_ids") else refusal_from_pb(r.refusal)
+            for r in m.results]
+
+
+# ---- commit -------------------------------------------------------------------------------------
+
+def commit_request_to_pb(commits: Sequence[tuple[str, int, bytes]], tenant: str | None) -> pb.CommitManyRequest:
+    """Consecutive blocks of one sequence become one run."""
+    out = pb.CommitManyRequest(tenant=tenant or "")
+    run_seq, run_start, run_hashes = None, 0, []
+    for seq_id, i, h in commits:
+        if seq_id == run_seq and i == run_start + len(run_hashes):
+            run_hashes.append(h)
+            continue
+        if run_seq is not None:
+            out.runs.add(seq_id=run_seq, first_block_index=run_start, block_hashes=b"".join(run_hashes))
+        run_seq, run_start, run_hashes = seq_id, i, [h]
+    if run_seq is not None:
+        out.runs.add(seq_id=run_seq, first_block_index=run_start, block_hashes=b"".join(run_hashes))
+    return out
+
+
+def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, bytes]]:
+    return [(run.seq_id, run.first_block_index + k, h)
+            for run in m.runs for k, h in enumerate(split_hashes(run.block_hashes))]
+
+
+# ---- tenants ------------------------------------------------------------------------------------
+
+def tenant_to_pb(t: TenantConfig) -> pb.TenantQuota:
+    return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
+                          paid_level=t.paid_level, max_concurrent=t.max_concurrent)
+
+
+def tenant_from_pb(m: pb.TenantQuota) -> TenantConfig:
+    return TenantConfig(m.name, m.quota_mib if m.HasField("quota_mib") else None, m.reserved_mib,
+                        m.paid_level, m.max_concurrent)
+
+
+# ---- figures and tables -------------------------------------------------------------------------
+
+def _counters_to_pb(c: Counters) -> pb.BlockCounters:
+    return pb.BlockCounters(prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
+                            refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota)
+
+
+def _counters_from_pb(m: pb.BlockCounters) -> Counters:
+    return Counters(m.prefix_queries, m.prefix_hits, m.refusals_pool, m.refusals_quota)
+
+
+def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
+    return pb.NodePoolStats(
+        node_id=s.node_id, num_blocks=s.num_blocks, block_size=s.block_size, bytes_per_block=s.bytes_per_block,
+        num_free=s.num_free, num_cached=s.num_cached, num_used=s.num_used, num_sequences=s.num_sequences,
+        tokens_stored=s.tokens_stored, token_capacity=s.token_capacity, counters=_counters_to_pb(s.counters),
+    )
+
+
+def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
+    return NodeStats(m.node_id, m.num_blocks, m.block_size, m.bytes_per_block, m.num_free, m.num_cached,
+                     m.num_used, m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+
+
+def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
+    return pb.TenantBlockStats(
+        tenant=s.tenant, node_id=s.node_id, blocks_charged=s.blocks_charged, blocks_allowed=s.blocks_allowed,
+        blocks_reserved=s.blocks_reserved, num_sequences=s.num_sequences, tokens_stored=s.tokens_stored,
+        token_capacity=s.token_capacity, counters=_counters_to_pb(s.counters),
+    )
+
+
+def tenant_stats_from_pb(m: pb.TenantBlockStats) -> TenantStats:
+    return TenantStats(m.tenant, m.node_id, m.blocks_charged,
+                       m.blocks_allowed if m.HasField("blocks_allowed") else None, m.blocks_reserved,
+                       m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+
+
+def sequence_to_pb(s: SeqState) -> pb.SequenceBlocks:
+    return pb.SequenceBlocks(seq_id=s.seq_id, node_id=s.node_id, tenant=s.tenant,
+                             block_ids=pb.BlockIds(ids=s.block_ids), num_tokens=s.num_tokens,
+                             num_committed=s.num_committed)
+
+
+def sequence_from_pb(m: pb.SequenceBlocks) -> SeqState:
+    return SeqState(m.seq_id, m.node_id, m.tenant, list(m.block_ids.ids), m.num_tokens, m.num_committed)

@@ -1,0 +1,189 @@
+"""The gRPC service in-process: the client round-trips the core's calls, every RPC answers bad input
+with the right status, and no rejected call changes state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from block_service.allocator import Allocation, Refusal
+from block_service.client import BlockManagerClient
+from block_service.durable import DurablePageTable
+from block_service.errors import NotFound
+from block_service.page_table import AllocateRequest, PageTable
+from block_service.server import BlockManagerServicer
+from block_service.tenants import TenantConfig
+from block_service.trace import Trace, drive, drive_async
+from kvfleet.v1 import block_manager_pb2 as pb
+from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
+
+H = bytes(range(16))
+Code = grpc.StatusCode
+
+
+async def _serving(store: DurablePageTable, body) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(store), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with BlockManagerClient(f"127.0.0.1:{port}") as client:
+            await body(client)
+    finally:
+        await server.stop(None)
+
+
+def serve_and_run(store: DurablePageTable, body) -> None:
+    asyncio.run(_serving(store, body))
+
+
+def test_client_matches_core_call_for_call(tmp_path) -> None:
+    """The same trace through the service and through a local core gives the same answers."""
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    mirror = PageTable()
+
+    async def body(client: BlockManagerClient) -> None:
+        for target in (client, mirror):
+            r = target.register_node("n0", 300, 16, 1 << 16)
+            assert (await r if asyncio.iscoroutine(r) else r) is True
+        remote, local = Trace(seed=5, tenants=["a", "b"]), Trace(seed=5, tenants=["a", "b"])
+        for _ in range(30):
+            await drive_async(client, remote.step())
+            drive(mirror, local.step())
+        assert remote.block_ops == local.block_ops
+        assert store.table.to_dict() == mirror.to_dict()
+        [node], tenants = await client.stats()
+        assert node == mirror.node_stats("n0")
+        assert sorted(tenants, key=lambda t: t.tenant) == sorted(mirror.tenant_stats("n0"), key=lambda t: t.tenant)
+        live = list(local.live)[:5]
+        assert await client.sequences(live) == [mirror.sequence(s) for s in live]
+        hashes = local.prefixes[0]
+        assert await client.match_prefix(hashes) == mirror.match_prefix(hashes)
+
+    serve_and_run(store, body)
+    store.close()
+
+
+def test_refusals_are_answers_not_errors(tmp_path, caplog) -> None:
+    store = DurablePageTable(PageTable(), None)
+
+    async def body(client: BlockManagerClient) -> None:
+        await client.register_node("n0", 4, 16, 1 << 20)
+        await client.configure_tenants([TenantConfig("a", quota_mib=2)])
+        with caplog.at_level(logging.WARNING):
+            ok, quota, pool = await client.allocate_many([
+                AllocateRequest("n0", "s1", "a", [], 32), AllocateRequest("n0", "s2", "a", [], 1),
+                AllocateRequest("n0", "s3", "b", [], 48),
+            ])
+        assert isinstance(ok, Allocation)
+        assert quota == Refusal("quota", "n0", "a", 1, 2, 2)
+        assert pool == Refusal("pool", "n0", "b", 3, 2, 4)
+        assert "block_pool exhausted (alloc=2/4) node=n0 tenant=b" in caplog.text
+
+    serve_and_run(store, body)
+
+
+def _bad_requests() -> list[tuple[str, object, Code]]:
+    alloc = pb.SequenceAllocation
+    return [
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="nX", seq_id="x", tenant="a")]), Code.NOT_FOUND),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="live", tenant="a")]),
+         Code.ALREADY_EXISTS),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="a"),
+                                                           alloc(node_id="n0", seq_id="x", tenant="a")]),
+         Code.ALREADY_EXISTS),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="a",
+                                                                 num_tokens=-1)]), Code.INVALID_ARGUMENT),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="a",
+                                                                 num_tokens=1 << 40)]), Code.INVALID_ARGUMENT),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="a",
+                                                                 block_hashes=b"abc", num_tokens=16)]),
+         Code.INVALID_ARGUMENT),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="a",
+                                                                 block_hashes=H + H, num_tokens=32)]),
+         Code.INVALID_ARGUMENT),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="", tenant="a")]),
+         Code.INVALID_ARGUMENT),
+        ("AllocateMany", pb.AllocateManyRequest(sequences=[alloc(node_id="n0", seq_id="x", tenant="")]),
+         Code.INVALID_ARGUMENT),
+        ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="nope", num_tokens=5)]),
+         Code.NOT_FOUND),
+        ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=1)]),
+         Code.INVALID_ARGUMENT),
+        ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=-5)]),
+         Code.INVALID_ARGUMENT),
+        ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=64)] * 2),
+         Code.INVALID_ARGUMENT),
+        ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=64)],
+                                            tenant="b"), Code.PERMISSION_DENIED),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="nope", block_hashes=H)]), Code.NOT_FOUND),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", block_hashes=H[:7])]),
+         Code.INVALID_ARGUMENT),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", first_block_index=-1,
+                                                               block_hashes=H)]), Code.INVALID_ARGUMENT),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", first_block_index=2,
+                                                               block_hashes=H)]), Code.INVALID_ARGUMENT),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", block_hashes=bytes(16))]),
+         Code.FAILED_PRECONDITION),
+        ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", block_hashes=H)], tenant="b"),
+         Code.PERMISSION_DENIED),
+        ("ReleaseMany", pb.ReleaseManyRequest(seq_ids=["live", "nope"]), Code.NOT_FOUND),
+        ("ReleaseMany", pb.ReleaseManyRequest(seq_ids=["live", "live"]), Code.INVALID_ARGUMENT),
+        ("ReleaseMany", pb.ReleaseManyRequest(seq_ids=["live"], tenant="b"), Code.PERMISSION_DENIED),
+        ("MatchPrefix", pb.MatchPrefixRequest(block_hashes=H[:15]), Code.INVALID_ARGUMENT),
+        ("MatchPrefix", pb.MatchPrefixRequest(block_hashes=H, node_ids=["nX"]), Code.NOT_FOUND),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="n1", num_blocks=8, block_size=24, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="n1", num_blocks=-8, block_size=16, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="n1", num_blocks=8, block_size=4096, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="n1", num_blocks=8, block_size=16, bytes_per_block=0),
+         Code.INVALID_ARGUMENT),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="", num_blocks=8, block_size=16, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
+        ("RegisterNode", pb.RegisterNodeRequest(node_id="n0", num_blocks=9, block_size=16, bytes_per_block=1 << 16),
+         Code.ALREADY_EXISTS),
+        ("DeregisterNode", pb.DeregisterNodeRequest(node_id="nX"), Code.NOT_FOUND),
+        ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="")]), Code.INVALID_ARGUMENT),
+        ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="a", quota_mib=-1)]),
+         Code.INVALID_ARGUMENT),
+        ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="a", quota_mib=float("nan"))]),
+         Code.INVALID_ARGUMENT),
+        ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="a", quota_mib=1,
+                                                                                reserved_mib=2)]),
+         Code.INVALID_ARGUMENT),
+        ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="a")] * 2), Code.INVALID_ARGUMENT),
+        ("Stats", pb.BlockStatsRequest(node_ids=["nX"]), Code.NOT_FOUND),
+        ("GetSequences", pb.GetSequencesRequest(seq_ids=["nope"]), Code.NOT_FOUND),
+        ("GetSequences", pb.GetSequencesRequest(seq_ids=["live"], tenant="b"), Code.PERMISSION_DENIED),
+    ]
+
+
+def test_every_rpc_answers_bad_input_and_changes_nothing(tmp_path) -> None:
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    store.register_node("n0", 16, 16, 1 << 16)
+    store.allocate_many([AllocateRequest("n0", "live", "a", [], 20)])
+    store.commit([("live", 0, H)])
+    store.sync()
+    before, lsn = store.table.to_dict(), store.lsn
+    cases = _bad_requests()
+    assert {m for m, _, _ in cases} == set(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+
+    async def body(client: BlockManagerClient) -> None:
+        stub = pb_grpc.BlockManagerStub(client._channel)
+        for method, request, code in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await getattr(stub, method)(request)
+            assert err.value.code() == code, (method, request, err.value.details())
+            assert err.value.details(), method
+            assert store.table.to_dict() == before, method
+        with pytest.raises(NotFound, match="unknown sequence 'nope'"):  # the client maps codes back
+            await client.release(["nope"])
+
+    serve_and_run(store, body)
+    assert store.lsn == lsn
+    store.close()
