@@ -226,8 +226,7 @@ class DurablePageTable:
         """Return once every record appended so far is durable; concurrent callers share fsyncs."""
         target = self.lsn
         while self.durable_lsn < target:
-            if self._failed is not None:
-                self._check_writable()
+            self._check_writable()
             if self._flushing is None:
                 self._flushing = asyncio.ensure_future(self._flush_once())
             await asyncio.shield(self._flushing)

@@ -51,7 +51,11 @@ async def serve(args: argparse.Namespace) -> int:
         store, report = DurablePageTable.open(args.state_dir, fsync=args.durability == "fsync")
         (log.warning if report.stop_reason or report.skipped else log.info)("%s", report.summary())
     if args.tenants:
-        tenants = [dataclasses.replace(t, api_key="") for t in load_tenants(args.tenants)]  # no keys on disk
+        try:
+            tenants = [dataclasses.replace(t, api_key="") for t in load_tenants(args.tenants)]  # no keys on disk
+        except (OSError, ValueError) as err:  # unreadable, or InvalidArgument
+            log.error("cannot load tenants from %s: %s", args.tenants, err)
+            return 2
         store.configure_tenants(tenants, replace_all=True)
         store.sync()
         log.info("configured %d tenants from %s", len(tenants), args.tenants)

@@ -194,7 +194,7 @@ class PageTable:
         for c in (node.counters, node.tenant_counter(tenant)):
             c.prefix_queries += len(hashes)
             c.prefix_hits += len(hits)
-        return Allocation(block_ids, len(hits))
+        return Allocation(list(block_ids), len(hits))  # the caller's copy: it may append to it
 
     def extend(self, growth: Sequence[tuple[str, int]], tenant: str | None = None) -> list[list[int] | Refusal]:
         """Grow each ``(seq_id, num_tokens)``; per sequence the new block ids or a refusal."""

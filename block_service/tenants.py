@@ -9,10 +9,13 @@ not yet used. A tenant without a configured quota is unlimited (the engine's in-
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from block_service.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 MAX_NAME_LEN = 128
@@ -67,11 +70,12 @@ def parse_tenants(doc: Mapping) -> list[TenantConfig]:
     for item in items:
         if not isinstance(item, Mapping):
             raise InvalidArgument(f"tenants file: each tenant must be a mapping, got {item!r}")
-        unknown = set(item) - set(TenantConfig.__dataclass_fields__)
-        if unknown:
-            raise InvalidArgument(f"tenants file: unknown keys {sorted(unknown)} in {item.get('name')!r}")
+        fields = TenantConfig.__dataclass_fields__
+        unknown = sorted(set(item) - set(fields))
+        if unknown:  # the file is shared with the router, which may know more keys
+            log.warning("tenants file: ignoring keys %s of tenant %r", unknown, item.get("name"))
         try:
-            configs.append(TenantConfig(**item))
+            configs.append(TenantConfig(**{k: v for k, v in item.items() if k in fields}))
         except TypeError as err:
             raise InvalidArgument(f"tenants file: {err}") from None
     names = [c.name for c in configs]
@@ -84,7 +88,11 @@ def load_tenants(path: str) -> list[TenantConfig]:
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        return parse_tenants(yaml.safe_load(f) or {})
+        try:
+            doc = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise InvalidArgument(f"tenants file {path}: {err}") from None
+    return parse_tenants(doc or {})
 
 
 class QuotaLedger:

@@ -44,12 +44,14 @@ class Trace:
         private_tokens: tuple[int, int] = (1, 256),
         output_tokens: tuple[int, int] = (16, 512),
         arrivals_per_step: int = 8,
+        name: str = "s",
     ) -> None:
         self.rng = random.Random(seed)
         self.node_ids, self.tenants, self.block_size = list(node_ids), list(tenants), block_size
         self.prefixes = [[self.rng.randbytes(16) for _ in range(prefix_blocks)] for _ in range(num_prefixes)]
         self.private_tokens, self.output_tokens = private_tokens, output_tokens
         self.arrivals_per_step = arrivals_per_step
+        self.name = name  # prefix of the sequence ids, so that several traces can share a table
         self.live: dict[str, _Live] = {}
         self.finished: list[str] = []
         self.num_seqs = 0
@@ -61,7 +63,7 @@ class Trace:
         prompt = len(prefix) * bs + rng.randint(*self.private_tokens)
         self.num_seqs += 1
         return _Live(
-            f"s{self.num_seqs}", rng.choice(self.node_ids), rng.choice(self.tenants), prompt,
+            f"{self.name}{self.num_seqs}", rng.choice(self.node_ids), rng.choice(self.tenants), prompt,
             prompt + rng.randint(*self.output_tokens), list(prefix), 0,
         )
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 MAGIC = b"KVFWAL01"
 HEADER = struct.Struct("<8sQ")
 FRAME = struct.Struct("<II")
-MAX_RECORD_BYTES = 64 << 20
+MAX_RECORD_BYTES = 1 << 30  # far above any RPC (64 MiB at most); beyond it: garbage length
 
 
 def frame(payload: bytes) -> bytes:

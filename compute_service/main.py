@@ -34,6 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
+def _flush_after_each_step(engine, allocator) -> None:
+    """Have the remote allocator send its queued commits and releases once per engine step."""
+    step = engine.step
+
+    def step_then_flush():
+        outputs = step()
+        allocator.end_step()
+        return outputs
+
+    engine.step = step_then_flush
+
+
 def _build_engine(args: argparse.Namespace, remote):
     from compute_service.engine import EngineConfig, LLMEngine  # noqa: PLC0415
 
@@ -55,31 +67,37 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    # etcd first (WARMING, pool size unknown yet), block_service second: a previous run's lease
+    # expiring can then no longer make the router drop the pool this run is about to register.
+    client = etcd_client(args.etcd) if args.etcd else None
+    registration = None
+    if client is not None:
+        await client.connect()
+        info = NodeInfo(args.node_id, args.advertise or "", str(args.model), 0, 0, NodeState.WARMING)
+        registration = NodeRegistration(client, info, ttl=args.lease_ttl)
+        await registration.start()
+
     remote = None
     if args.block_service:
         from compute_service.remote_allocator import RemoteAllocatorFactory  # noqa: PLC0415
 
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)
-    async_engine = AsyncEngine(engine)
     allocator = engine.allocator
-    status = NodeStatus(args.node_id, block_rpcs=getattr(allocator, "num_rpcs", None))
+    if remote is not None:
+        _flush_after_each_step(engine, allocator)
+    async_engine = AsyncEngine(engine)
+    status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(async_engine, status), server)
+    servicer = ComputeServicer(async_engine, status, remote.trace_contexts if remote else None)
+    compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     port = server.add_insecure_port(args.listen)
     await server.start()
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
-
-    client = etcd_client(args.etcd) if args.etcd else None
-    registration = None
-    if client is not None:
-        await client.connect()
-        info = NodeInfo(args.node_id, address, str(args.model), allocator.num_blocks, allocator.block_size,
-                        NodeState.WARMING)
-        registration = NodeRegistration(client, info, ttl=args.lease_ttl)
-        await registration.start()
-    seconds = await warm_up(async_engine)
+    if registration is not None:
+        await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size)
+    seconds = await warm_up(async_engine, args.node_id)
     status.state = NodeState.READY
     if registration is not None:
         await registration.set_state(NodeState.READY)

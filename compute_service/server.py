@@ -75,9 +75,11 @@ def _check(request) -> list[int]:
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
-    def __init__(self, engine: AsyncEngine, status: NodeStatus):
+    def __init__(self, engine: AsyncEngine, status: NodeStatus, trace_contexts: dict | None = None):
         self.engine = engine
         self.status = status
+        # request id → the trace context its block_service calls should join (remote allocator)
+        self.trace_contexts = trace_contexts
 
     async def Generate(self, request, context):
         if self.status.state != NodeState.READY:
@@ -97,6 +99,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.status.idle.clear()
         outputs = self.engine.generate(request.request_id, ids, sampling, request.tenant, request.priority)
         phase = tracer.start_span("prefill")
+        if self.trace_contexts is not None:
+            self.trace_contexts[request.request_id] = trace.set_span_in_context(phase)
         completion = 0
         try:
             try:
@@ -125,6 +129,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 out = await anext(outputs)
         finally:
             await outputs.aclose()  # aborts the engine's request if the router went away
+            if self.trace_contexts is not None:
+                self.trace_contexts.pop(request.request_id, None)
             phase.set_attribute("kvfleet.completion_tokens", completion)
             phase.end()
             span.set_attribute("kvfleet.completion_tokens", completion)
@@ -146,7 +152,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         )
 
 
-async def warm_up(engine: AsyncEngine, seed: int = 0) -> float:
+async def warm_up(engine: AsyncEngine, node_id: str, seed: int = 0) -> float:
     """Run a random-token prefill over several blocks and a batched greedy + sampled decode, so
     every kernel path is compiled and touched before the node takes traffic; returns seconds."""
     import random  # noqa: PLC0415
@@ -164,7 +170,7 @@ async def warm_up(engine: AsyncEngine, seed: int = 0) -> float:
                  SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True)]
 
     async def one(i: int) -> None:
-        async for _ in engine.generate(f"warmup-{seed}-{i}", prompts[i], samplings[i], tenant="__warmup__"):
+        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{i}", prompts[i], samplings[i], tenant="__warmup__"):
             pass
 
     await asyncio.gather(one(0), one(1))

@@ -35,7 +35,7 @@ def load_extension() -> bool:
             cpp_extension.load(
                 name=f"kvfleet_paged_decode_cpu_{name}",
                 sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-std=c++17", "-fopenmp", *flags],
+                extra_cflags=["-O3", "-fopenmp", *flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=_build_dir(name),
                 is_python_module=False,

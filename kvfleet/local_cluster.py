@@ -117,7 +117,7 @@ class LocalCluster:
             if self.with_block_service:
                 port = free_port()
                 self.block_service = self._spawn("block_service", [
-                    "block-service", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
+                    "block-service", "--listen", f"127.0.0.1:{port}",
                     "--tenants", self.tenants_file, "--state-dir", str(self.work_dir / "block_state"),
                 ], port)
                 self._wait_port(self.block_service, timeout)
@@ -219,16 +219,20 @@ class LocalCluster:
         return [c for c in [self.router, *self.nodes.values(), self.block_service] if c is not None]
 
     def stop(self, timeout: float = 20.0) -> None:
-        for child in self.children():
-            if child.alive():
-                child.process.terminate()
-        deadline = time.monotonic() + timeout
-        for child in self.children():
-            try:
-                child.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        """SIGTERM in stages (router, then nodes, then block_service), SIGKILL what overstays."""
+        stages = [[self.router], list(self.nodes.values()), [self.block_service]]
+        for stage in stages:
+            children = [c for c in stage if c is not None]
+            for child in children:
+                if child.alive():
+                    child.process.terminate()
+            deadline = time.monotonic() + timeout
+            for child in children:
+                try:
+                    child.process.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
         if self.etcd is not None:
             self.etcd.stop()
 

@@ -119,9 +119,13 @@ class NodeRegistration:
             except Exception as e:  # etcd briefly unreachable: try again next tick
                 log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, e)
 
-    async def set_state(self, state: NodeState) -> None:
-        self.info = dataclasses.replace(self.info, state=state)
+    async def update(self, **fields) -> None:
+        """Change fields of the value (``state=NodeState.READY``, ``num_blocks=...``)."""
+        self.info = dataclasses.replace(self.info, **fields)
         await self.client.put(self.key, self.info.to_json(), lease=self.lease_id)
+
+    async def set_state(self, state: NodeState) -> None:
+        await self.update(state=state)
 
     async def close(self, revoke: bool = True) -> None:
         """Stop the keep-alive; with ``revoke`` the key disappears now instead of after the TTL."""

@@ -61,6 +61,11 @@ async def serve(args: argparse.Namespace) -> None:
         async for change in watch_nodes(client):
             await nodes.apply(change)
             await server.update_health()
+            if change.info is None:
+                try:
+                    await prefix.forget_node(change.node_id)
+                except Exception as e:  # block_service down: it recovers the node's state later
+                    log.warning("could not release the blocks of node %s: %s", change.node_id, e)
 
     async with etcd_client(args.etcd) as client:
         watcher = asyncio.create_task(follow_membership(client))

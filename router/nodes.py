@@ -61,9 +61,11 @@ class NodeTable:
     async def apply(self, change: MembershipChange) -> None:
         node = self.nodes.get(change.node_id)
         info = change.info
+        if info is not None and not info.address:
+            info = None  # registered before it could say where it listens: not a node to dial yet
         if info is None or (node is not None and node.info.address != info.address):
             if node is not None:
-                log.info("node %s left (%s)", change.node_id, "lease gone" if info is None else "moved")
+                log.info("node %s left (%s)", change.node_id, "moved" if info else "lease gone or no address")
                 del self.nodes[change.node_id]
                 await node.channel.close()
             node = None

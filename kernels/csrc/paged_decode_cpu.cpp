@@ -38,7 +38,10 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 constexpr int W = 16;
 constexpr int CHUNK = 64;     // tokens per softmax update; a widened chunk of K or V is <= 64 * head_dim floats
-constexpr int MAX_NV = 32;    // head_dim <= 512
+constexpr int MAX_NV = 32;
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 32768  // how far ahead of the chunk in hand K and V are prefetched, per stream
+#endif    // head_dim <= 512
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct bf16_t { uint16_t x; };
@@ -54,6 +57,23 @@ inline float hsum(vf v) {
           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// r[i] = sum of the lanes of v[i], for 16 vectors: a transpose-and-add tree, 45 operations where 16
+// separate horizontal sums would take ~110, and 16 independent chains for the dot products before it.
+inline vf hsum16(const vf* v) {
+  vf c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5]; 2^f by the Cephes exp2f polynomial
@@ -132,55 +152,96 @@ inline void prefetch_slice(const void* p, int64_t bytes, int part, int parts) {
   for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i) __builtin_prefetch(c + i * 64, 0, 2);
 }
 
+// A run of rows inside one tile: `at` elements from the head's base, `rows` rows.
+struct Segment {
+  int64_t at;
+  int rows;
+};
+constexpr int MAX_SEGMENTS = CHUNK / 16 + 1;  // block_size >= 16
+
+// Split tokens [t, t + n) of a sequence, starting at (block index bi, offset off), into tile segments.
+inline int segments(const int32_t* table, const Geometry& g, int bi, int off, int n, Segment* out) {
+  int count = 0;
+  for (int done = 0; done < n; ++bi, off = 0) {
+    const int rows = std::min(n - done, g.block_size - off);
+    out[count++] = {(int64_t)table[bi] * g.block_stride + (int64_t)off * g.d, rows};
+    done += rows;
+  }
+  return count;
+}
+
 // Attend one item's token range [t_begin, t_end). NV = dp / 16 when known at compile time, else 0.
-// Chunks are walked head by head so that q[h] (scores) and acc[h] (values) stay in registers while the
-// chunk's rows come from L1; the next chunk's K and V are prefetched meanwhile (the next tile can be
-// anywhere in the pool, and the hardware prefetcher stops at every 4 KiB page).
+// A chunk is up to 64 tokens, from one tile or several small ones. Chunks are walked head by head, so
+// that q[h] (scores) and acc[h] (values) stay in registers while the chunk's rows come from L1; the
+// rows `lookahead` tokens on are prefetched meanwhile (the next tile can be anywhere in the pool, and
+// the hardware prefetcher stops at every 4 KiB page).
 template <typename T, int NV>
 void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const int32_t* table,
-            int t_begin, int t_end, float* buf, float* s) {
+            int t_begin, int t_end, float* buf, float* s, const float* zero_row) {
   const int nv = NV ? NV : g.dp / W;
   const int G = g.G;
+  const int bs = g.block_size;
   const bool direct = std::is_same_v<T, float> && g.d == g.dp;
-  auto chunk_len = [&](int t) { return std::min({CHUNK, g.block_size - t % g.block_size, t_end - t}); };
-  auto tile_at = [&](int t) {
-    return (int64_t)table[t / g.block_size] * g.block_stride + (int64_t)(t % g.block_size) * g.d;
-  };
-  int n = chunk_len(t_begin);
-  int64_t tile = tile_at(t_begin);
+  const int lookahead = std::max<int>(CHUNK, PREFETCH_BYTES / (g.d * (int)sizeof(T)));
+  // positions walk as (block index, offset): one division here, none per chunk
+  int bi = t_begin / bs, off = t_begin % bs;
+  int pbi = (t_begin + lookahead) / bs, poff = (t_begin + lookahead) % bs;
+  Segment segs[MAX_SEGMENTS], ahead[MAX_SEGMENTS];
+  const float* rows[CHUNK];
   for (int t = t_begin; t < t_end;) {
-    const int t_next = t + n;
-    const int n_next = t_next < t_end ? chunk_len(t_next) : 0;
-    const int64_t tile_next = n_next ? tile_at(t_next) : 0;
-    const int64_t next_bytes = (int64_t)n_next * g.d * sizeof(T);
+    const int n = std::min(CHUNK, t_end - t);
+    const int num_segs = segments(table, g, bi, off, n, segs);
+    const int n_ahead = std::max(0, std::min(n, t_end - t - lookahead));
+    const int num_ahead = segments(table, g, pbi, poff, n_ahead, ahead);
+    auto prefetch_ahead = [&](const T* head, int part) {
+      for (int i = 0; i < num_ahead; ++i)
+        prefetch_slice(head + ahead[i].at, (int64_t)ahead[i].rows * g.d * sizeof(T), part, G);
+    };
+    // rows[r]: row r of the chunk as float32, in place (float32 tiles) or widened into buf
+    auto gather_rows = [&](const T* head) {
+      for (int i = 0, r = 0; i < num_segs; ++i) {
+        const float* src;
+        if (direct) {
+          src = reinterpret_cast<const float*>(head + segs[i].at);
+        } else {
+          widen(head + segs[i].at, segs[i].rows, g.d, g.dp, buf + (int64_t)r * g.dp);
+          src = buf + (int64_t)r * g.dp;
+        }
+        for (int j = 0; j < segs[i].rows; ++j) rows[r++] = src + (int64_t)j * g.dp;
+      }
+      for (int r = n; r < CHUNK; ++r) rows[r] = zero_row;
+    };
 
     // scores[h][r] = q[h] . k[r]
-    const float* K;
-    if (direct) {
-      K = reinterpret_cast<const float*>(k_head + tile);
-    } else {
-      widen(k_head + tile, n, g.d, g.dp, buf);
-      K = buf;
-    }
+    gather_rows(k_head);
     for (int h = 0; h < G; ++h) {
       vf qv[NV ? NV : MAX_NV];
       for (int j = 0; j < nv; ++j) qv[j] = load(it.q + (int64_t)h * g.dp + j * W);
       float* sh = s + h * CHUNK;
-      for (int r = 0; r < n; ++r) {
-        const float* krow = K + (int64_t)r * g.dp;
-        vf a = qv[0] * load(krow);
-        for (int j = 1; j < nv; ++j) a += qv[j] * load(krow + j * W);
-        sh[r] = hsum(a);
+      for (int r0 = 0; r0 < n; r0 += W) {  // rows past n read a zero row
+        vf a[W];
+        for (int i = 0; i < W; ++i) {
+          const float* krow = rows[r0 + i];
+          a[i] = qv[0] * load(krow);
+          for (int j = 1; j < nv; ++j) a[i] += qv[j] * load(krow + j * W);
+        }
+        store(sh + r0, hsum16(a));
       }
-      if (n_next) prefetch_slice(k_head + tile_next, next_bytes, h, G);
+      prefetch_ahead(k_head, h);
     }
 
     // online softmax: p = 2^(score - m_new); rescale acc and l when the max grows
     const int n16 = (n + W - 1) / W * W;
     for (int h = 0; h < G; ++h) {
       float* sh = s + h * CHUNK;
-      float mc = sh[0];
-      for (int r = 1; r < n; ++r) mc = std::max(mc, sh[r]);
+      for (int r = n; r < n16; ++r) sh[r] = -std::numeric_limits<float>::infinity();
+      vf mx = load(sh);
+      for (int r = W; r < n16; r += W) {
+        const vf x = load(sh + r);
+        mx = x > mx ? x : mx;
+      }
+      float mc = mx[0];
+      for (int z = 1; z < W; ++z) mc = std::max(mc, mx[z]);
       if (mc > it.m[h]) {
         const float alpha = std::exp2(it.m[h] - mc);  // 0 on the first chunk (m = -inf)
         it.l[h] *= alpha;
@@ -190,7 +251,6 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
       }
       const vf mv = splat(it.m[h]);
       vf sum = splat(0.f);
-      for (int r = n; r < n16; ++r) sh[r] = -std::numeric_limits<float>::infinity();
       for (int r = 0; r < n16; r += W) {
         vf p = exp2v(load(sh + r) - mv);
         if (r + W > n) {  // zero the padding lanes
@@ -203,13 +263,7 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     }
 
     // acc[h] += p[h][r] * v[r]
-    const float* V;
-    if (direct) {
-      V = reinterpret_cast<const float*>(v_head + tile);
-    } else {
-      widen(v_head + tile, n, g.d, g.dp, buf);
-      V = buf;
-    }
+    gather_rows(v_head);
     for (int h = 0; h < G; ++h) {
       float* ah = it.acc + (int64_t)h * g.dp;
       vf av[NV ? NV : MAX_NV];
@@ -217,15 +271,15 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
       const float* sh = s + h * CHUNK;
       for (int r = 0; r < n; ++r) {
         const vf p = splat(sh[r]);
-        const float* vrow = V + (int64_t)r * g.dp;
+        const float* vrow = rows[r];
         for (int j = 0; j < nv; ++j) av[j] += p * load(vrow + j * W);
       }
       for (int j = 0; j < nv; ++j) store(ah + j * W, av[j]);
-      if (n_next) prefetch_slice(v_head + tile_next, next_bytes, h, G);
+      prefetch_ahead(v_head, h);
     }
-    t = t_next;
-    n = n_next;
-    tile = tile_next;
+    t += n;
+    for (off += n; off >= bs; off -= bs) ++bi;
+    for (poff += n; poff >= bs; poff -= bs) ++pbi;
   }
 }
 
@@ -269,14 +323,16 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
   }
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    // per-thread scratch: q [G][dp], acc [G][dp], m, l [G], widened chunk [CHUNK][dp], scores [G][CHUNK]
-    std::vector<float> scratch((size_t)G * dp * 2 + 2 * G + (size_t)CHUNK * dp + (size_t)G * CHUNK + W);
+    // per-thread scratch: q [G][dp], acc [G][dp], m, l [G], widened chunk [CHUNK][dp], scores [G][CHUNK],
+    // a zero row [dp] (zero-initialised, like all of it)
+    std::vector<float> scratch((size_t)G * dp * 2 + 2 * G + (size_t)CHUNK * dp + (size_t)G * CHUNK + dp);
     float* qg = scratch.data();
     float* acc = qg + (size_t)G * dp;
     float* m = acc + (size_t)G * dp;
     float* l = m + G;
     float* buf = l + G;
     float* s = buf + (size_t)CHUNK * dp;
+    const float* zero = s + (size_t)G * CHUNK;
     for (int64_t item = begin; item < end; ++item) {
       const int split = item % S;
       const int kvh = (item / S) % Hkv;
@@ -298,9 +354,9 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
         const T* vh = v_base + kvh * head_stride;
         const int32_t* table = tables + (int64_t)b * max_blocks;
         switch (dp / W) {
-          case 4: attend<T, 4>(it, geo, kh, vh, table, t0, t1, buf, s); break;
-          case 8: attend<T, 8>(it, geo, kh, vh, table, t0, t1, buf, s); break;
-          default: attend<T, 0>(it, geo, kh, vh, table, t0, t1, buf, s); break;
+          case 4: attend<T, 4>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
+          case 8: attend<T, 8>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
+          default: attend<T, 0>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
         }
       }
       if (S == 1) {

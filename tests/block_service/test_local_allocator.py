@@ -14,6 +14,8 @@ def test_standalone_allocator_round_trip() -> None:
     a = alloc.allocate("r1", "default", hs, 40)
     assert a == Allocation([0, 1, 2], 0)
     alloc.commit([("r1", 0, hs[0]), ("r1", 1, hs[1])])
+    a.block_ids.append(99)  # the engine's copy is its own
+    assert alloc.page_table.sequence("r1").block_ids == [0, 1, 2]
     assert alloc.extend([("r1", 48), ("r1", 49)][:1]) == [[]]
     assert isinstance(alloc.extend([("r1", 80)])[0], Refusal)
     alloc.release(["r1"])

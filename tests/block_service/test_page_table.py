@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +201,12 @@ def test_to_dict_round_trip_is_exact(table: PageTable) -> None:
     for t in (table, restored):
         t.allocate("n0", "s3", "a", [], 7 * BS)
     assert restored.to_dict() == table.to_dict()
+
+
+def test_core_imports_neither_torch_nor_grpc() -> None:
+    code = ("import sys, block_service.page_table, block_service.local_allocator, block_service.durable, "
+            "block_service.checkpoint, block_service.trace; "
+            "print(sorted(m for m in ('torch', 'grpc', 'google.protobuf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"

@@ -129,5 +129,5 @@ class PageTableMachine(RuleBasedStateMachine):
                 assert s.num_free + s.num_cached + s.num_used == s.num_blocks
 
 
-PageTableMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PageTableMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestPageTableMachine = PageTableMachine.TestCase

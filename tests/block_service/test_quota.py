@@ -98,7 +98,8 @@ def test_parse_tenants_file_format() -> None:
     ]}
     acme, free = parse_tenants(doc)
     assert acme.reserved_mib == 128 and free.reserved_mib == 0 and free.api_key == "k2"
-    for bad in ({}, {"tenants": [{"name": ""}]}, {"tenants": [{"name": "a", "colour": 1}]},
+    assert parse_tenants({"tenants": [{"name": "a", "route_hint": "x"}]}) == [TenantConfig("a")]
+    for bad in ({}, {"tenants": [{"name": ""}]}, {"tenants": [{"name": "a", "quota_mib": "lots"}]},
                 {"tenants": [{"name": "a", "quota_mib": 1, "reserved_mib": 2}]},
                 {"tenants": [{"name": "a"}, {"name": "a"}]}):
         with pytest.raises(InvalidArgument):

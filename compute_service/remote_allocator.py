@@ -1,0 +1,231 @@
+"""``BlockAllocator`` served by block_service over gRPC, kept off the engine's critical path.
+
+The engine calls the allocator synchronously from its step thread; the block_service client is
+asyncio, on the node's event loop. Three rules keep the step from waiting on the network:
+
+- **Write-behind.** ``commit`` and ``release`` answer nothing the engine needs, so they are queued
+  and sent together once per step (``end_step``), after the model has run.
+- **One block ahead.** Every sequence holds one block more than the engine has been handed. When
+  the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
+  top-up for the next step's flush; the network is only on the path when no reserve was granted.
+- **Order.** A call that needs an answer (``allocate``, an ``extend`` without reserve) first sends
+  everything queued and waits for it, so block_service sees a node's changes in the order they
+  happened (commits before the allocation that reuses them, releases before the pool fills).
+
+    engine thread:  allocate ──sync──▶ │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┐
+    event loop:     ◀── RPC ───────────┘                   flush: CommitMany, ExtendMany, ReleaseMany ◀┘
+
+The reserve costs at most one block per running sequence, charged to its tenant like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from block_service.allocator import Allocation, AllocatorStats, Refusal
+from block_service.errors import NotFound
+
+log = logging.getLogger(__name__)
+
+TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
+
+
+class RemoteBlockAllocator:
+    def __init__(self, client, loop: asyncio.AbstractEventLoop, node_id: str, num_blocks: int, block_size: int,
+                 trace_context_of: TraceContextOf | None = None):
+        self.client = client
+        self.loop = loop
+        self.node_id = node_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.trace_context_of = trace_context_of or (lambda seq_id: None)
+        self.num_rpcs = 0
+        self._lock = threading.Lock()               # guards everything below
+        self._tables: dict[str, list[int]] = {}     # seq → block ids block_service gave (handed + reserve)
+        self._handed: dict[str, int] = {}           # seq → blocks the engine has been given
+        self._commits: list[tuple[str, int, bytes]] = []
+        self._releases: list[str] = []
+        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
+        self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _call(self, coro_fn, seq_id: str | None = None):
+        """Run ``coro_fn()`` on the loop under ``seq_id``'s trace context; wait (engine thread)."""
+        context = self.trace_context_of(seq_id) if seq_id else None
+
+        async def traced():
+            from opentelemetry import context as otel_context  # noqa: PLC0415
+
+            token = otel_context.attach(context) if context is not None else None
+            try:
+                await self._flush()  # everything queued before this call goes first
+                self.num_rpcs += 1
+                return await coro_fn()
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+        return asyncio.run_coroutine_threadsafe(traced(), self.loop).result()
+
+    def end_step(self) -> None:
+        """The engine finished a step: send what it queued (returns at once)."""
+        with self._lock:
+            if not (self._commits or self._releases or self._topups):
+                return
+        self.loop.call_soon_threadsafe(self._kick)
+
+    def _kick(self) -> None:
+        self.loop.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Send what is queued, after any flush in flight (loop thread)."""
+        async with self._flush_lock:
+            await self._send()
+
+    async def _send(self) -> None:
+        with self._lock:
+            commits, self._commits = self._commits, []
+            releases, self._releases = self._releases, []
+            released = set(releases)
+            topups = [(s, n) for s, n in self._topups.items() if s not in released]
+            self._topups = {}
+        try:
+            if commits:
+                self.num_rpcs += 1
+                await self.client.commit(commits)
+            if topups:
+                self.num_rpcs += 1
+                results = await self.client.extend(topups)
+                with self._lock:
+                    for (seq_id, _), new in zip(topups, results):
+                        if isinstance(new, list) and seq_id in self._tables:
+                            self._tables[seq_id].extend(new)
+            if releases:
+                self.num_rpcs += 1
+                await self.client.release(releases)
+        except Exception:  # block_service down or state lost: the node keeps serving from its KV
+            log.exception("block_service flush failed (%d commits, %d top-ups, %d releases)",
+                          len(commits), len(topups), len(releases))
+
+    # -- BlockAllocator ---------------------------------------------------------------------------
+
+    def num_available(self) -> int:
+        stats = self.stats()
+        return stats.num_free + stats.num_cached
+
+    def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
+        result = self._call(lambda: self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens), seq_id)
+        if isinstance(result, Allocation):
+            with self._lock:
+                self._tables[seq_id] = list(result.block_ids)
+                self._handed[seq_id] = len(result.block_ids)
+                self._topups[seq_id] = (len(result.block_ids) + 1) * self.block_size
+        return result
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
+        answers: dict[str, list[int] | Refusal] = {}
+        short: list[tuple[str, int]] = []
+        with self._lock:
+            for seq_id, num_tokens in growth:
+                need = -(-num_tokens // self.block_size)
+                table, handed = self._tables[seq_id], self._handed[seq_id]
+                if need <= len(table):
+                    answers[seq_id] = table[handed:need]
+                    handed = self._handed[seq_id] = max(handed, need)
+                    if len(table) <= handed:  # the reserve is used up: ask for the next one
+                        self._topups[seq_id] = (handed + 1) * self.block_size
+                else:
+                    short.append((seq_id, num_tokens))
+        if short:
+            self._extend_now(short, answers)
+        return [answers[seq_id] for seq_id, _ in growth]
+
+    def _extend_now(self, short: list[tuple[str, int]], answers: dict) -> None:
+        """No reserve for these: ask now, one block ahead, and exactly if that is refused."""
+        ahead = [(s, (-(-n // self.block_size) + 1) * self.block_size) for s, n in short]
+        results = self._call(lambda: self.client.extend(ahead), short[0][0])
+        retry = [(s, n) for (s, n), r in zip(short, results) if isinstance(r, Refusal)]
+        exact = dict(zip((s for s, _ in retry), self._call(lambda: self.client.extend(retry)))) if retry else {}
+        with self._lock:
+            for (seq_id, num_tokens), result in zip(short, results):
+                result = exact.get(seq_id, result)
+                if isinstance(result, Refusal):
+                    answers[seq_id] = result
+                    continue
+                table = self._tables[seq_id]
+                table.extend(result)
+                need = -(-num_tokens // self.block_size)
+                answers[seq_id] = table[self._handed[seq_id]:need]
+                self._handed[seq_id] = need
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        with self._lock:
+            self._commits.extend(commits)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        with self._lock:
+            for seq_id in seq_ids:
+                self._tables.pop(seq_id, None)
+                self._handed.pop(seq_id, None)
+                self._topups.pop(seq_id, None)
+            self._releases.extend(seq_ids)
+
+    def stats(self) -> AllocatorStats:
+        nodes, _ = self._call(lambda: self.client.stats([self.node_id]))
+        n = nodes[0]
+        return AllocatorStats(num_blocks=n.num_blocks, num_free=n.num_free, num_cached=n.num_cached,
+                              num_used=n.num_used, prefix_queries=n.counters.prefix_queries,
+                              prefix_hits=n.counters.prefix_hits)
+
+
+class RemoteAllocatorFactory:
+    """What ``LLMEngine`` calls with the pool's shape: registers the pool, returns the allocator.
+
+    A node id registered before (a previous run of this node that crashed) is dropped first: its
+    sequences died with that process, and its blocks must not stay charged.
+    """
+
+    def __init__(self, client, node_id: str, loop: asyncio.AbstractEventLoop):
+        self.client = client
+        self.node_id = node_id
+        self.loop = loop
+        self.allocator: RemoteBlockAllocator | None = None
+        self.trace_contexts: dict[str, object] = {}  # seq id → trace context, set by the Compute servicer
+
+    @classmethod
+    async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop) -> RemoteAllocatorFactory:
+        from block_service.client import BlockManagerClient  # noqa: PLC0415
+
+        client = BlockManagerClient(address)
+        await client.wait_ready(30.0)
+        return cls(client, node_id, loop)
+
+    def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
+        """Called by the engine from a worker thread (never from the loop's own thread)."""
+
+        async def register() -> None:
+            try:
+                released = await self.client.deregister_node(self.node_id)
+                log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
+            except NotFound:
+                pass
+            await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
+
+        asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+        self.allocator = RemoteBlockAllocator(self.client, self.loop, self.node_id, num_blocks, block_size,
+                                              self.trace_contexts.get)
+        return self.allocator
+
+    async def close(self, deregister: bool = True) -> None:
+        """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process)."""
+        try:
+            if self.allocator is not None:
+                await self.allocator._flush()
+            if deregister:
+                await self.client.deregister_node(self.node_id)
+        finally:
+            await self.client.close()
