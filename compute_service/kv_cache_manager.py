@@ -34,6 +34,7 @@ class KVCacheManager:
         if isinstance(result, Refusal):
             return result
         seq.block_table = list(result.block_ids)
+        seq.num_allocated_tokens = seq.num_tokens
         seq.num_committed_blocks = result.num_cached_blocks
         seq.num_computed = result.num_cached_blocks * self.block_size
         return None
@@ -41,17 +42,19 @@ class KVCacheManager:
     def grow(self, plan: list[tuple[Sequence, int]]) -> list[Refusal | None]:
         """Make room for each ``(seq, n)``: ``n`` more tokens from ``seq.num_computed``; one
         allocator call for all of them."""
-        if not plan:
-            return []
-        # every sequence is reported, not only those needing a block: the page table tracks fill levels
-        answers = self.allocator.extend([(seq.seq_id, seq.num_computed + n) for seq, n in plan])
+        # only growth beyond what is reserved is sent (decodes always grow: fill levels stay current)
+        todo = [(seq, seq.num_computed + n) for seq, n in plan if seq.num_computed + n > seq.num_allocated_tokens]
+        answers = dict(zip((seq.seq_id for seq, _ in todo),
+                           self.allocator.extend([(seq.seq_id, total) for seq, total in todo]) if todo else []))
         results: list[Refusal | None] = []
-        for (seq, _), answer in zip(plan, answers):
+        for seq, n in plan:
+            answer = answers.get(seq.seq_id, [])
             if isinstance(answer, Refusal):
                 results.append(answer)
-            else:
-                seq.block_table.extend(answer)
-                results.append(None)
+                continue
+            seq.block_table.extend(answer)
+            seq.num_allocated_tokens = max(seq.num_allocated_tokens, seq.num_computed + n)
+            results.append(None)
         return results
 
     def commit_full_blocks(self, seqs: Iterable[Sequence]) -> None:

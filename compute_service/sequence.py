@@ -2,6 +2,7 @@
 
     tokens:        [ prompt ............ | generated ... ]
     num_computed:  tokens whose K/V is written in the pool (the next step starts there)
+    num_allocated_tokens: tokens the page table has room for (a whole prompt is reserved at once)
     block_table:   block ids holding positions [0, len(block_table) * block_size)
 """
 
@@ -35,6 +36,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_allocated_tokens: int = 0      # tokens the page table holds room for (>= num_computed)
     block_hashes: list[bytes] = field(default_factory=list)   # of full blocks, chained
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0         # prefix-cache hit at first admission (reported in usage)
@@ -69,5 +71,6 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table = []
+        self.num_allocated_tokens = 0
         self.num_committed_blocks = 0
         self.num_preemptions += 1
