@@ -1,10 +1,10 @@
 """The entry points the engine calls: each picks an implementation by device and environment.
 
 - CUDA tensors → Triton kernels (``triton_store``, ``triton_decode``, ``triton_prefill``).
-- CPU decode → the native C++ kernel (``cpu_decode``), built on first use; if it cannot be built, the
-  torch reference, with one logged warning.
-- CPU prefill and KV store → the torch reference (prefill is compute-bound; the reference gathers each
-  sequence's blocks once and runs ``scaled_dot_product_attention``).
+- CPU decode and KV store → the native C++ kernels (``cpu_kernels``), built on first use; if they
+  cannot be built, the torch reference, with one logged warning.
+- CPU prefill → ``cpu_prefill`` (compute-bound: each sequence's blocks gathered once, then float32
+  GEMMs, 2-3× faster than ``scaled_dot_product_attention`` at long prompts).
 - ``KVFLEET_ATTENTION=reference`` forces the reference everywhere.
 """
 
@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu_kernels, reference
+from kernels.cpu_prefill import cpu_paged_prefill
 
 
 def _use_reference() -> bool:
@@ -38,6 +39,8 @@ def store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``."""
+    if not k_cache.is_cuda and not _use_reference() and cpu_kernels.supports_store(k_cache):
+        return cpu_kernels.cpu_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     _check_cache(k_cache, v_cache)
     assert key.shape == value.shape and key.shape[1:] == (k_cache.shape[1], k_cache.shape[3])
     assert slot_mapping.shape == (key.shape[0],)
@@ -59,22 +62,19 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV; returns ``[batch, num_heads, head_dim]``."""
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    # The native kernel checks its arguments itself: this path runs per layer per step.
+    if not query.is_cuda and not _use_reference() and cpu_kernels.supports(query, k_cache):
+        return cpu_kernels.cpu_paged_decode(*args)
     _check_cache(k_cache, v_cache)
     # query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch]
     assert query.dim() == 3 and query.shape[2] == k_cache.shape[3]
     assert query.shape[1] % k_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
     assert block_tables.shape[0] == context_lens.shape[0] == query.shape[0]
-    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    if _use_reference():
-        return reference.paged_decode_reference(*args)
-    if query.is_cuda:
+    if query.is_cuda and not _use_reference():
         from kernels.triton_decode import triton_paged_decode
 
         return triton_paged_decode(*args)
-    from kernels import cpu_decode
-
-    if cpu_decode.supports(query, k_cache):
-        return cpu_decode.cpu_paged_decode(*args)
     return reference.paged_decode_reference(*args)
 
 
@@ -96,8 +96,10 @@ def paged_prefill(
     assert query.shape[1] % k_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
     assert query_start_loc.shape[0] == context_lens.shape[0] + 1 == block_tables.shape[0] + 1
     args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale)
-    if query.is_cuda and not _use_reference():
+    if _use_reference():
+        return reference.paged_prefill_reference(*args)
+    if query.is_cuda:
         from kernels.triton_prefill import triton_paged_prefill
 
         return triton_paged_prefill(*args)
-    return reference.paged_prefill_reference(*args)
+    return cpu_paged_prefill(*args)

@@ -13,6 +13,7 @@ Pass 2, grid (batch, num_heads): merges the splits, divides by the sum, applies 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -125,16 +126,19 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Under the CPU interpreter: its bf16 arithmetic is wrong, so tiles are widened to fp32 there."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
     """Enough programs to fill the device twice over, none with fewer than 256 tokens."""
-    if query.is_cuda:
-        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    else:
-        num_sms = 2
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 2
     splits = 1
     while query.shape[0] * num_kv_heads * splits < 2 * num_sms and max_context // (2 * splits) >= 256:
         splits *= 2
@@ -153,7 +157,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
     assert block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     assert context_lens.is_contiguous() and block_size % 16 == 0
     # fp32 caches (and the CPU interpreter, whose bf16 arithmetic is wrong) take exact fp32 dots
-    fp32 = k_cache.dtype == torch.float32 or _interpreting()
+    fp32 = k_cache.dtype == torch.float32 or interpreting()
 
     # tokens_per_split: a multiple of BLOCK_N so that only the last tile of a split is ragged
     block_n = 64 if head_dim <= 128 else 32

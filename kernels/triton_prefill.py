@@ -12,15 +12,12 @@ whole prefix, is already in the cache), so a tile walks keys only up to its last
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.reference import is_fp8
-
-LOG2E = 1.4426950408889634
+from kernels.triton_decode import LOG2E, interpreting
 
 
 @triton.jit
@@ -113,7 +110,7 @@ def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_s
     assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_tables.stride(1) == 1 and query_start_loc.shape == (batch + 1,) and block_size % 16 == 0
     assert (k_scale is None) == (v_scale is None)
-    fp32 = k_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    fp32 = k_cache.dtype == torch.float32 or interpreting()  # exact fp32 dots, as in triton_decode
     out = torch.empty_like(query)
     if total == 0:
         return out

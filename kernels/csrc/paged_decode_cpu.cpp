@@ -5,7 +5,7 @@
 //   contiguous block_size x head_dim matrix, read in place through the block table (no gather copy).
 //
 // Work item = (sequence, kv head, split). An item loads the G = num_heads / num_kv_heads query heads of
-// its group once, then streams its token range chunk by chunk (<= 64 tokens of one tile):
+// its group once, then streams its token range chunk by chunk (<= 64 tokens, from one tile or several):
 //   scores[g][t] = q[g] . k[t]      (each K row read once for the whole group)
 //   online softmax per g             (running max m, running sum l, base-2 exponentials)
 //   acc[g]     += p[g][t] * v[t]     (each V row read once for the whole group)
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -39,9 +40,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 constexpr int W = 16;
 constexpr int CHUNK = 64;     // tokens per softmax update; a widened chunk of K or V is <= 64 * head_dim floats
 constexpr int MAX_NV = 32;
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 32768  // how far ahead of the chunk in hand K and V are prefetched, per stream
-#endif    // head_dim <= 512
+constexpr int PREFETCH_BYTES = 32768;  // how far ahead of the chunk in hand K and V are prefetched, per stream    // head_dim <= 512
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct bf16_t { uint16_t x; };
@@ -264,7 +263,28 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
 
     // acc[h] += p[h][r] * v[r]
     gather_rows(v_head);
-    for (int h = 0; h < G; ++h) {
+    int h = 0;
+    for (; h + 2 <= G; h += 2) {  // two heads per pass: each V row load feeds 2 * nv independent FMAs
+      float* a0 = it.acc + (int64_t)h * g.dp;
+      float* a1 = a0 + g.dp;
+      vf av0[NV ? NV : MAX_NV], av1[NV ? NV : MAX_NV];
+      for (int j = 0; j < nv; ++j) av0[j] = load(a0 + j * W), av1[j] = load(a1 + j * W);
+      const float* s0 = s + h * CHUNK;
+      const float* s1 = s0 + CHUNK;
+      for (int r = 0; r < n; ++r) {
+        const vf p0 = splat(s0[r]), p1 = splat(s1[r]);
+        const float* vrow = rows[r];
+        for (int j = 0; j < nv; ++j) {
+          const vf x = load(vrow + j * W);
+          av0[j] += p0 * x;
+          av1[j] += p1 * x;
+        }
+      }
+      for (int j = 0; j < nv; ++j) store(a0 + j * W, av0[j]), store(a1 + j * W, av1[j]);
+      prefetch_ahead(v_head, h);
+      prefetch_ahead(v_head, h + 1);
+    }
+    for (; h < G; ++h) {
       float* ah = it.acc + (int64_t)h * g.dp;
       vf av[NV ? NV : MAX_NV];
       for (int j = 0; j < nv; ++j) av[j] = load(ah + j * W);
@@ -286,7 +306,7 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
 template <typename T>
 void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t num_splits, at::Tensor& out32) {
+         const float* ks, const float* vs, int64_t num_splits, at::Tensor& out32) {
   const int B = q32.size(0), H = q32.size(1), d = q32.size(2);
   const int Hkv = k_cache.size(1);
   const int G = H / Hkv;
@@ -298,8 +318,6 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
   const T* v_base = reinterpret_cast<const T*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const float* ks = k_scale.data_ptr<float>();
-  const float* vs = v_scale.data_ptr<float>();
   const float* qd = q32.data_ptr<float>();
   float* od = out32.data_ptr<float>();
 
@@ -340,7 +358,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
       const int len = lens[b];
       const int per = ((len + S - 1) / S + W - 1) / W * W;
       const int t0 = std::min(len, split * per), t1 = std::min(len, t0 + per);
-      const float qscale = (float)scale * LOG2E * ks[kvh];
+      const float qscale = (float)scale * LOG2E * (ks ? ks[kvh] : 1.f);
       for (int h = 0; h < G; ++h) {
         const float* src = qd + ((int64_t)b * H + kvh * G + h) * d;
         for (int i = 0; i < dp; ++i) qg[h * dp + i] = i < d ? src[i] * qscale : 0.f;
@@ -361,7 +379,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
       }
       if (S == 1) {
         for (int h = 0; h < G; ++h) {
-          const float inv = l[h] > 0.f ? vs[kvh] / l[h] : 0.f;
+          const float inv = l[h] > 0.f ? (vs ? vs[kvh] : 1.f) / l[h] : 0.f;
           float* o = od + ((int64_t)b * H + kvh * G + h) * d;
           for (int i = 0; i < d; ++i) o[i] = acc[h * dp + i] * inv;
         }
@@ -395,7 +413,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
           const float* a = part_acc + (item * G + h) * dp;
           for (int i = 0; i < d; ++i) o[i] += w * a[i];
         }
-        const float inv = L > 0.f ? vs[kvh] / L : 0.f;
+        const float inv = L > 0.f ? (vs ? vs[kvh] : 1.f) / L : 0.f;
         float* dst = od + ((int64_t)b * H + kvh * G + h) * d;
         for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
       }
@@ -405,35 +423,51 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
 
 }  // namespace
 
+// Per-head FP8 scale as contiguous float32 [num_kv_heads], or none (1.0).
+at::Tensor head_scale(const std::optional<at::Tensor>& scale, int64_t num_kv_heads) {
+  if (!scale.has_value()) return at::Tensor();
+  TORCH_CHECK(scale->numel() == num_kv_heads, "a scale per KV head expected, got ", scale->numel());
+  return scale->to(at::kFloat).contiguous();
+}
+
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                        const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t num_splits) {
+                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                        int64_t num_splits) {
   // query: [batch, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim]
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides());
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [batch, heads, dim], caches 4-D expected");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "K and V caches must share shape and strides");
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3), "tiles must be contiguous");
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(1) == 0);
-  TORCH_CHECK((query.size(2) + W - 1) / W <= MAX_NV, "head_dim too large");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt);
-  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.numel() == k_cache.size(1));
-  TORCH_CHECK(v_scale.scalar_type() == at::kFloat && v_scale.numel() == k_cache.size(1));
-  at::Tensor q32 = query.to(at::kFloat).contiguous();
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(1) == 0,
+              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK((query.size(2) + W - 1) / W <= MAX_NV, "head_dim above 512");
+  TORCH_CHECK(k_cache.size(2) % 16 == 0, "block_size must be a multiple of 16, got ", k_cache.size(2));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
+              context_lens.numel() == query.size(0), "one block table and context length per sequence");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor ks = head_scale(k_scale, k_cache.size(1));
+  const at::Tensor vs = head_scale(v_scale, k_cache.size(1));
+  const float* ksp = ks.defined() ? ks.data_ptr<float>() : nullptr;
+  const float* vsp = vs.defined() ? vs.data_ptr<float>() : nullptr;
+  const at::Tensor q32 = query.to(at::kFloat).contiguous();
   at::Tensor out32 = at::empty(q32.sizes(), q32.options());
   switch (k_cache.scalar_type()) {
-    case at::kFloat: run<float>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
-    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
-    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
-    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, out32); break;
+    case at::kFloat: run<float>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
+    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
+    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
+    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out32.to(query.scalar_type());
 }
 
 // Registered as torch.ops.kvfleet_kernels.paged_decode_cpu: no pybind, so the build stays small.
-TORCH_LIBRARY(kvfleet_kernels, m) {
+TORCH_LIBRARY_FRAGMENT(kvfleet_kernels, m) {
   m.def("paged_decode_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor k_scale, Tensor v_scale, int num_splits=0) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int num_splits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_kernels, CPU, m) { m.impl("paged_decode_cpu", &paged_decode); }

@@ -1,4 +1,5 @@
-"""Loader and wrapper of the native CPU decode kernel (``csrc/paged_decode_cpu.cpp``).
+"""Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``) and KV
+store (``csrc/store_kv_cpu.cpp``), one extension registering ``torch.ops.kvfleet_kernels.*``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/kvfleet/torch_extensions``); later processes load the
@@ -14,10 +15,13 @@ from pathlib import Path
 
 import torch
 
+from kernels.reference import quantize_kv
+
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp")]
+_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (*_QUERY_DTYPES, torch.float8_e4m3fn)
 _loaded = False
 _failed = False
 
@@ -33,8 +37,8 @@ def load_extension() -> bool:
     for name, flags in (("native", ["-march=native"]), ("portable", [])):  # plain -O3 where -march fails
         try:
             cpp_extension.load(
-                name=f"kvfleet_paged_decode_cpu_{name}",
-                sources=[str(_SOURCE)],
+                name=f"kvfleet_cpu_kernels_{name}",
+                sources=_SOURCES,
                 extra_cflags=["-O3", "-fopenmp", *flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=_build_dir(name),
@@ -46,25 +50,28 @@ def load_extension() -> bool:
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
             error = exc
     _failed = True
-    log.warning("native CPU paged-decode kernel unavailable, using the torch reference: %s", error)
+    log.warning("native CPU kernels unavailable, using the torch reference: %s", error)
     return False
 
 
 def _build_dir(name: str) -> str:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/kvfleet/torch_extensions")
-    path = os.path.join(root, f"paged_decode_cpu_{name}")
+    path = os.path.join(root, f"cpu_kernels_{name}")
     os.makedirs(path, exist_ok=True)
     return path
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
-        query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and k_cache.dtype in _DTYPES
+        query.dtype in _QUERY_DTYPES
+        and k_cache.dtype in _CACHE_DTYPES
         and query.shape[2] <= 512
-        and load_extension()
+        and (_loaded or load_extension())
     )
+
+
+def supports_store(k_cache: torch.Tensor) -> bool:
+    return k_cache.dtype in _CACHE_DTYPES and (_loaded or load_extension())
 
 
 def cpu_paged_decode(
@@ -80,26 +87,30 @@ def cpu_paged_decode(
 ) -> torch.Tensor:
     """Native paged decode; same contract as ``reference.paged_decode_reference``.
 
-    ``num_splits`` 0 lets the kernel split long contexts across threads; tests force a number.
+    The kernel checks shapes, strides and dtypes itself (this runs once per layer per step, so the
+    Python side stays a bare call). ``num_splits`` 0 lets it split long contexts across threads.
     """
     if not _loaded and not load_extension():
-        raise RuntimeError("the native CPU paged-decode kernel could not be built")
-    # k_cache/v_cache: [num_blocks, num_kv_heads, block_size, head_dim], each (block, head) tile contiguous
-    assert k_cache.stride(3) == 1 and k_cache.stride(2) == k_cache.shape[3], "K tiles must be contiguous"
-    assert v_cache.stride(3) == 1 and v_cache.stride(2) == v_cache.shape[3], "V tiles must be contiguous"
-    assert k_cache.stride() == v_cache.stride()
-    num_kv_heads = k_cache.shape[1]
-    ones = None
-    if k_scale is None or v_scale is None:
-        ones = torch.ones(num_kv_heads, dtype=torch.float32)
-    return torch.ops.kvfleet_kernels.paged_decode_cpu(
-        query.contiguous(),
-        k_cache,
-        v_cache,
-        block_tables.to(torch.int32).contiguous(),
-        context_lens.to(torch.int32).contiguous(),
-        float(scale),
-        (k_scale if k_scale is not None else ones).float().contiguous(),
-        (v_scale if v_scale is not None else ones).float().contiguous(),
-        num_splits,
+        raise RuntimeError("the native CPU kernels could not be built")
+    return torch.ops.kvfleet_kernels.paged_decode_cpu.default(
+        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits
     )
+
+
+def cpu_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Native KV store; same contract as ``reference.store_kv_reference``."""
+    if not _loaded and not load_extension():
+        raise RuntimeError("the native CPU kernels could not be built")
+    if key.dtype != k_cache.dtype:  # FP8: x / scale, clamped; other dtypes: a cast
+        key = quantize_kv(key, k_cache.dtype, k_scale)
+        value = quantize_kv(value, v_cache.dtype, v_scale)
+    torch.ops.kvfleet_kernels.store_kv_cpu.default(key, value, k_cache, v_cache, slot_mapping)
+

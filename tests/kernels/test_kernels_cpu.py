@@ -1,0 +1,119 @@
+"""The CPU paths (native decode and store, GEMM prefill) against float64 dense attention."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_kernels, cpu_prefill, reference
+from kernels.testing import assert_close, dense_attention, make_case
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load_extension(), reason="native CPU kernel did not build")
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_dense(block_size, dtype):
+    case = make_case([1, 17, 255, 1030], block_size=block_size, dtype=dtype, head_dim=64)
+    assert_close(cpu_kernels.cpu_paged_decode(*case.decode_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_head_dims_and_groups(head_dim, num_heads, num_kv_heads):
+    case = make_case([3, 77, 300], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    assert_close(cpu_kernels.cpu_paged_decode(*case.decode_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv_reduction(num_splits):
+    # more splits than the short sequences have tokens: empty splits must not disturb the merge
+    case = make_case([2, 40, 1500], block_size=32, head_dim=64)
+    out = cpu_kernels.cpu_paged_decode(*case.decode_args(), num_splits=num_splits)
+    assert_close(out, dense_attention(case))
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache(query_dtype):
+    case = make_case([33, 700], dtype=query_dtype, cache_dtype=torch.float8_e4m3fn, head_dim=64)
+    assert_close(cpu_kernels.cpu_paged_decode(*case.decode_args()), dense_attention(case))
+
+
+def test_float32_matches_reference_tightly():
+    # The engine's greedy tokens must equal transformers' in float32: no low-precision shortcut here.
+    case = make_case([5, 513, 2049], num_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
+    out = cpu_kernels.cpu_paged_decode(*case.decode_args())
+    torch.testing.assert_close(out.double(), dense_attention(case), rtol=1e-5, atol=2e-6)
+
+
+def test_views_of_the_pool_tensor():
+    # The engine passes kv_cache[layer, 0] / kv_cache[layer, 1] of one [L, 2, ...] tensor.
+    case = make_case([100, 31], block_size=16, head_dim=64)
+    pool = torch.stack([torch.stack([case.v_cache, case.v_cache]), torch.stack([case.k_cache, case.v_cache])])
+    args = list(case.decode_args())
+    args[1], args[2] = pool[1, 0], pool[1, 1]
+    assert_close(kernels.paged_decode(*args), dense_attention(case))
+
+
+def test_dispatch_uses_native_kernel(monkeypatch):
+    case = make_case([10, 20])
+    calls = []
+    real = cpu_kernels.cpu_paged_decode
+    monkeypatch.setattr(cpu_kernels, "cpu_paged_decode", lambda *a: calls.append(1) or real(*a))
+    kernels.paged_decode(*case.decode_args())
+    assert calls == [1]
+
+
+def test_accepts_int64_tables_and_strided_query():
+    case = make_case([50, 7], num_heads=8, num_kv_heads=2, head_dim=64)
+    qkv = torch.cat([case.query, torch.zeros_like(case.query)], dim=2)  # query as a strided view
+    args = list(case.decode_args())
+    args[0], args[3], args[4] = qkv[:, :, :64], case.block_tables.long(), case.context_lens.long()
+    assert_close(kernels.paged_decode(*args), dense_attention(case))
+
+
+def test_rejects_bad_block_size():
+    k_cache = torch.zeros(2, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_kernels.cpu_paged_decode(torch.zeros(1, 1, 16), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                    torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_matches_reference(cache_dtype):
+    shape = (5, 2, 16, 40)  # [num_blocks, num_kv_heads, block_size, head_dim]
+    caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(4)]
+    key, value = torch.randn(6, 2, 40), torch.randn(6, 2, 40)
+    slots = torch.tensor([0, 17, -1, 79, 33, 2])
+    scale = torch.tensor([0.01, 0.03]) if cache_dtype == torch.float8_e4m3fn else None
+    cpu_kernels.cpu_store_kv(key, value, caches[0], caches[1], slots, scale, scale)
+    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scale, scale)
+    for got, want in zip(caches[:2], caches[2:]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_store_rejects_slot_outside_pool():
+    k_cache = torch.zeros(2, 1, 16, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.store_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, k_cache.clone(), torch.tensor([32]))
+    assert not k_cache.any()
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_matches_dense(block_size, dtype):
+    # whole prompts, a chunk after a cached prefix, single tokens, an empty sequence
+    case = make_case([17, 300, 1030, 1, 9], q_lens=[17, 45, 100, 1, 0], block_size=block_size, dtype=dtype,
+                     num_heads=8, num_kv_heads=2)
+    assert_close(kernels.paged_prefill(*case.prefill_args()), dense_attention(case))
+
+
+def test_prefill_in_row_chunks(monkeypatch):
+    monkeypatch.setattr(cpu_prefill, "SCORE_BUDGET", 1)  # 16 rows per chunk
+    case = make_case([300, 70], q_lens=[120, 70], num_heads=8, num_kv_heads=2)
+    out = cpu_prefill.cpu_paged_prefill(*case.prefill_args())
+    torch.testing.assert_close(out.double(), dense_attention(case), rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_fp8_cache():
+    case = make_case([33, 200], q_lens=[33, 20], cache_dtype=torch.float8_e4m3fn)
+    assert_close(kernels.paged_prefill(*case.prefill_args()), dense_attention(case))
