@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 STUBS := kvfleet/v1/.generated
+KERNELS := $(VENV)/.kvfleet-kernels-built
 DEMO_MODEL := models/demo-tiny
 
 .PHONY: setup protos demo test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 # torch first, pinned: on a CPU-only machine pip then takes the local CPU wheel instead of a CUDA build.
 $(STAMP): pyproject.toml
@@ -17,6 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
+
+# the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:
+# the engine then falls back to the torch reference with a warning
+$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp)
+	$(PY) -c "from kernels import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load_extension() else 'unavailable, using the reference')"
+	touch $(KERNELS)
 
 protos: $(STUBS)
 

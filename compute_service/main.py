@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
+def _engine_alive(async_engine) -> bool:
+    thread = getattr(async_engine, "_thread", None)  # AsyncEngine's step thread
+    return thread is None or thread.is_alive()
+
+
+async def _watch_engine(async_engine, stop: asyncio.Event) -> None:
+    """An exception in a step ends the engine's thread; the node must not linger as a black hole."""
+    while _engine_alive(async_engine):
+        await asyncio.sleep(1.0)
+    stop.set()
+
+
 def _flush_after_each_step(engine, allocator) -> None:
     """Have the remote allocator send its queued commits and releases once per engine step."""
     step = engine.step
 
     def step_then_flush():
-        outputs = step()
-        allocator.end_step()
-        return outputs
+        allocator.begin_step()
+        try:
+            return step()
+        finally:
+            allocator.end_step()
 
     engine.step = step_then_flush
 
@@ -58,7 +74,7 @@ async def serve(args: argparse.Namespace) -> None:
     import grpc  # noqa: PLC0415
 
     from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
-    from compute_service.server import ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
+    from compute_service.server import SERVER_OPTIONS, ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
     from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
 
@@ -89,8 +105,8 @@ async def serve(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine)
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    servicer = ComputeServicer(async_engine, status, remote.trace_contexts if remote else None)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = ComputeServicer(async_engine, status, remote)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     port = server.add_insecure_port(args.listen)
     await server.start()
@@ -107,7 +123,17 @@ async def serve(args: argparse.Namespace) -> None:
         with open(args.port_file, "w") as f:
             f.write(str(port))
 
+    watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()
+    watchdog.cancel()
+    if not _engine_alive(async_engine):
+        # Crash-only: no drain, no clean goodbye. The streams break, the router resumes them on
+        # other nodes, the lease expires and block_service is told to drop this pool.
+        log.error("node %s: the engine's step thread died; exiting so the cluster routes around it", args.node_id)
+        if registration is not None:  # leave etcd now rather than after the lease's TTL
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(registration.close(), 1.0)
+        os._exit(1)
     log.info("node %s draining (%d requests in flight)", args.node_id, status.num_in_flight)
     status.state = NodeState.DRAINING
     if registration is not None:

@@ -3,6 +3,10 @@
 The engine calls the allocator synchronously from its step thread; the block_service client is
 asyncio, on the node's event loop. Three rules keep the step from waiting on the network:
 
+- **Ask early.** A request's first allocation is asked for when the request reaches the node
+  (``preallocate``, on the event loop, batched with other arrivals), so when the scheduler admits
+  it the answer is already here. A mismatch (the engine hashed differently, or re-allocates after
+  a preemption) falls back to asking then.
 - **Write-behind.** ``commit`` and ``release`` answer nothing the engine needs, so they are queued
   and sent together once per step (``end_step``), after the model has run.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed. When
@@ -12,10 +16,12 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   everything queued and waits for it, so block_service sees a node's changes in the order they
   happened (commits before the allocation that reuses them, releases before the pool fills).
 
-    engine thread:  allocate ──sync──▶ │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┐
-    event loop:     ◀── RPC ───────────┘                   flush: CommitMany, ExtendMany, ReleaseMany ◀┘
+    event loop:    preallocate ─queue─┐            flush: CommitMany, ReleaseMany, AllocateMany, ExtendMany
+    engine thread: allocate (answered) │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┘
 
 The reserve costs at most one block per running sequence, charged to its tenant like any other.
+block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
+not token by token: its fill-level figures count a reserve block as full.
 """
 
 from __future__ import annotations
@@ -27,10 +33,18 @@ from collections.abc import Callable, Sequence
 
 from block_service.allocator import Allocation, AllocatorStats, Refusal
 from block_service.errors import NotFound
+from block_service.page_table import AllocateRequest
+from kvfleet import block_hash
 
 log = logging.getLogger(__name__)
 
 TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
+
+
+def _untraced():
+    from opentelemetry.instrumentation.utils import suppress_instrumentation  # noqa: PLC0415
+
+    return suppress_instrumentation()
 
 
 class RemoteBlockAllocator:
@@ -49,7 +63,10 @@ class RemoteBlockAllocator:
         self._commits: list[tuple[str, int, bytes]] = []
         self._releases: list[str] = []
         self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
+        self._asks: list[tuple[AllocateRequest, asyncio.Future]] = []  # preallocations to send (loop)
+        self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
+        self._in_step = False                       # between begin_step and end_step (engine thread)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -71,8 +88,16 @@ class RemoteBlockAllocator:
 
         return asyncio.run_coroutine_threadsafe(traced(), self.loop).result()
 
+    def begin_step(self) -> None:
+        self._in_step = True
+
     def end_step(self) -> None:
         """The engine finished a step: send what it queued (returns at once)."""
+        self._in_step = False
+        self._send_soon()
+
+    def _send_soon(self) -> None:
+        """Have the loop flush what is queued, if anything (any thread; returns at once)."""
         with self._lock:
             if not (self._commits or self._releases or self._topups):
                 return
@@ -93,23 +118,65 @@ class RemoteBlockAllocator:
             released = set(releases)
             topups = [(s, n) for s, n in self._topups.items() if s not in released]
             self._topups = {}
+        asks, self._asks = self._asks, []
         try:
-            if commits:
-                self.num_rpcs += 1
-                await self.client.commit(commits)
-            if topups:
-                self.num_rpcs += 1
-                results = await self.client.extend(topups)
-                with self._lock:
-                    for (seq_id, _), new in zip(topups, results):
-                        if isinstance(new, list) and seq_id in self._tables:
-                            self._tables[seq_id].extend(new)
-            if releases:
-                self.num_rpcs += 1
-                await self.client.release(releases)
+            with _untraced():  # bookkeeping of many requests at once: no request's trace
+                await self._send_bookkeeping(commits, releases, topups)
         except Exception:  # block_service down or state lost: the node keeps serving from its KV
-            log.exception("block_service flush failed (%d commits, %d top-ups, %d releases)",
-                          len(commits), len(topups), len(releases))
+            log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
+                          len(commits), len(releases), len(topups))
+        if asks:
+            await self._send_asks(asks)
+
+    async def _send_bookkeeping(self, commits, releases, topups) -> None:
+        if commits:  # before releases: a block is committed by its live sequence
+            self.num_rpcs += 1
+            await self.client.commit(commits)
+        if releases:  # before allocations: what they free may be what the newcomers need
+            self.num_rpcs += 1
+            await self.client.release(releases)
+        if topups:
+            self.num_rpcs += 1
+            results = await self.client.extend(topups)
+            with self._lock:
+                for (seq_id, _), new in zip(topups, results):
+                    if isinstance(new, list) and seq_id in self._tables:
+                        self._tables[seq_id].extend(new)
+
+    async def _send_asks(self, asks: list[tuple[AllocateRequest, asyncio.Future]]) -> None:
+        try:
+            self.num_rpcs += 1
+            results = await self.client.allocate_many([request for request, _ in asks])
+        except Exception as e:  # e.g. one id already live: each asks again when admitted
+            log.warning("early allocation of %d sequences failed: %s", len(asks), e)
+            results = [None] * len(asks)
+        for (request, done), result in zip(asks, results):
+            if isinstance(result, Allocation):
+                with self._lock:
+                    self._early[request.seq_id] = (request, result)
+            done.set_result(None)
+
+    async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
+                          share_across_tenants: bool = False) -> None:
+        """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
+        the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
+        compute). A refusal is not kept: the scheduler asks again when it admits the request."""
+        reusable = (len(token_ids) - 1) // self.block_size
+        hashes = block_hash.block_hashes(token_ids, self.block_size,
+                                         block_hash.tenant_extra_key(tenant, share_across_tenants),
+                                         max_blocks=reusable)
+        done = self.loop.create_future()
+        self._asks.append((AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)), done))
+        if len(self._asks) == 1:
+            self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
+        await done
+
+    def forget(self, seq_id: str) -> None:
+        """The request ended; if the scheduler never claimed its early allocation, give it back."""
+        with self._lock:
+            if self._early.pop(seq_id, None) is not None:
+                self._releases.append(seq_id)
+        self._send_soon()
 
     # -- BlockAllocator ---------------------------------------------------------------------------
 
@@ -118,13 +185,25 @@ class RemoteBlockAllocator:
         return stats.num_free + stats.num_cached
 
     def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
+        with self._lock:
+            early = self._early.pop(seq_id, None)
+            if early is not None:
+                request, result = early
+                if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
+                    self._claim(seq_id, result)
+                    return result
+                self._releases.append(seq_id)  # asked differently: give it back, ask again below
         result = self._call(lambda: self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens), seq_id)
         if isinstance(result, Allocation):
             with self._lock:
-                self._tables[seq_id] = list(result.block_ids)
-                self._handed[seq_id] = len(result.block_ids)
-                self._topups[seq_id] = (len(result.block_ids) + 1) * self.block_size
+                self._claim(seq_id, result)
         return result
+
+    def _claim(self, seq_id: str, result: Allocation) -> None:
+        """Record a granted table (lock held) and queue its reserve block."""
+        self._tables[seq_id] = list(result.block_ids)
+        self._handed[seq_id] = len(result.block_ids)
+        self._topups[seq_id] = (len(result.block_ids) + 1) * self.block_size
 
     def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
         answers: dict[str, list[int] | Refusal] = {}
@@ -173,6 +252,8 @@ class RemoteBlockAllocator:
                 self._handed.pop(seq_id, None)
                 self._topups.pop(seq_id, None)
             self._releases.extend(seq_ids)
+        if not self._in_step:  # an abort between steps: no end_step will come to send it
+            self._send_soon()
 
     def stats(self) -> AllocatorStats:
         nodes, _ = self._call(lambda: self.client.stats([self.node_id]))

@@ -35,6 +35,11 @@ FINISH = {
     "abort": inference_pb2.FINISH_REASON_ABORT,
 }
 MAX_ID_LEN = 128
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # the router pings every 20 s
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 @dataclass(slots=True)
@@ -75,11 +80,10 @@ def _check(request) -> list[int]:
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
-    def __init__(self, engine: AsyncEngine, status: NodeStatus, trace_contexts: dict | None = None):
+    def __init__(self, engine: AsyncEngine, status: NodeStatus, remote=None):
         self.engine = engine
         self.status = status
-        # request id → the trace context its block_service calls should join (remote allocator)
-        self.trace_contexts = trace_contexts
+        self.remote = remote  # RemoteAllocatorFactory when blocks come from block_service
 
     async def Generate(self, request, context):
         if self.status.state != NodeState.READY:
@@ -99,10 +103,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.status.idle.clear()
         outputs = self.engine.generate(request.request_id, ids, sampling, request.tenant, request.priority)
         phase = tracer.start_span("prefill")
-        if self.trace_contexts is not None:
-            self.trace_contexts[request.request_id] = trace.set_span_in_context(phase)
         completion = 0
         try:
+            if self.remote is not None:
+                # block_service calls for this request join its trace, under the prefill span
+                self.remote.trace_contexts[request.request_id] = trace.set_span_in_context(phase)
+                with trace.use_span(phase):
+                    await self.remote.allocator.preallocate(
+                        request.request_id, request.tenant, ids,
+                        self.engine.engine.config.share_prefix_across_tenants)
             try:
                 out = await anext(outputs)
             except ValueError as e:
@@ -129,8 +138,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 out = await anext(outputs)
         finally:
             await outputs.aclose()  # aborts the engine's request if the router went away
-            if self.trace_contexts is not None:
-                self.trace_contexts.pop(request.request_id, None)
+            if self.remote is not None:
+                self.remote.trace_contexts.pop(request.request_id, None)
+                self.remote.allocator.forget(request.request_id)
             phase.set_attribute("kvfleet.completion_tokens", completion)
             phase.end()
             span.set_attribute("kvfleet.completion_tokens", completion)
@@ -153,8 +163,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
 
 async def warm_up(engine: AsyncEngine, node_id: str, seed: int = 0) -> float:
-    """Run a random-token prefill over several blocks and a batched greedy + sampled decode, so
-    every kernel path is compiled and touched before the node takes traffic; returns seconds."""
+    """Touch every kernel path before the node takes traffic (extensions built, caches hot): a
+    random-token prefill over several blocks batched with a short one, greedy and sampled decode,
+    then a prefill that starts from cached prefix blocks. Returns the seconds it took."""
     import random  # noqa: PLC0415
 
     from compute_service.sampling import SamplingParams  # noqa: PLC0415
@@ -162,16 +173,16 @@ async def warm_up(engine: AsyncEngine, node_id: str, seed: int = 0) -> float:
     started = time.perf_counter()
     e = engine.engine
     rng = random.Random(seed)
-    vocab = e.model_config.vocab_size
     block_size = e.allocator.block_size
     length = min(2 * block_size + 3, e.max_model_len - 8)
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (length, 5)]
-    samplings = [SamplingParams(max_tokens=4, ignore_eos=True),
-                 SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True)]
+    long = [rng.randrange(e.model_config.vocab_size) for _ in range(length)]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True)
 
-    async def one(i: int) -> None:
-        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{i}", prompts[i], samplings[i], tenant="__warmup__"):
+    async def one(name: str, prompt: list[int], sampling: SamplingParams) -> None:
+        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{name}", prompt, sampling, tenant="__warmup__"):
             pass
 
-    await asyncio.gather(one(0), one(1))
+    await asyncio.gather(one("long", long, greedy), one("short", long[:5], sampled))
+    await one("cached", long + [1, 2], greedy)  # the long prompt's full blocks are cached now
     return time.perf_counter() - started

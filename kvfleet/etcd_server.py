@@ -102,6 +102,7 @@ class EtcdServer:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 preexec_fn=die_with_parent,
+                start_new_session=True,  # a terminal's Ctrl-C is for our owner, who stops us last
             )
             log.close()
             if self._wait_healthy(timeout):

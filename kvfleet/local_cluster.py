@@ -108,6 +108,7 @@ class LocalCluster:
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet.cli", "--log-level", self.log_level, *argv],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent,
+                start_new_session=True,  # Ctrl-C reaches `kvfleet up` only; it stops them in order
             )
         return Child(name, process, log_path, port)
 
@@ -212,6 +213,26 @@ class LocalCluster:
                 time.sleep(0.1)
         raise TimeoutError(f"router not SERVING within {timeout}s:\n{self.router.log_tail()}")
 
+    def summary(self) -> str:
+        """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them."""
+        from block_service.client import BlockManagerClient  # noqa: PLC0415
+
+        async def read():
+            async with BlockManagerClient(self.block_service_address, timeout_s=10) as client:
+                return await client.stats()
+
+        nodes, tenants = asyncio.run(read())
+        lines = ["node       blocks   used  cached   free  prefix hits"]
+        for n in sorted(nodes, key=lambda n: n.node_id):
+            c = n.counters
+            rate = f"{c.prefix_hits}/{c.prefix_queries}" + (f" ({c.prefix_hits / c.prefix_queries:.0%})" if c.prefix_queries else "")
+            lines.append(f"{n.node_id:<10} {n.num_blocks:>6} {n.num_used:>6} {n.num_cached:>7} {n.num_free:>6}  {rate}")
+        lines.append("tenant     node       charged  allowed  sequences")
+        for t in sorted(tenants, key=lambda t: (t.tenant, t.node_id)):
+            allowed = "-" if t.blocks_allowed is None else str(t.blocks_allowed)
+            lines.append(f"{t.tenant:<10} {t.node_id:<10} {t.blocks_charged:>7} {allowed:>8} {t.num_sequences:>10}")
+        return "\n".join(lines)
+
     # -- teardown ---------------------------------------------------------------------------------
 
     def children(self) -> list[Child]:
@@ -291,6 +312,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if cluster.router is not None and cluster.block_service is not None and cluster.block_service.alive():
+            try:
+                print(cluster.summary())
+            except Exception as e:  # the summary is a courtesy; stopping is what matters
+                print(f"(no summary: {e})", file=sys.stderr)
         print("stopping the cluster ...", flush=True)
         cluster.stop()
     return 0

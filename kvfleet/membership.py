@@ -142,6 +142,7 @@ class NodeRegistration:
 class MembershipChange:
     node_id: str
     info: NodeInfo | None  # None: the node left (key deleted or lease expired)
+    listed: bool = False   # from a listing (the watcher's start or a resync), not a live event
 
 
 async def list_nodes(client: aetcd.Client, prefix: str = NODES_PREFIX) -> tuple[dict[str, NodeInfo], int]:
@@ -171,11 +172,11 @@ async def watch_nodes(
             nodes, revision = await list_nodes(client, prefix)
             for node_id in [n for n in known if n not in nodes]:
                 del known[node_id]
-                yield MembershipChange(node_id, None)
+                yield MembershipChange(node_id, None, listed=True)
             for node_id, info in nodes.items():
                 if known.get(node_id) != info:
                     known[node_id] = info
-                    yield MembershipChange(node_id, info)
+                    yield MembershipChange(node_id, info, listed=True)
             watch = await client.watch_prefix(prefix.encode(), start_revision=revision + 1)
             try:
                 async for event in watch:

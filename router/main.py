@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
     parser.add_argument("--hot-spot-ratio", type=float, default=2.0,
                         help="fall back to least loaded above ratio x least-loaded active blocks + margin")
+    parser.add_argument("--stall-timeout-s", type=float, default=120.0,
+                        help="a node silent this long mid-request counts as failed (the request moves on)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
 
 
@@ -49,7 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service)
-    relay = Relay(nodes, picker, prefix)
+    relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
     server = await build_server(args.listen, tenants, Admission(queue), relay, nodes,
                                 TokenizerSource(nodes, args.model))
     stop = asyncio.Event()
@@ -64,7 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
             if change.info is None:
                 try:
                     await prefix.forget_node(change.node_id)
-                except Exception as e:  # block_service down: it recovers the node's state later
+                except Exception as e:  # block_service down: the pool stays until the node registers again
                     log.warning("could not release the blocks of node %s: %s", change.node_id, e)
 
     async with etcd_client(args.etcd) as client:

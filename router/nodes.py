@@ -1,7 +1,7 @@
 """The router's view of the compute nodes: membership from etcd, a channel per node, in-flight load.
 
 A node is routable while it is READY in etcd. ``ready_since`` is when the router saw it turn READY
-(the start of its cold-start ramp). Load is the router's own count of the blocks its in-flight
+(the start of its cold-start ramp); nodes already READY in the router's first listing count as warm. Load is the router's own count of the blocks its in-flight
 requests hold on each node, kept current as tokens stream, so it needs no polling and has no lag.
 """
 
@@ -19,10 +19,12 @@ from kvfleet.v1 import compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Pings find a node whose host vanished without closing its sockets; the Compute server allows
+# them this often (compute_service.server.SERVER_OPTIONS), or it would answer GOAWAY "too_many_pings".
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
 
@@ -79,7 +81,8 @@ class NodeTable:
             if info.state == NodeState.READY:
                 node.failed_at = None
                 if not was_ready:
-                    node.ready_since = self.clock()
+                    # A node already READY when the router starts is not cold: no ramp for it.
+                    node.ready_since = float("-inf") if change.listed else self.clock()
                     log.info("node %s READY at %s (%d blocks of %d)", info.node_id, info.address,
                              info.num_blocks, info.block_size)
             else:

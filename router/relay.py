@@ -6,7 +6,8 @@
 A failure before the first token is a plain retry. A failure mid-stream resumes on another node
 from the prompt plus every token already forwarded, asking only for the tokens still owed, so the
 client sees each token exactly once; under greedy sampling the resumed run produces exactly the
-tokens the uninterrupted run would have.
+tokens the uninterrupted run would have. A node that goes silent for ``stall_timeout_s`` counts as
+failed too.
 
 Failures are told from answers by status: INVALID_ARGUMENT, PERMISSION_DENIED, NOT_FOUND and a
 tenant's quota refusal are answers for the client; UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, a
@@ -16,6 +17,7 @@ are the node's problem and another node is tried.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -51,6 +53,10 @@ class RelayError(Exception):
         self.code = code
 
 
+class NodeStalled(Exception):
+    """A node sent nothing for too long: treated like a node that died."""
+
+
 class PrefixLookup(Protocol):
     async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
         """Per node id, how many leading full blocks of ``token_ids`` are committed there."""
@@ -65,7 +71,9 @@ class _Progress:
 
 
 class Relay:
-    def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4):
+    def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4,
+                 stall_timeout_s: float = 120.0):
+        self.stall_timeout_s = stall_timeout_s
         self.nodes = nodes
         self.picker = picker
         self.prefix = prefix
@@ -109,6 +117,8 @@ class Relay:
                 failure = "stream ended without a finish"
             except grpc.aio.AioRpcError as e:
                 failure = self._classify(e, node)
+            except NodeStalled as e:
+                failure = str(e)
             progress.excluded.add(node.node_id)
             progress.attempts += 1
             self.nodes.mark_failed(node.node_id)
@@ -137,7 +147,9 @@ class Relay:
         progress: _Progress,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         message = compute_pb2.ComputeRequest(
-            request_id=req.seq_id, tenant=tenant.name, priority=tenant.paid_level,
+            # A fresh id per attempt: the failed node's sequence may still be live in block_service.
+            request_id=f"{req.seq_id}.{progress.attempts}" if progress.attempts else req.seq_id,
+            tenant=tenant.name, priority=tenant.paid_level,
             prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
         )
         sampling_to_proto(req.sampling, message.sampling)
@@ -146,8 +158,16 @@ class Relay:
         node.num_in_flight += 1
         node.num_routed += 1
         call = node.stub.Generate(message)
+        chunks = aiter(call)
         try:
-            async for chunk in call:
+            while True:
+                try:
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:.0f}s") from None
                 if progress.cached_tokens is None and chunk.HasField("usage"):
                     progress.cached_tokens = min(chunk.usage.cached_tokens, len(req.prompt_ids))
                 progress.sent.extend(chunk.token_ids)

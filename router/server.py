@@ -28,18 +28,17 @@ tracer = trace.get_tracer(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
+
+class NoTokenizer(Exception):
+    """No model directory to read ``tokenizer.json`` from yet."""
+
+
 _STATUS: dict[type[Exception], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Shed: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoTokenizer: grpc.StatusCode.UNAVAILABLE,
 }
-
-
-class NoTokenizer(Exception):
-    """No model directory to read ``tokenizer.json`` from yet (→ UNAVAILABLE)."""
-
-
-_STATUS[NoTokenizer] = grpc.StatusCode.UNAVAILABLE
 
 
 class TokenizerSource:

@@ -35,3 +35,17 @@ def stream(address: str, req, api_key: str = "sk-gold", timeout: float = 120.0):
 
 def tokens_of(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+def block_pools(cluster) -> dict:
+    """Node id → block_service's ``NodeStats`` for that node's pool."""
+    import asyncio
+
+    from block_service.client import BlockManagerClient
+
+    async def read():
+        async with BlockManagerClient(cluster.block_service_address) as client:
+            nodes, _ = await client.stats()
+        return {n.node_id: n for n in nodes}
+
+    return asyncio.run(read())

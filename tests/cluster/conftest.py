@@ -5,23 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.etcd_server import EtcdServer
-from kvfleet.local_cluster import LocalCluster
+from kvfleet.local_cluster import DEMO_TENANTS, LocalCluster
 from kvfleet.model_maker import make_model
 
 from cluster_helpers import BLOCK_SIZE
 
-TENANTS = """\
-tenants:
-  - name: gold
-    api_key: sk-gold
-    quota_mib: 256
-    paid_level: 2
-    max_concurrent: 16
-  - name: free
-    api_key: sk-free
-    quota_mib: 256
-    paid_level: 0
-    max_concurrent: 16
+# The demo tenants (gold, free) and one with a quota of 3 blocks of the test model.
+TENANTS = DEMO_TENANTS + """\
   - name: tiny
     api_key: sk-tiny
     quota_mib: 0.1

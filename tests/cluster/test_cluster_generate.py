@@ -11,7 +11,7 @@ from compute_service.engine import EngineConfig, LLMEngine
 from compute_service.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
-from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream, tokens_of
+from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([5, 16, 37, 70])]
 
@@ -24,7 +24,7 @@ def reference(model_dir):
 
 
 def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference):
-    cluster = start_cluster(2, with_block_service=False)
+    cluster = start_cluster(2)
     for prompt, expected in zip(PROMPTS, reference):
         chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=24, ignore_eos=True))
         assert tokens_of(chunks) == expected
@@ -36,7 +36,7 @@ def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference)
 
 
 def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
-    cluster = start_cluster(1, with_block_service=False)
+    cluster = start_cluster(1)
     chunks = stream(cluster.router_address, request(text="hello streaming world", max_tokens=40, ignore_eos=True))
     assert len(chunks) >= 10 and all(len(c.token_ids) <= 2 for c in chunks)
     assert chunks[0].request_id and all(c.request_id == chunks[0].request_id for c in chunks)
@@ -68,7 +68,7 @@ def test_health_and_reflection(start_cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    cluster = start_cluster(1, with_block_service=False)
+    cluster = start_cluster(1)
     with grpc.insecure_channel(cluster.router_address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="kvfleet.v1.Inference"), timeout=10)
@@ -77,3 +77,50 @@ def test_health_and_reflection(start_cluster):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert "kvfleet.v1.Inference" in names and "grpc.health.v1.Health" in names
+
+
+def test_a_cached_prefix_is_routed_to_its_node(start_cluster):
+    cluster = start_cluster(2)
+    for seed in range(4):
+        prefix = random_prompt(6 * BLOCK_SIZE, seed=100 + seed)
+        first = stream(cluster.router_address, request(tokens=prefix + [1, 2, 3], max_tokens=2, ignore_eos=True))
+        home = first[-1].node_id
+        again = stream(cluster.router_address, request(tokens=prefix + [7, 8, 9, 10], max_tokens=2, ignore_eos=True))
+        assert again[-1].node_id == home
+        assert again[-1].usage.cached_tokens == 6 * BLOCK_SIZE
+
+
+def test_a_tenant_over_quota_is_refused_while_others_are_served(start_cluster):
+    import threading
+
+    cluster = start_cluster(2)
+    gold: list = []
+    worker = threading.Thread(target=lambda: gold.extend(
+        stream(cluster.router_address, request(tokens=random_prompt(30, 1), max_tokens=300, ignore_eos=True))))
+    worker.start()
+    # "tiny" may hold 0.1 MiB: 3 blocks of this model; the prompt needs 7.
+    with pytest.raises(grpc.RpcError) as info:
+        stream(cluster.router_address, request(tokens=random_prompt(100, 2), max_tokens=4), api_key="sk-tiny")
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'tiny'" in info.value.details() and "quota" in info.value.details()
+    worker.join(120)
+    assert len(tokens_of(gold)) == 300
+    # A small request of the same tenant still fits its quota.
+    assert tokens_of(stream(cluster.router_address, request(tokens=[5, 6, 7], max_tokens=3, ignore_eos=True),
+                            api_key="sk-tiny"))
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_cluster):
+    cluster = start_cluster(1)
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(
+            request(tokens=random_prompt(50, 4), max_tokens=2000, ignore_eos=True),
+            metadata=[("authorization", "Bearer sk-gold")], timeout=120)
+        for i, _ in enumerate(call):
+            if i == 5:
+                call.cancel()
+                break
+    deadline = time.monotonic() + 20
+    while (pool := block_pools(cluster)["node-0"]).num_sequences or pool.num_used:
+        assert time.monotonic() < deadline, f"blocks still held after the client left: {pool}"
+        time.sleep(0.1)

@@ -9,11 +9,11 @@ import pytest
 
 from cluster_helpers import random_prompt, request, stream
 
-WARMUP_S = 6.0
+WARMUP_S = 8.0
 
 
 def test_higher_paid_level_is_served_first_under_contention(start_cluster):
-    cluster = start_cluster(1, with_block_service=False, router_args=("--capacity", "1"))
+    cluster = start_cluster(1, router_args=("--capacity", "1"))
     finished: list[str] = []
     lock = threading.Lock()
 
@@ -47,7 +47,7 @@ def test_higher_paid_level_is_served_first_under_contention(start_cluster):
 
 
 def test_a_new_node_gets_a_ramping_share(start_cluster):
-    cluster = start_cluster(1, with_block_service=False, router_args=("--warmup-s", str(WARMUP_S)))
+    cluster = start_cluster(1, router_args=("--warmup-s", str(WARMUP_S)))
     cluster.add_node("node-new")
     joined = time.monotonic()
 
@@ -58,7 +58,7 @@ def test_a_new_node_gets_a_ramping_share(start_cluster):
 
     early = share_of_new(40)
     early_span = time.monotonic() - joined
-    if early_span > WARMUP_S / 2:
+    if early_span > WARMUP_S / 4:
         pytest.skip(f"machine too slow: the early sample took {early_span:.1f}s of a {WARMUP_S}s ramp")
     time.sleep(max(WARMUP_S - (time.monotonic() - joined), 0) + 0.5)
     late = share_of_new(40)

@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-PURE = ["router.tenants", "router.priority_queue", "router.routing", "kvfleet.tenants"]
+PURE = ["router.tenants", "router.priority_queue", "router.routing", "router.request", "router.admission",
+        "kvfleet.tenants"]
 
 
 def test_pure_modules_import_no_grpc_or_torch():

@@ -1,0 +1,139 @@
+"""The whole cluster against the engine in-process: what the distribution costs.
+
+Same model, same seeded prompts, greedy, a fixed number of new tokens per request, all requests at
+once. (a) ``LLMEngine.generate`` in this process with its in-process page table. (b) The same
+requests, concurrently, through ``kvfleet router`` to one ``kvfleet compute`` node whose blocks come
+from ``kvfleet block-service`` (and an etcd), each a separate process on loopback. Tokens/s is
+generated tokens over the wall time from the first request sent to the last token received. The
+two sides alternate, best of ``--repeats`` each, so a noisy neighbour hurts both alike.
+
+Also prints the block_service RPCs the node made per generated token (the remote allocator's
+batching: allocations, top-ups of the one-block reserve, write-behind commits and releases).
+
+    python bench/cluster_overhead.py [--quick] [--json]      # --json: one object, headline "ratio"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ensure_model, seeded_prompts  # noqa: E402
+
+FULL = dict(requests=16, min_len=32, max_len=384, new_tokens=96, repeats=3)
+QUICK = dict(requests=8, min_len=32, max_len=256, new_tokens=48, repeats=2)
+BLOCK_SIZE = 64
+KV_CACHE_MEMORY = 512 << 20
+
+
+def run_inprocess(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """``engine.generate`` on a worker thread, as the node runs its engine (``AsyncEngine``'s step
+    thread): torch's intra-op (OpenMP) threading is configured per calling thread, and on a small
+    machine the main thread's team can be many times slower or faster than a worker's."""
+    from compute_service.sampling import SamplingParams
+
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(
+        engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))))
+    started = time.perf_counter()
+    worker.start()
+    worker.join()
+    elapsed = time.perf_counter() - started
+    outs = result[0]
+    tokens = sum(len(o.new_token_ids) for o in outs)
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed,
+                outputs=[o.new_token_ids for o in outs])
+
+
+async def _through_router(address: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    import grpc
+
+    from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(prompt: list[int]) -> list[int]:
+            req = inference_pb2.GenerateRequest(
+                tokens=inference_pb2.TokenIds(ids=prompt),
+                sampling=inference_pb2.SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+            tokens: list[int] = []
+            async for chunk in stub.Generate(req, metadata=[("authorization", "Bearer sk-gold")], timeout=600):
+                tokens.extend(chunk.token_ids)
+            return tokens
+
+        started = time.perf_counter()
+        outputs = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - started
+    tokens = sum(len(o) for o in outputs)
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, outputs=outputs)
+
+
+async def _block_rpcs(node_address: str) -> int:
+    import grpc
+
+    from kvfleet.v1 import compute_pb2, compute_pb2_grpc
+
+    async with grpc.aio.insecure_channel(node_address) as channel:
+        stats = await compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30)
+    return stats.block_rpcs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller run (under two minutes)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    model = Path(args.model) if args.model else ensure_model()
+    prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
+
+    from compute_service.engine import EngineConfig, LLMEngine
+    from kvfleet.local_cluster import LocalCluster
+
+    engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
+    warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)
+    run_inprocess(engine, warm, 8)  # warm-up: kernels built and loaded, every batch shape seen
+    inproc, cluster_runs, rpcs = [], [], []
+    with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
+                      log_level="WARNING") as cluster:
+        node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
+        asyncio.run(_through_router(cluster.router_address, warm, 8))  # warm-up
+        for _ in range(cfg["repeats"]):
+            inproc.append(run_inprocess(engine, prompts, cfg["new_tokens"]))
+            before = asyncio.run(_block_rpcs(node))
+            cluster_runs.append(asyncio.run(_through_router(cluster.router_address, prompts, cfg["new_tokens"])))
+            rpcs.append((asyncio.run(_block_rpcs(node)) - before) / cluster_runs[-1]["tokens"])
+    a = max(inproc, key=lambda r: r["tokens_per_s"])
+    b = max(cluster_runs, key=lambda r: r["tokens_per_s"])
+    same = all(r["outputs"] == inproc[0]["outputs"] for r in cluster_runs)
+    result = dict(
+        ratio=b["tokens_per_s"] / a["tokens_per_s"],
+        inprocess_tokens_per_s=a["tokens_per_s"],
+        cluster_tokens_per_s=b["tokens_per_s"],
+        block_rpcs_per_token=min(rpcs),
+        identical_tokens=same,
+        requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
+    )
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
+          f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}")
+    print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
+    print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")
+    print(f"  ratio (cluster / in-process): {result['ratio']:.3f}   (target >= 0.9)")
+    print(f"  block_service RPCs per generated token: {result['block_rpcs_per_token']:.3f}")
+    print(f"  greedy tokens identical: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""One trace per request, from the router through a compute node to block_service."""
+
+from __future__ import annotations
+
+import time
+
+from cluster_helpers import random_prompt, request, stream
+from otlp_receiver import OtlpReceiver
+
+
+def test_one_trace_spans_router_compute_and_block_service(start_cluster):
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+               "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        cluster = start_cluster(1, env=env)
+        chunks = stream(cluster.router_address, request(tokens=random_prompt(40, 3), max_tokens=5, ignore_eos=True))
+        cluster.stop()  # every process flushes its spans on the way out
+        time.sleep(0.5)
+        spans = list(receiver.spans)
+
+    by_id = {s.span_id: s for s in spans}
+    [root] = [s for s in spans if s.name == "/kvfleet.v1.Inference/Generate" and s.service == "kvfleet-router"]
+    trace = [s for s in spans if s.trace_id == root.trace_id]
+    names = {(s.service, s.name) for s in trace}
+
+    def parent(span):
+        return by_id.get(span.parent_id)
+
+    assert root.parent_id == "" and root.attributes["kvfleet.tenant"] == "gold"
+    assert root.attributes["kvfleet.completion_tokens"] == 5
+    for name in ("queue", "route"):
+        [s] = [s for s in trace if s.name == name]
+        assert parent(s) is root
+    [route] = [s for s in trace if s.name == "route"]
+    assert route.attributes["kvfleet.node_id"] == chunks[-1].node_id
+    # router's client span → compute's server span → prefill / decode
+    [call] = [s for s in trace if s.service == "kvfleet-router" and s.name == "/kvfleet.v1.Compute/Generate"]
+    [served] = [s for s in trace if s.service == "kvfleet-compute" and s.name == "/kvfleet.v1.Compute/Generate"]
+    assert parent(call) is root and parent(served) is call
+    assert served.attributes["kvfleet.tenant"] == "gold" and served.attributes["kvfleet.prompt_tokens"] == 40
+    prefill, decode = ([s for s in trace if s.name == n] for n in ("prefill", "decode"))
+    assert parent(prefill[0]) is served and parent(decode[0]) is served
+    # compute → block_service: the allocation of this request's blocks is in the same trace
+    allocations = [s for s in trace if s.service == "kvfleet-compute" and s.name.endswith("BlockManager/AllocateMany")]
+    assert allocations and all(parent(a) is prefill[0] for a in allocations), names
+    served_by_block = [s for s in trace if s.service == "kvfleet-block-service"]
+    if served_by_block:  # when block_service runs with tracing (its own setup_tracing call)
+        assert all(parent(s) in allocations for s in served_by_block if s.name.endswith("AllocateMany"))

@@ -1,0 +1,58 @@
+"""GenerateRequest → ParsedRequest: every bad field is an InvalidRequest naming it."""
+
+import pytest
+
+from kvfleet.v1 import inference_pb2
+from router.request import InvalidRequest, parse_request, sampling_from_proto, sampling_to_proto
+
+
+class ByteTokenizer:
+    vocab_size = 260
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+def req(**kw):
+    sampling = kw.pop("sampling", dict(max_tokens=4))
+    r = inference_pb2.GenerateRequest(**kw)
+    if sampling is not None:
+        r.sampling.CopyFrom(inference_pb2.SamplingParams(**sampling))
+    return r
+
+
+def test_text_and_tokens():
+    p = parse_request(req(text="hi", request_id="r1"), ByteTokenizer())
+    assert (p.request_id, p.prompt_ids, p.sampling.max_tokens) == ("r1", [104, 105], 4)
+    assert p.seq_id.startswith("r1-") and p.seq_id != parse_request(req(text="hi", request_id="r1"), ByteTokenizer()).seq_id
+    p = parse_request(req(tokens=inference_pb2.TokenIds(ids=[1, 2, 259])), ByteTokenizer())
+    assert p.prompt_ids == [1, 2, 259] and len(p.request_id) == 32  # generated
+
+
+def test_zero_means_off():
+    s = sampling_from_proto(inference_pb2.SamplingParams(max_tokens=3, top_p=0, seed=0))
+    assert (s.top_p, s.seed, s.greedy) == (1.0, None, True)
+    message = inference_pb2.SamplingParams()
+    sampling_to_proto(sampling_from_proto(inference_pb2.SamplingParams(max_tokens=3, temperature=0.5, seed=7,
+                                                                       stop=["x"], top_k=5)), message)
+    assert (message.max_tokens, message.seed, list(message.stop), message.top_k) == (3, 7, ["x"], 5)
+
+
+@pytest.mark.parametrize("r, words", [
+    (req(), "prompt is missing"),
+    (req(text=""), "prompt text is empty"),
+    (req(tokens=inference_pb2.TokenIds(ids=[])), "prompt tokens are empty"),
+    (req(tokens=inference_pb2.TokenIds(ids=[300])), "outside the vocabulary"),
+    (req(text="x", sampling=None), "sampling is missing"),
+    (req(text="x", sampling=dict(max_tokens=0)), "max_tokens"),
+    (req(text="x", sampling=dict(max_tokens=1, temperature=-0.5)), "temperature"),
+    (req(text="x", sampling=dict(max_tokens=1, temperature=float("nan"))), "temperature"),
+    (req(text="x", sampling=dict(max_tokens=1, top_p=1.5)), "top_p"),
+    (req(text="x", sampling=dict(max_tokens=1, stop=[""])), "stop"),
+    (req(text="x", request_id="a" * 101), "request_id"),
+    (req(text="x", request_id="bad\nid"), "request_id"),
+])
+def test_bad_fields(r, words):
+    with pytest.raises(InvalidRequest, match=None) as info:
+        parse_request(r, ByteTokenizer())
+    assert words in str(info.value)
