@@ -83,3 +83,10 @@ class BlockAllocator(Protocol):
 
     def stats(self) -> AllocatorStats:
         """Current figures of this node's pool."""
+
+    def begin_step(self) -> None:
+        """The engine starts a step (schedule, forward, sample)."""
+
+    def end_step(self) -> None:
+        """The engine finished a step: a remote allocator sends its queued deltas now, off the
+        critical path of the next forward pass."""

@@ -45,3 +45,9 @@ class LocalBlockAllocator:
 
     def stats(self) -> AllocatorStats:
         return self.page_table.allocator_stats(self.node_id)
+
+    def begin_step(self) -> None:
+        """Nothing to batch in process: every call already took effect."""
+
+    def end_step(self) -> None:
+        """Nothing to send in process."""

@@ -70,6 +70,10 @@ class AsyncEngine:
         self._submit(run)
         return result
 
+    def is_alive(self) -> bool:
+        """False once the step loop has died (an exception in a step) or was shut down."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from block_service.allocator import AllocatorStats, BlockAllocator
+from block_service.allocator import AllocatorStats, BlockAllocator, Refusal
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.kv_pool import allocate_kv_cache, bytes_per_block, num_blocks_for, parse_block_size
 from compute_service.model_config import ModelConfig
@@ -147,8 +147,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; the outputs of every request that progressed."""
+        self.allocator.begin_step()
+        try:
+            return self._step()
+        finally:
+            self.allocator.end_step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        outputs = [self._finish(self.requests[seq.seq_id], "abort", [], refusal.message())
+        outputs = [self._finish(self.requests[seq.seq_id], "abort", [], refusal)
                    for seq, refusal in batch.refused]
         if batch.is_empty:
             return outputs
@@ -198,22 +205,21 @@ class LLMEngine:
             return self._finish(request, reason, [token], text=text)
         return self._output(request, [token], text, None)
 
-    def _finish(self, request: _Request, reason: str, new_tokens: list[int], error: str | None = None,
+    def _finish(self, request: _Request, reason: str, new_tokens: list[int], refusal: Refusal | None = None,
                 text: str = "") -> RequestOutput:
         seq = request.seq
         self.scheduler.finish([seq])
         self.sampler.forget(seq.seq_id)
         del self.requests[seq.seq_id]
-        out = self._output(request, new_tokens, text, reason, error)
-        return out
+        return self._output(request, new_tokens, text, reason, refusal)
 
     def _output(self, request: _Request, tokens: list[int], text: str, reason: str | None,
-                error: str | None = None) -> RequestOutput:
+                refusal: Refusal | None = None) -> RequestOutput:
         seq = request.seq
         out = RequestOutput(
             request_id=seq.seq_id, new_token_ids=tokens, new_text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, cached_tokens=seq.num_cached_tokens, error=error)
+            completion_tokens=seq.num_output_tokens, cached_tokens=seq.num_cached_tokens, refusal=refusal)
         if request.on_output is not None:
             request.on_output(out)
         return out

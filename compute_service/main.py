@@ -36,30 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
-def _engine_alive(async_engine) -> bool:
-    thread = getattr(async_engine, "_thread", None)  # AsyncEngine's step thread
-    return thread is None or thread.is_alive()
-
-
 async def _watch_engine(async_engine, stop: asyncio.Event) -> None:
     """An exception in a step ends the engine's thread; the node must not linger as a black hole."""
-    while _engine_alive(async_engine):
+    while async_engine.is_alive():
         await asyncio.sleep(1.0)
     stop.set()
-
-
-def _flush_after_each_step(engine, allocator) -> None:
-    """Have the remote allocator send its queued commits and releases once per engine step."""
-    step = engine.step
-
-    def step_then_flush():
-        allocator.begin_step()
-        try:
-            return step()
-        finally:
-            allocator.end_step()
-
-    engine.step = step_then_flush
 
 
 def _build_engine(args: argparse.Namespace, remote):
@@ -100,8 +81,6 @@ async def serve(args: argparse.Namespace) -> None:
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
-    if remote is not None:
-        _flush_after_each_step(engine, allocator)
     async_engine = AsyncEngine(engine)
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
@@ -126,7 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
     watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()
     watchdog.cancel()
-    if not _engine_alive(async_engine):
+    if not async_engine.is_alive():
         # Crash-only: no drain, no clean goodbye. The streams break, the router resumes them on
         # other nodes, the lease expires and block_service is told to drop this pool.
         log.error("node %s: the engine's step thread died; exiting so the cluster routes around it", args.node_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from block_service.allocator import Refusal
 from compute_service.sampling import SamplingParams
 from compute_service.sequence import Sequence
 
@@ -18,7 +19,11 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0               # prompt tokens served from the prefix cache
-    error: str | None = None             # why an "abort" happened, when the engine aborted it
+    refusal: Refusal | None = None       # why the engine aborted it: blocks refused (pool or quota)
+
+    @property
+    def error(self) -> str | None:
+        return self.refusal.message() if self.refusal is not None else None
 
     @classmethod
     def empty(cls, request_id: str) -> "RequestOutput":

@@ -106,18 +106,25 @@ class Scheduler:
         return granted
 
     def _admit(self, budget: int, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Waiting sequences by rank while budget, seats and blocks last. A full pool stops
+        admission (the head of the queue waits for blocks); a tenant over its quota only holds
+        back that tenant's requests, and one that could never fit its quota is refused."""
         admitted: list[tuple[Sequence, int]] = []
         self.waiting.sort(key=_rank)
+        held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.pop(0)
             refusal = self.kv.allocate(seq)
             if refusal is not None:
-                if not self.running and not admitted:
-                    self.waiting.pop(0)
-                    self._finish_refused(seq, refusal, batch)
+                if not any(s.tenant == seq.tenant for s in self.running):
+                    if refusal.reason == "quota" or not self.running:
+                        self._finish_refused(seq, refusal, batch)  # it cannot fit even alone
+                        continue
+                if refusal.reason == "quota":
+                    held_back.append(seq)
                     continue
-                break  # wait for running sequences to free blocks
-            self.waiting.pop(0)
+                self.waiting.insert(0, seq)
+                break  # pool full: wait for running sequences to free blocks
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
@@ -125,6 +132,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             admitted.append((seq, n))
             budget -= n
+        self.waiting[:0] = held_back
         return admitted
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

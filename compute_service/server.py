@@ -121,10 +121,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             phase.end()
             phase = tracer.start_span("decode")
             while True:
-                if out.finish_reason == "abort" and out.error:
-                    kind = "quota" if "quota" in out.error else "pool"
+                if out.refusal is not None:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error,
-                                        trailing_metadata=((REFUSAL_KEY, kind),))
+                                        trailing_metadata=((REFUSAL_KEY, out.refusal.reason),))
                 completion = out.completion_tokens
                 text = "".join(detok.push(t) for t in out.new_token_ids) if detok else out.new_text
                 yield compute_pb2.ComputeChunk(

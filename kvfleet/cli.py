@@ -11,7 +11,7 @@ import sys
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("kvfleet.model_maker", "write a seeded random Llama-style model directory"),
-    "demo": ("kvfleet.demo", "run the demo: prompts through the engine, streamed, with stats"),
+    "demo": ("kvfleet.demo", "run the demo: a local cluster serving two tenants (or --in-process), streamed"),
     "block-service": ("block_service.main", "run block_service: the fleet's page table, quotas, durable log"),
     "checkpoint": ("block_service.checkpoint", "check block_service snapshots and logs (verify PATH)"),
     "compute": ("compute_service.main", "run a compute node: model, KV pool, Compute service, etcd membership"),

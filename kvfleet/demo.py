@@ -1,5 +1,5 @@
-"""``kvfleet demo``: prompts through the in-process engine on the demo model, tokens streamed as
-they are generated, then a stats line."""
+"""``kvfleet demo``: the local cluster on the demo model serving two tenants, or (``--in-process``)
+the engine alone. Either way tokens are printed as they stream, then a summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-DEMO_PROMPTS = [
+IN_PROCESS_PROMPTS = [
     "The fleet shares one page table. ",
     "The fleet shares one page table. Tenants",
     "Paged attention reads each block in place",
@@ -17,17 +17,52 @@ DEMO_PROMPTS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (see `kvfleet make-model`)")
+    parser.add_argument("--nodes", type=int, default=2, help="compute nodes of the local cluster")
     parser.add_argument("--block-size", default="16", help="tokens per KV block, or chat/code/document")
-    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="KV pool bytes")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="KV pool bytes per node")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--in-process", action="store_true", help="run the engine in this process, no cluster")
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_in_process(args) if args.in_process else run_cluster(args)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvfleet.generate_client import demo_requests
+    from kvfleet.local_cluster import LocalCluster
+
+    print(f"starting a local cluster: etcd, block_service, {args.nodes} compute nodes, router ...", flush=True)
+    started = time.perf_counter()
+    with LocalCluster(args.model, args.nodes, block_size=int(args.block_size),
+                      kv_cache_memory=args.kv_cache_memory) as cluster:
+        print(f"cluster up in {time.perf_counter() - started:.1f}s; router at {cluster.router_address}; "
+              f"logs in {cluster.work_dir}", flush=True)
+        print("tenants: gold (paid level 2) and free (paid level 0); some prompts share a long prefix\n")
+        started = time.perf_counter()
+        finished = asyncio.run(demo_requests(cluster.router_address, args.max_tokens, stream=True))
+        elapsed = time.perf_counter() - started
+        tokens = sum(r["completion_tokens"] for r in finished)
+        cached = sum(r["cached_tokens"] for r in finished)
+        prompt = sum(r["prompt_tokens"] for r in finished)
+        print(f"\n{len(finished)} requests, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s); "
+              f"{cached} of {prompt} prompt tokens came from the prefix cache")
+        time.sleep(0.5)  # the last releases reach block_service just after the last token
+        print("\ncluster summary (block_service):")
+        print(cluster.summary())
+        print("\nstopping the cluster ...", flush=True)
+    print("stopped; no process left behind")
+    return 0
+
+
+def run_in_process(args: argparse.Namespace) -> int:
     from compute_service.engine import EngineConfig, LLMEngine
     from compute_service.sampling import SamplingParams
 
     engine = LLMEngine(args.model, EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory))
-    names = {f"p{i}": prompt for i, prompt in enumerate(DEMO_PROMPTS)}
+    names = {f"p{i}": prompt for i, prompt in enumerate(IN_PROCESS_PROMPTS)}
 
     def show(out) -> None:
         if out.new_text:

@@ -81,10 +81,10 @@ DEMO_REQUESTS = [  # (tag, api key of kvfleet.local_cluster.DEMO_TENANTS, prompt
 ]
 
 
-async def demo_requests(router: str, max_tokens: int = 24, out=sys.stdout) -> list[dict]:
+async def demo_requests(router: str, max_tokens: int = 24, out=sys.stdout, stream: bool = False) -> list[dict]:
     """Send ``DEMO_REQUESTS`` concurrently (the first of each tenant first, so that the others find
-    its prefix cached), print each request's text, node and cached tokens as it finishes, and
-    return those figures in finishing order."""
+    its prefix cached), print each request's text, node and cached tokens as it finishes (and each
+    chunk as it arrives when ``stream``), and return those figures in finishing order."""
     import asyncio  # noqa: PLC0415
 
     import grpc  # noqa: PLC0415
@@ -102,6 +102,8 @@ async def demo_requests(router: str, max_tokens: int = 24, out=sys.stdout) -> li
             text: list[str] = []
             async for chunk in stub.Generate(req, metadata=[("authorization", f"Bearer {key}")]):
                 text.append(chunk.text)
+                if stream and chunk.token_ids:
+                    print(f"[{tag:<6}] +{len(chunk.token_ids)} token(s) {chunk.text!r}", file=out, flush=True)
                 if first_token is not None:
                     first_token.set()
                 last = chunk
