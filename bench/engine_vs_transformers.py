@@ -23,12 +23,12 @@ FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
 
 
-def run_engine(model: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_engine(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
     from compute_service.engine import EngineConfig, LLMEngine
     from compute_service.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=64, kv_cache_memory=1 << 30, max_num_seqs=64,
-                                           max_num_batched_tokens=2048))
+                                           max_num_batched_tokens=2048, dtype=dtype))
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches hot
     started = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
@@ -38,11 +38,11 @@ def run_engine(model: Path, prompts: list[list[int]], new_tokens: int) -> dict:
                 preemptions=engine.stats().num_preemptions)
 
 
-def run_transformers(model: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_transformers(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     pad = 258
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -62,6 +62,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter prompts and outputs (< 1 minute)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and KV dtype, the same for both sides (default float32)")
     parser.add_argument("--side", choices=["engine", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = QUICK if args.quick else FULL
@@ -69,13 +71,13 @@ def main() -> int:
     prompts = seeded_prompts(shape["requests"], shape["min_len"], shape["max_len"])
     if args.side:
         run = run_engine if args.side == "engine" else run_transformers
-        print(json.dumps(run(model, prompts, shape["new_tokens"])))
+        print(json.dumps(run(model, prompts, shape["new_tokens"], args.dtype)))
         return 0
-    flags = ["--quick"] if args.quick else []
+    flags = (["--quick"] if args.quick else []) + ["--dtype", args.dtype]
     hf = run_child(Path(__file__), flags + ["--side", "transformers"])
     ours = run_child(Path(__file__), flags + ["--side", "engine"])
     result = dict(
-        shape=shape, model=str(model.relative_to(model.parent.parent)),
+        shape=shape, model=str(model.relative_to(model.parent.parent)), dtype=args.dtype,
         engine_tokens_per_s=round(ours["tokens_per_s"], 1), transformers_tokens_per_s=round(hf["tokens_per_s"], 1),
         ratio=round(ours["tokens_per_s"] / hf["tokens_per_s"], 2),
         engine_peak_rss_mib=round(ours["peak_rss_mib"]), transformers_peak_rss_mib=round(hf["peak_rss_mib"]),
@@ -85,7 +87,7 @@ def main() -> int:
         print(json.dumps(result))
     else:
         print(f"{shape['requests']} requests, prompts {shape['min_len']}-{shape['max_len']} tokens, "
-              f"{shape['new_tokens']} new tokens each, greedy, model {result['model']}")
+              f"{shape['new_tokens']} new tokens each, greedy, model {result['model']}, {args.dtype}")
         print(f"{'':14}{'tokens/s':>10}{'peak RSS MiB':>14}")
         print(f"{'transformers':14}{result['transformers_tokens_per_s']:>10}{result['transformers_peak_rss_mib']:>14}")
         print(f"{'kvfleet':14}{result['engine_tokens_per_s']:>10}{result['engine_peak_rss_mib']:>14}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from block_service.allocator import AllocatorStats, BlockAllocator, Refusal
+from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.kv_pool import allocate_kv_cache, bytes_per_block, num_blocks_for, parse_block_size
 from compute_service.model_config import ModelConfig
@@ -84,6 +85,7 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         model = load_model(model_dir, mc, dtype, self.device)
+        pack_linears(model, config.max_num_batched_tokens)
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, dtype)
         num_blocks = num_blocks_for(mc, block_size, dtype, self.device, config.kv_cache_memory)
