@@ -19,6 +19,8 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        # outputs of the current step, handed to their event loops in one wake-up per step
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
@@ -31,8 +33,8 @@ class AsyncEngine:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted = loop.create_future()
 
-        def deliver(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        def deliver(out: RequestOutput) -> None:  # on the engine thread; sent once per step
+            self._outbox.append((loop, outputs, out))
 
         def add() -> None:
             try:
@@ -79,6 +81,16 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue_, out in self._outbox:
+            by_loop.setdefault(loop, []).append((queue_, out))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _submit(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
         self._wake.set()
@@ -92,9 +104,15 @@ class AsyncEngine:
                     break
             if self.engine.has_unfinished_requests():
                 self.engine.step()
-            else:
+            self._flush_outbox()
+            if not self.engine.has_unfinished_requests():
                 self._wake.wait()
                 self._wake.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None, value: object = None) -> None:

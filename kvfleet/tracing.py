@@ -7,7 +7,8 @@ afterwards opens a span per RPC and carries the W3C ``traceparent`` in metadata.
 channels after this call, through ``grpc.aio.*`` attribute access (not ``from grpc.aio import``).
 
 Spans are exported over OTLP/gRPC only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces-specific
-variable) is set; otherwise they are recorded for context propagation and dropped. etcd's own RPCs,
+variable) is set; otherwise gRPC is not instrumented at all (no per-message cost) and the spans the
+services open themselves are dropped. etcd's own RPCs,
 health checks and reflection are not traced: they are noise around the requests.
 """
 
@@ -63,8 +64,11 @@ def setup_tracing(service_name: str) -> TracerProvider:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         log.info("tracing %s: exporting spans over OTLP to %s", service_name, endpoint)
     trace.set_tracer_provider(provider)
-    GrpcAioInstrumentorServer(filter_=_traced).instrument(tracer_provider=provider)
-    GrpcAioInstrumentorClient(filter_=_traced).instrument(tracer_provider=provider)
+    if endpoint:
+        # Instrumenting costs every streamed message a trip through the interceptors; with nothing
+        # exported there is nothing to gain from it, so the token stream skips it.
+        GrpcAioInstrumentorServer(filter_=_traced).instrument(tracer_provider=provider)
+        GrpcAioInstrumentorClient(filter_=_traced).instrument(tracer_provider=provider)
     _provider = provider
     return provider
 
