@@ -28,12 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    return asyncio.run(serve(args))
+    from kvfleet.tracing import setup_tracing, shutdown_tracing
+
+    setup_tracing("kvfleet-block-service")  # before the server exists: its RPCs join request traces
+    try:
+        return asyncio.run(serve(args))
+    finally:
+        shutdown_tracing()
 
 
 async def serve(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     import signal
 
     import grpc
@@ -42,7 +47,7 @@ async def serve(args: argparse.Namespace) -> int:
     from block_service.durable import DurablePageTable
     from block_service.page_table import PageTable
     from block_service.server import BlockManagerServicer
-    from block_service.tenants import load_tenants
+    from block_service.tenants import load_tenant_configs
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if args.durability == "off":
@@ -52,8 +57,8 @@ async def serve(args: argparse.Namespace) -> int:
         (log.warning if report.stop_reason or report.skipped else log.info)("%s", report.summary())
     if args.tenants:
         try:
-            tenants = [dataclasses.replace(t, api_key="") for t in load_tenants(args.tenants)]  # no keys on disk
-        except (OSError, ValueError) as err:  # unreadable, or InvalidArgument
+            tenants = load_tenant_configs(args.tenants)  # without API keys: none reach the disk
+        except ValueError as err:  # TenantsFileError: unreadable or invalid, with where and why
             log.error("cannot load tenants from %s: %s", args.tenants, err)
             return 2
         store.configure_tenants(tenants, replace_all=True)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from block_service.errors import InvalidArgument
+from kvfleet.tenants import Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
@@ -61,38 +62,15 @@ class TenantConfig:
         return asdict(self)
 
 
-def parse_tenants(doc: Mapping) -> list[TenantConfig]:
-    """``{"tenants": [{name, api_key, quota_mib, reserved_mib?, paid_level, max_concurrent}, ...]}``."""
-    items = doc.get("tenants") if isinstance(doc, Mapping) else None
-    if not isinstance(items, list):
-        raise InvalidArgument("tenants file: expected a list under 'tenants:'")
-    configs = []
-    for item in items:
-        if not isinstance(item, Mapping):
-            raise InvalidArgument(f"tenants file: each tenant must be a mapping, got {item!r}")
-        fields = TenantConfig.__dataclass_fields__
-        unknown = sorted(set(item) - set(fields))
-        if unknown:  # the file is shared with the router, which may know more keys
-            log.warning("tenants file: ignoring keys %s of tenant %r", unknown, item.get("name"))
-        try:
-            configs.append(TenantConfig(**{k: v for k, v in item.items() if k in fields}))
-        except TypeError as err:
-            raise InvalidArgument(f"tenants file: {err}") from None
-    names = [c.name for c in configs]
-    if len(set(names)) != len(names):
-        raise InvalidArgument("tenants file: a tenant name appears twice")
-    return configs
+def tenant_configs(tenants: Iterable[Tenant]) -> list[TenantConfig]:
+    """The page table's view of the tenants file's entries (``kvfleet.tenants``, the one parser
+    the router shares), without API keys: keys never reach the log or snapshots."""
+    return [TenantConfig(t.name, t.quota_mib, t.reserved_mib, t.paid_level, t.max_concurrent) for t in tenants]
 
 
-def load_tenants(path: str) -> list[TenantConfig]:
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        try:
-            doc = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise InvalidArgument(f"tenants file {path}: {err}") from None
-    return parse_tenants(doc or {})
+def load_tenant_configs(path: str) -> list[TenantConfig]:
+    """Read the tenants file; a bad file raises ``kvfleet.tenants.TenantsFileError``."""
+    return tenant_configs(load_tenants(path))
 
 
 class QuotaLedger:

@@ -23,8 +23,7 @@ from compute_service.async_engine import AsyncEngine
 from compute_service.tokenizer import IncrementalDetokenizer
 from kvfleet.membership import NodeState
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
-from router.relay import REFUSAL_KEY
-from router.request import InvalidRequest, sampling_from_proto
+from kvfleet.wire import REFUSAL_KEY, InvalidRequest, sampling_from_proto
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

@@ -30,13 +30,13 @@ from opentelemetry import trace
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from router.nodes import NodeTable, RouterNode
-from router.request import ParsedRequest, sampling_to_proto
+from kvfleet.wire import REFUSAL_KEY, sampling_to_proto
+from router.request import ParsedRequest
 from router.routing import NodeLoad, NodePicker
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-REFUSAL_KEY = "kvfleet-refusal"
 _ANSWERS = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.PERMISSION_DENIED,

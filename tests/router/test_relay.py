@@ -14,7 +14,8 @@ from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from router.nodes import NodeTable, RouterNode
 from router.prefix_lookup import NoPrefixLookup
-from router.relay import REFUSAL_KEY, Relay, RelayError
+from kvfleet.wire import REFUSAL_KEY
+from router.relay import Relay, RelayError
 from router.request import ParsedRequest
 from router.routing import NodePicker, RoutingConfig
 

@@ -3,7 +3,8 @@
 import pytest
 
 from kvfleet.v1 import inference_pb2
-from router.request import InvalidRequest, parse_request, sampling_from_proto, sampling_to_proto
+from kvfleet.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
+from router.request import parse_request
 
 
 class ByteTokenizer:
