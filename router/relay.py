@@ -59,7 +59,10 @@ class NodeStalled(Exception):
 
 class PrefixLookup(Protocol):
     async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
-        """Per node id, how many leading full blocks of ``token_ids`` are committed there."""
+        """Per node id, how many leading full blocks of ``token_ids`` are (about to be) cached there."""
+
+    def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode) -> None:
+        """``token_ids`` were just sent to ``node``."""
 
 
 @dataclass(slots=True)
@@ -97,7 +100,9 @@ class Relay:
             span.set_attribute("kvfleet.route_reason", decision.reason)
             span.set_attribute("kvfleet.cached_prefix_blocks", decision.cached_prefix_blocks)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
-            return self.nodes.nodes[decision.node_id]
+            node = self.nodes.nodes[decision.node_id]
+            self.prefix.routed(tenant.name, ids, node)
+            return node
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = _Progress()

@@ -90,6 +90,23 @@ def test_a_cached_prefix_is_routed_to_its_node(start_cluster):
         assert again[-1].usage.cached_tokens == 6 * BLOCK_SIZE
 
 
+def test_a_burst_sharing_a_prefix_lands_on_one_node(start_cluster):
+    """Sent together, before any of them has committed a block: the router's own recent routes
+    keep them on one node (block_service cannot know the prefix yet). With a prefix weight of 4 an
+    uncached 7-block prompt (28) costs more than two such requests in flight (14, below the
+    hot-spot guard's 16-block margin); without recent routes every node would look cold and the
+    three would spread by load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster = start_cluster(2, router_args=("--prefix-weight", "4"))
+    for seed in range(3):
+        prefix = random_prompt(6 * BLOCK_SIZE, seed=200 + seed)
+        with ThreadPoolExecutor(3) as pool:
+            runs = list(pool.map(lambda tail: stream(cluster.router_address, request(
+                tokens=prefix + tail, max_tokens=2, ignore_eos=True)), ([1], [2, 3], [4, 5, 6])))
+        assert len({chunks[-1].node_id for chunks in runs}) == 1
+
+
 def test_a_tenant_over_quota_is_refused_while_others_are_served(start_cluster):
     import threading
 

@@ -13,7 +13,7 @@ from kvfleet.membership import NodeInfo, NodeState
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from router.nodes import NodeTable, RouterNode
-from router.prefix_lookup import NoPrefixLookup
+from router.prefix_lookup import BlockServicePrefixLookup
 from kvfleet.wire import REFUSAL_KEY
 from router.relay import Relay, RelayError
 from router.request import ParsedRequest
@@ -69,7 +69,7 @@ def table(scripts: dict) -> NodeTable:
 
 
 def relay(nodes):
-    return Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), NoPrefixLookup(), max_attempts=3)
+    return Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), BlockServicePrefixLookup(), max_attempts=3)
 
 
 def run(nodes, max_tokens=5):
