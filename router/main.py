@@ -41,13 +41,13 @@ async def serve(args: argparse.Namespace) -> None:
     from router.priority_queue import PriorityQueue, QueueWeights
     from router.relay import Relay
     from router.routing import NodePicker, RoutingConfig
-    from router.server import TokenizerSource, build_server
+    from router.server import TokenizerSource, build_server, dial_compute
     from router.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.tenants)
     queue = PriorityQueue(args.queue_size, tenants.concurrency_limits(), QueueWeights(args.w_paid, args.w_wait),
                           capacity=args.capacity)
-    nodes = NodeTable()
+    nodes = NodeTable(dial_compute)
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service)

@@ -11,28 +11,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import grpc
+from typing import Any
 
 from kvfleet.membership import MembershipChange, NodeInfo, NodeState
-from kvfleet.v1 import compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Pings find a node whose host vanished without closing its sockets; the Compute server allows
-# them this often (compute_service.server.SERVER_OPTIONS), or it would answer GOAWAY "too_many_pings".
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
+Dial = Callable[[str], tuple[Any, Any]]  # address → (channel with an async close(), Compute stub)
 
 
 @dataclass(slots=True)
 class RouterNode:
     info: NodeInfo
-    channel: grpc.aio.Channel
-    stub: compute_pb2_grpc.ComputeStub
+    channel: Any                       # the gRPC channel to the node (made by the table's ``dial``)
+    stub: Any                          # its Compute stub
     ready_since: float | None = None   # None: not READY
     active_blocks: int = 0             # blocks held by this router's in-flight requests there
     num_in_flight: int = 0
@@ -55,7 +47,8 @@ class RouterNode:
 
 
 class NodeTable:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, failure_quarantine_s: float = 2.0):
+    def __init__(self, dial: Dial, clock: Callable[[], float] = time.monotonic, failure_quarantine_s: float = 2.0):
+        self.dial = dial
         self.clock = clock
         self.failure_quarantine_s = failure_quarantine_s
         self.nodes: dict[str, RouterNode] = {}
@@ -73,8 +66,7 @@ class NodeTable:
             node = None
         if info is not None:
             if node is None:
-                channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
-                node = RouterNode(info, channel, compute_pb2_grpc.ComputeStub(channel))
+                node = RouterNode(info, *self.dial(info.address))
                 self.nodes[info.node_id] = node
             was_ready = node.ready_since is not None
             node.info = info

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.admission import Admission, Shed
 from router.nodes import NodeTable
 from router.relay import Relay, RelayError
@@ -25,6 +25,20 @@ from router.tenants import AuthError, TenantDirectory
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+
+# Pings find a node whose host vanished without closing its sockets; the Compute server allows
+# them this often (compute_service.server.SERVER_OPTIONS), or it would answer GOAWAY "too_many_pings".
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def dial_compute(address: str) -> tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]:
+    """A channel and Compute stub for a node (``NodeTable``'s ``dial``)."""
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return channel, compute_pb2_grpc.ComputeStub(channel)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
