@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller run (under two minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the node's tokens per streamed chunk (default 1: every token at once)")
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
     model = Path(args.model) if args.model else ensure_model()
@@ -104,7 +106,7 @@ def main() -> None:
     run_inprocess(engine, warm, 8)  # warm-up: kernels built and loaded, every batch shape seen
     inproc, cluster_runs, rpcs = [], [], []
     with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
-                      log_level="WARNING") as cluster:
+                      log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval))) as cluster:
         node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
         asyncio.run(_through_router(cluster.router_address, warm, 8))  # warm-up
         for _ in range(cfg["repeats"]):
@@ -122,12 +124,14 @@ def main() -> None:
         block_rpcs_per_token=min(rpcs),
         identical_tokens=same,
         requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
+        stream_interval=args.stream_interval,
     )
     if args.json:
         print(json.dumps(result))
         return
     print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
-          f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}")
+          f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}, "
+          f"stream interval {args.stream_interval}")
     print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
     print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")
     print(f"  ratio (cluster / in-process): {result['ratio']:.3f}   (target >= 0.9)")

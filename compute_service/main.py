@@ -17,6 +17,13 @@ import signal
 log = logging.getLogger(__name__)
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve Compute on (port 0: any)")
     parser.add_argument("--advertise", default=None,
@@ -33,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
+    parser.add_argument("--stream-interval", type=_positive_int, default=1,
+                        help="tokens per streamed chunk (default 1: every token as soon as it exists)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
@@ -85,7 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = ComputeServicer(async_engine, status, remote)
+    servicer = ComputeServicer(async_engine, status, remote, args.stream_interval)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     port = server.add_insecure_port(args.listen)
     await server.start()

@@ -35,6 +35,15 @@ def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference)
         assert {c.node_id for c in chunks} <= {"node-0", "node-1"}
 
 
+def test_a_stream_interval_groups_tokens_and_changes_nothing_else(start_cluster, reference):
+    cluster = start_cluster(1, compute_args=("--stream-interval", "5"))
+    for prompt, expected in zip(PROMPTS, reference):
+        chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=24, ignore_eos=True))
+        assert tokens_of(chunks) == expected
+        assert [len(c.token_ids) for c in chunks] == [5, 5, 5, 5, 4]
+        assert chunks[-1].usage.completion_tokens == 24
+
+
 def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
     cluster = start_cluster(1)
     chunks = stream(cluster.router_address, request(text="hello streaming world", max_tokens=40, ignore_eos=True))
