@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import is_fp8
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
 LOG2E = 1.4426950408889634
 
@@ -65,30 +66,10 @@ def _decode_split_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        block = tl.load(block_tables_ptr + b * stride_bt + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        # offsets: [BLOCK_N, BLOCK_D] into one (block, kv head) tile each row
-        offs = block[:, None] * stride_cb + head_base + (t % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if IS_FP8 and not USE_FP32:  # tensor cores take FP8 tiles widened to bf16, q stays close to exact
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
-        if USE_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = tl.where(t_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if USE_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, t, t_mask, head_base,
+                            d, d_mask, stride_cb, stride_co, BLOCK_SIZE, IS_FP8, USE_FP32)
+        s = tl.where(t_mask[None, :], tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
     out = b * stride_ab + heads * stride_ah + split * stride_as
     tl.store(acc_ptr + out[:, None] + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels.reference import is_fp8
 from kernels.triton_decode import LOG2E, interpreting
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
 
 @triton.jit
@@ -64,30 +65,11 @@ def _prefill_kernel(
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
-        block = tl.load(block_tables_ptr + b * stride_bt + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        offs = block[:, None] * stride_cb + head_base + (t % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if IS_FP8 and not USE_FP32:
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
-        if USE_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows may see no key at all
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if USE_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, t, t_mask, head_base,
+                            d, d_mask, stride_cb, stride_co, BLOCK_SIZE, IS_FP8, USE_FP32)
+        causal = t_mask[None, :] & (t[None, :] <= pos[:, None])
+        s = tl.where(causal, tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if HAS_SCALE:
