@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -29,9 +28,10 @@ from opentelemetry import trace
 
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
-from router.nodes import NodeTable, RouterNode
 from kvfleet.wire import REFUSAL_KEY, sampling_to_proto
+from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
+from router.resume import Progress
 from router.routing import NodeLoad, NodePicker
 
 log = logging.getLogger(__name__)
@@ -65,14 +65,6 @@ class PrefixLookup(Protocol):
         """``token_ids`` were just sent to ``node``."""
 
 
-@dataclass(slots=True)
-class _Progress:
-    sent: list[int] = field(default_factory=list)
-    cached_tokens: int | None = None    # as reported by the first node that served the prompt
-    excluded: set[str] = field(default_factory=set)
-    attempts: int = 0
-
-
 class Relay:
     def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4,
                  stall_timeout_s: float = 120.0):
@@ -82,7 +74,7 @@ class Relay:
         self.prefix = prefix
         self.max_attempts = max_attempts
 
-    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: _Progress) -> RouterNode:
+    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress) -> RouterNode:
         with tracer.start_as_current_span("route") as span:
             candidates = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
             if not candidates:
@@ -105,13 +97,13 @@ class Relay:
             return node
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
-        progress = _Progress()
+        progress = Progress(req.prompt_ids, req.sampling.max_tokens)
         while True:
-            remaining = req.sampling.max_tokens - len(progress.sent)
+            remaining = progress.remaining
             if remaining <= 0:  # the node died after the last token but before saying so
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
-            ids = req.prompt_ids + progress.sent
+            ids = progress.next_prompt
             node = await self._route(req, tenant, ids, progress)
             try:
                 async with contextlib.aclosing(self._attempt(node, req, tenant, ids, remaining, progress)) as chunks:
@@ -124,8 +116,7 @@ class Relay:
                 failure = self._classify(e, node)
             except NodeStalled as e:
                 failure = str(e)
-            progress.excluded.add(node.node_id)
-            progress.attempts += 1
+            progress.failed(node.node_id)
             self.nodes.mark_failed(node.node_id)
             log.warning("request %s: node %s failed after %d tokens (%s); %s", req.request_id, node.node_id,
                         len(progress.sent), failure, "resuming" if progress.sent else "retrying")
@@ -149,11 +140,10 @@ class Relay:
 
     async def _attempt(
         self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], remaining: int,
-        progress: _Progress,
+        progress: Progress,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         message = compute_pb2.ComputeRequest(
-            # A fresh id per attempt: the failed node's sequence may still be live in block_service.
-            request_id=f"{req.seq_id}.{progress.attempts}" if progress.attempts else req.seq_id,
+            request_id=progress.attempt_id(req.seq_id),
             tenant=tenant.name, priority=tenant.paid_level,
             prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
         )
@@ -173,9 +163,7 @@ class Relay:
                     return
                 except asyncio.TimeoutError:
                     raise NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:.0f}s") from None
-                if progress.cached_tokens is None and chunk.HasField("usage"):
-                    progress.cached_tokens = min(chunk.usage.cached_tokens, len(req.prompt_ids))
-                progress.sent.extend(chunk.token_ids)
+                progress.relayed(chunk.token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
                 node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))
                 if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                     yield self._last_chunk(req, progress, chunk.text, chunk.finish_reason, chunk.token_ids, node)

@@ -1,0 +1,14 @@
+"""Resume bookkeeping (pure): what the next node is asked for after a failure."""
+
+from router.resume import Progress
+
+
+def test_resume_asks_for_what_is_still_owed_with_a_fresh_id():
+    progress = Progress(prompt_ids=[1, 2], max_tokens=5)
+    assert (progress.next_prompt, progress.remaining, progress.attempt_id("r")) == ([1, 2], 5, "r")
+    progress.relayed([7], cached_tokens=16)    # a node may count more cached tokens than the prompt had
+    progress.relayed([8, 9], cached_tokens=0)  # later reports do not overwrite the first
+    progress.failed("a")
+    assert progress.next_prompt == [1, 2, 7, 8, 9] and progress.remaining == 2
+    assert progress.attempt_id("r") == "r.1" and progress.excluded == {"a"}
+    assert progress.cached_tokens == 2
