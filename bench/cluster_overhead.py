@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ensure_model, seeded_prompts  # noqa: E402
 
-FULL = dict(requests=16, min_len=32, max_len=384, new_tokens=96, repeats=3)
-QUICK = dict(requests=8, min_len=32, max_len=256, new_tokens=48, repeats=2)
+FULL = dict(requests=16, min_len=32, max_len=384, new_tokens=96, repeats=5)
+QUICK = dict(requests=8, min_len=32, max_len=256, new_tokens=48, repeats=3)
 BLOCK_SIZE = 64
 KV_CACHE_MEMORY = 512 << 20
 
@@ -91,10 +91,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller run (under two minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each side, alternating; the best of each counts (default 5, quick 3)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the node's tokens per streamed chunk (default 1: every token at once)")
     args = parser.parse_args()
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        cfg["repeats"] = args.repeats
     model = Path(args.model) if args.model else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
 
@@ -125,6 +131,8 @@ def main() -> None:
         identical_tokens=same,
         requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
         stream_interval=args.stream_interval,
+        inprocess_runs=[round(r["tokens_per_s"], 1) for r in inproc],
+        cluster_runs=[round(r["tokens_per_s"], 1) for r in cluster_runs],
     )
     if args.json:
         print(json.dumps(result))

@@ -26,13 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from kvfleet import event_loop
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     setup_tracing("kvfleet-block-service")  # before the server exists: its RPCs join request traces
     try:
-        return asyncio.run(serve(args))
+        return event_loop.run(serve(args))
     finally:
         shutdown_tracing()
 

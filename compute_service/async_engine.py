@@ -1,10 +1,11 @@
 """An asyncio face for ``LLMEngine``: the step loop runs in one background thread (the engine is
 not thread-safe, so only that thread touches it); requests and aborts reach it through an inbox,
-outputs come back to each request's asyncio queue."""
+each step's outputs come back to the event loop in one wake-up, to each request's callback."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -13,6 +14,8 @@ from compute_service.engine import LLMEngine
 from compute_service.request_output import RequestOutput
 from compute_service.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
@@ -20,21 +23,22 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         # outputs of the current step, handed to their event loops in one wake-up per step
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[RequestOutput], None], RequestOutput]] = []
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
-    async def generate(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
-                       tenant: str = "default", priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the engine produces them; bad input raises ``ValueError``.
-        Leaving the iteration early (or cancellation) aborts the request."""
+    async def submit(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
+                     on_output: Callable[[RequestOutput], None], tenant: str = "default",
+                     priority: int = 0) -> None:
+        """Add a request; returns once the engine accepted it (bad input raises ``ValueError``).
+        ``on_output`` runs on the calling event loop, the outputs of one step in one callback round,
+        possibly before this coroutine has returned."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted = loop.create_future()
 
         def deliver(out: RequestOutput) -> None:  # on the engine thread; sent once per step
-            self._outbox.append((loop, outputs, out))
+            self._outbox.append((loop, on_output, out))
 
         def add() -> None:
             try:
@@ -45,7 +49,22 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, accepted, None)
 
         self._submit(add)
-        await accepted
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added all the same
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (a no-op once it finished)."""
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def generate(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
+                       tenant: str = "default", priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine produces them; bad input raises ``ValueError``.
+        Leaving the iteration early (or cancellation) aborts the request."""
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await self.submit(request_id, prompt, sampling, outputs.put_nowait, tenant, priority)
         finished = False
         try:
             while not finished:
@@ -54,7 +73,7 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self._submit(lambda: self.engine.abort_request(request_id))
+                self.abort(request_id)
 
     def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
         """Run ``fn(engine)`` on the engine thread (for stats and the like); await the result."""
@@ -85,11 +104,11 @@ class AsyncEngine:
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue_, out in self._outbox:
-            by_loop.setdefault(loop, []).append((queue_, out))
+        for loop, on_output, out in self._outbox:
+            by_loop.setdefault(loop, []).append((on_output, out))
         self._outbox = []
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_deliver_all, items)
 
     def _submit(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
@@ -110,9 +129,12 @@ class AsyncEngine:
                 self._wake.clear()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue_, out in items:
-        queue_.put_nowait(out)
+def _deliver_all(items: list[tuple[Callable[[RequestOutput], None], RequestOutput]]) -> None:
+    for on_output, out in items:
+        try:
+            on_output(out)
+        except Exception:  # one request's consumer failing must not starve the others
+            log.exception("output callback of request %s failed", out.request_id)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None, value: object = None) -> None:

@@ -130,7 +130,8 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.wait_for(status.idle.wait(), args.drain_timeout)
     except asyncio.TimeoutError:
         log.warning("drain timed out with %d requests in flight; aborting them", status.num_in_flight)
-    await server.stop(grace=2)  # cancels what is left; the engine aborts and releases their blocks
+    servicer.end_streams()  # what is left is aborted and its blocks released; routers resume it elsewhere
+    await server.stop(grace=2)
     await asyncio.to_thread(async_engine.shutdown)
     if remote is not None:
         await remote.close()
@@ -141,11 +142,12 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvfleet import event_loop  # noqa: PLC0415
     from kvfleet.tracing import setup_tracing, shutdown_tracing  # noqa: PLC0415
 
     setup_tracing("kvfleet-compute")
     try:
-        asyncio.run(serve(args))
+        event_loop.run(serve(args))
     finally:
         shutdown_tracing()
     return 0

@@ -1,39 +1,26 @@
-"""The node's internal gRPC ``Compute`` service: glue between the router and ``AsyncEngine``.
+"""The node's internal gRPC ``Compute`` service: glue between the routers and ``AsyncEngine``.
 
-protobuf → ``SamplingParams`` and token ids → ``AsyncEngine.generate`` → ``ComputeChunk``. Each
-request gets a ``prefill`` span (until its first token) and a ``decode`` span (the rest) under the
-server span that the gRPC instrumentation opened from the router's trace context.
-
-A block refusal (the engine aborts a request whose blocks were refused) is RESOURCE_EXHAUSTED with
-trailing metadata ``kvfleet-refusal: quota|pool``: a quota is the tenant's problem, a full pool
-is this node's, and the router retries a full pool elsewhere.
+``Serve`` is one bidirectional stream per router: a reader task feeds its commands to a
+``ServeSession`` while the handler writes the session's batched events; the stream ending (the
+router left, or the node finished draining) aborts whatever the router still had running here.
+``Stats`` answers the node's load and pool figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
-import grpc
-from opentelemetry import trace
-
 from compute_service.async_engine import AsyncEngine
-from compute_service.tokenizer import IncrementalDetokenizer
+from compute_service.serve_session import ServeSession
 from kvfleet.membership import NodeState
-from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
-from kvfleet.wire import REFUSAL_KEY, InvalidRequest, sampling_from_proto
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
 
-FINISH = {
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "abort": inference_pb2.FINISH_REASON_ABORT,
-}
-MAX_ID_LEN = 128
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # the router pings every 20 s
@@ -55,29 +42,6 @@ class NodeStatus:
         self.idle.set()
 
 
-def _resumed_detokenizer(tokenizer, resumed: list[int]) -> IncrementalDetokenizer:
-    """A detokenizer that has already seen ``resumed``, so the first new token's text is decoded in
-    context (a leading space or a multi-byte character split across nodes comes out right)."""
-    detok = IncrementalDetokenizer(tokenizer)
-    detok.ids = list(resumed)
-    detok.prefix_offset = max(len(resumed) - 6, 0)
-    detok.read_offset = len(resumed)
-    return detok
-
-
-def _check(request) -> list[int]:
-    if not request.request_id or len(request.request_id) > MAX_ID_LEN:
-        raise InvalidRequest(f"request_id must be 1..{MAX_ID_LEN} characters")
-    if not request.tenant:
-        raise InvalidRequest("tenant is missing")
-    ids = list(request.prompt_token_ids)
-    if not ids:
-        raise InvalidRequest("prompt_token_ids is empty")
-    if request.num_resumed_tokens >= len(ids):
-        raise InvalidRequest("num_resumed_tokens must be smaller than the number of prompt tokens")
-    return ids
-
-
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def __init__(self, engine: AsyncEngine, status: NodeStatus, remote=None, stream_interval: int = 1):
         if stream_interval < 1:
@@ -88,74 +52,46 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         # tokens per chunk (the last chunk may hold fewer): more per message costs inter-token
         # latency and saves the per-message CPU that a small machine takes from the model
         self.stream_interval = stream_interval
+        self._sessions: set[ServeSession] = set()
 
-    async def Generate(self, request, context):
-        if self.status.state != NodeState.READY:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"node {self.status.node_id} is {self.status.state.value}, not taking requests")
-        try:
-            ids = _check(request)
-            sampling = sampling_from_proto(request.sampling)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        span = trace.get_current_span()
-        span.set_attributes({"kvfleet.node_id": self.status.node_id, "kvfleet.tenant": request.tenant,
-                             "kvfleet.prompt_tokens": len(ids), "kvfleet.resumed_tokens": request.num_resumed_tokens})
-        resumed = ids[len(ids) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
-        detok = _resumed_detokenizer(self.engine.engine.tokenizer, resumed) if resumed else None
+    def request_started(self) -> None:
         self.status.num_in_flight += 1
         self.status.idle.clear()
-        outputs = self.engine.generate(request.request_id, ids, sampling, request.tenant, request.priority)
-        phase = tracer.start_span("prefill")
-        completion = 0
+
+    def request_ended(self) -> None:
+        self.status.num_in_flight -= 1
+        if self.status.num_in_flight == 0:
+            self.status.idle.set()
+
+    def end_streams(self) -> None:
+        """Close every Serve stream (after a drain): their routers see the stream end."""
+        for session in list(self._sessions):
+            session.close()
+
+    async def Serve(self, request_iterator, context):
+        session = ServeSession(self)
+        self._sessions.add(session)
+        reader = asyncio.create_task(self._read_commands(request_iterator, session))
         try:
-            if self.remote is not None:
-                # block_service calls for this request join its trace, under the prefill span
-                self.remote.trace_contexts[request.request_id] = trace.set_span_in_context(phase)
-                with trace.use_span(phase):
-                    await self.remote.allocator.preallocate(
-                        request.request_id, request.tenant, ids,
-                        self.engine.engine.config.share_prefix_across_tenants)
-            try:
-                out = await anext(outputs)
-            except ValueError as e:
-                phase.set_status(trace.StatusCode.ERROR, str(e))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            phase.set_attribute("kvfleet.cached_tokens", out.cached_tokens)
-            phase.end()
-            phase = tracer.start_span("decode")
-            pending_ids: list[int] = []
-            pending_text: list[str] = []
-            while True:
-                if out.refusal is not None:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error,
-                                        trailing_metadata=((REFUSAL_KEY, out.refusal.reason),))
-                completion = out.completion_tokens
-                pending_ids += out.new_token_ids
-                pending_text.append("".join(detok.push(t) for t in out.new_token_ids) if detok else out.new_text)
-                if out.finished or len(pending_ids) >= self.stream_interval:
-                    yield compute_pb2.ComputeChunk(
-                        token_ids=pending_ids, text="".join(pending_text),
-                        finish_reason=FINISH.get(out.finish_reason, inference_pb2.FINISH_REASON_UNSPECIFIED),
-                        usage=inference_pb2.Usage(prompt_tokens=out.prompt_tokens,
-                                                  completion_tokens=out.completion_tokens,
-                                                  cached_tokens=out.cached_tokens),
-                    )
-                    pending_ids, pending_text = [], []
-                if out.finished:
-                    break
-                out = await anext(outputs)
+            while (events := await session.next_events()) is not None:
+                await context.write(events)
         finally:
-            await outputs.aclose()  # aborts the engine's request if the router went away
-            if self.remote is not None:
-                self.remote.trace_contexts.pop(request.request_id, None)
-                self.remote.allocator.forget(request.request_id)
-            phase.set_attribute("kvfleet.completion_tokens", completion)
-            phase.end()
-            span.set_attribute("kvfleet.completion_tokens", completion)
-            self.status.num_in_flight -= 1
-            if self.status.num_in_flight == 0:
-                self.status.idle.set()
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            session.close()
+            self._sessions.discard(session)
+
+    @staticmethod
+    async def _read_commands(request_iterator, session: ServeSession) -> None:
+        try:
+            async for command in request_iterator:
+                session.command(command)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke under us
+            log.info("Serve stream ended: %s", e)
+        session.close()  # the router closed its side: nothing more will be asked
 
     async def Stats(self, request, context):
         stats = await self.engine.call(lambda e: e.stats())

@@ -9,7 +9,9 @@ channels after this call, through ``grpc.aio.*`` attribute access (not ``from gr
 Spans are exported over OTLP/gRPC only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces-specific
 variable) is set; otherwise gRPC is not instrumented at all (no per-message cost) and the spans the
 services open themselves are dropped. etcd's own RPCs,
-health checks and reflection are not traced: they are noise around the requests.
+health checks and reflection are not traced: they are noise around the requests. Nor is the
+router↔node ``Compute/Serve`` stream: it outlives requests, so each request's node-side spans take
+their parent from the trace context in its start command instead.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 log = logging.getLogger(__name__)
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-_UNTRACED_SERVICES = ("etcdserverpb.", "grpc.health.", "grpc.reflection.")
+# The router↔node Serve stream lives as long as both do and carries many requests: their spans
+# are opened by hand from the trace context each request's start command carries.
+_UNTRACED_SERVICES = ("etcdserverpb.", "grpc.health.", "grpc.reflection.", "kvfleet.v1.Compute/Serve")
 
 _provider: TracerProvider | None = None
 

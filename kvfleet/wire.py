@@ -10,11 +10,6 @@ import math
 
 from compute_service.sampling import SamplingParams
 
-# Trailing metadata of a compute node's RESOURCE_EXHAUSTED: "quota" (the tenant's: relayed to the
-# client) or "pool" (the node's: the router tries another node).
-REFUSAL_KEY = "kvfleet-refusal"
-
-
 class InvalidRequest(ValueError):
     """A field of the request is wrong; the message says which and why."""
 

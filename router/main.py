@@ -88,12 +88,13 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvfleet import event_loop
     from kvfleet.tenants import TenantsFileError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     setup_tracing("kvfleet-router")
     try:
-        asyncio.run(serve(args))
+        event_loop.run(serve(args))
     except TenantsFileError as e:
         log.error("%s", e)
         return 2

@@ -17,14 +17,15 @@ from kvfleet.membership import MembershipChange, NodeInfo, NodeState
 
 log = logging.getLogger(__name__)
 
-Dial = Callable[[str], tuple[Any, Any]]  # address → (channel with an async close(), Compute stub)
+# address → (channel, the node's Serve stream); both have an async close()
+Dial = Callable[[str], tuple[Any, Any]]
 
 
 @dataclass(slots=True)
 class RouterNode:
     info: NodeInfo
     channel: Any                       # the gRPC channel to the node (made by the table's ``dial``)
-    stub: Any                          # its Compute stub
+    stream: Any                        # the router's Serve stream to it (router.node_stream.NodeStream)
     ready_since: float | None = None   # None: not READY
     active_blocks: int = 0             # blocks held by this router's in-flight requests there
     num_in_flight: int = 0
@@ -62,7 +63,7 @@ class NodeTable:
             if node is not None:
                 log.info("node %s left (%s)", change.node_id, "moved" if info else "lease gone or no address")
                 del self.nodes[change.node_id]
-                await node.channel.close()
+                await self._hang_up(node)
             node = None
         if info is not None:
             if node is None:
@@ -97,5 +98,10 @@ class NodeTable:
 
     async def close(self) -> None:
         for node in self.nodes.values():
-            await node.channel.close()
+            await self._hang_up(node)
         self.nodes.clear()
+
+    @staticmethod
+    async def _hang_up(node: RouterNode) -> None:
+        await node.stream.close()  # its requests fail over to other nodes
+        await node.channel.close()

@@ -1,7 +1,7 @@
 """Relaying one request's token stream from compute nodes to the client, surviving node failures.
 
-    attempt: route (prefix lookup + NodePicker) → Compute.Generate(prompt + tokens sent so far)
-             → forward each chunk → on a node failure, exclude the node and attempt again
+    attempt: route (prefix lookup + NodePicker) → start on the node's Serve stream (prompt + tokens
+             sent so far) → forward each chunk → on a node failure, exclude the node and attempt again
 
 A failure before the first token is a plain retry. A failure mid-stream resumes on another node
 from the prompt plus every token already forwarded, asking only for the tokens still owed, so the
@@ -11,8 +11,10 @@ failed too.
 
 Failures are told from answers by status: INVALID_ARGUMENT, PERMISSION_DENIED, NOT_FOUND and a
 tenant's quota refusal are answers for the client; UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, a
-stream that ends without a finish, and a full pool (trailing metadata ``kvfleet-refusal: pool``)
-are the node's problem and another node is tried.
+broken stream, and a full pool (refusal ``pool``) are the node's problem and another node is tried.
+
+Each attempt has a ``compute`` span (kind CLIENT) whose context travels in the start command, so
+the node's spans for the request join the request's trace.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
-from kvfleet.wire import REFUSAL_KEY, sampling_to_proto
+from kvfleet.wire import sampling_to_proto
+from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
 from router.resume import Progress
@@ -112,8 +115,8 @@ class Relay:
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                             return
                 failure = "stream ended without a finish"
-            except grpc.aio.AioRpcError as e:
-                failure = self._classify(e, node)
+            except NodeFailure as e:
+                failure = self._classify(e)
             except NodeStalled as e:
                 failure = str(e)
             progress.failed(node.node_id)
@@ -126,17 +129,13 @@ class Relay:
                 raise RelayError(grpc.StatusCode.UNAVAILABLE,
                                  f"request {req.request_id} failed on {progress.attempts} nodes; last: {failure}")
 
-    def _classify(self, e: grpc.aio.AioRpcError, node: RouterNode) -> str:
+    @staticmethod
+    def _classify(e: NodeFailure) -> str:
         """Raise ``RelayError`` for an answer meant for the client; return a description for a
         node failure."""
-        code = e.code()
-        if code in _ANSWERS:
-            raise RelayError(code, e.details() or code.name)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            trailing = dict(e.trailing_metadata() or ())
-            if trailing.get(REFUSAL_KEY) != "pool":
-                raise RelayError(code, e.details() or "resource exhausted")
-        return f"{code.name}: {e.details()}"
+        if e.code in _ANSWERS or (e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.refusal != "pool"):
+            raise RelayError(e.code, e.details or e.code.name)
+        return str(e)
 
     async def _attempt(
         self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], remaining: int,
@@ -149,32 +148,46 @@ class Relay:
         )
         sampling_to_proto(req.sampling, message.sampling)
         message.sampling.max_tokens = remaining
+        span = tracer.start_span("compute", kind=trace.SpanKind.CLIENT,
+                                 attributes={"kvfleet.node_id": node.node_id, "kvfleet.attempt": progress.attempts})
+        propagate.inject(message.trace_context, context=trace.set_span_in_context(span))
         node.track(req.seq_id, len(ids))
         node.num_in_flight += 1
         node.num_routed += 1
-        call = node.stub.Generate(message)
-        chunks = aiter(call)
+        inbox = node.stream.start(message)
+        over = False  # the node is done with it (finished, refused, or its stream broke)
         try:
             while True:
                 try:
                     async with asyncio.timeout(self.stall_timeout_s):
-                        chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    return
+                        event = await inbox.get()
                 except asyncio.TimeoutError:
                     raise NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:.0f}s") from None
+                if isinstance(event, NodeFailure):
+                    over = True
+                    raise event
+                if event.HasField("error"):
+                    over = True
+                    raise NodeFailure.from_event(event.error)
+                chunk = event.chunk
                 progress.relayed(chunk.token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
                 node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))
                 if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    over = True
                     yield self._last_chunk(req, progress, chunk.text, chunk.finish_reason, chunk.token_ids, node)
                     return
                 yield inference_pb2.GenerateChunk(
                     request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text, node_id=node.node_id
                 )
+        except NodeFailure as e:
+            span.set_status(trace.StatusCode.ERROR, str(e))
+            raise
         finally:
-            call.cancel()  # a no-op when finished; aborts the node's request when the client left
+            node.stream.finish(message.request_id, cancel=not over)  # cancel: the client left
             node.untrack(req.seq_id)
             node.num_in_flight -= 1
+            span.set_attribute("kvfleet.tokens", len(progress.sent))
+            span.end()
 
     def _last_chunk(self, req, progress, text, reason, token_ids=(), node: RouterNode | None = None):
         span = trace.get_current_span()

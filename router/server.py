@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.admission import Admission, Shed
+from router.node_stream import NodeStream
 from router.nodes import NodeTable
 from router.relay import Relay, RelayError
 from router.request import InvalidRequest, parse_request
@@ -35,10 +36,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def dial_compute(address: str) -> tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]:
-    """A channel and Compute stub for a node (``NodeTable``'s ``dial``)."""
+def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
+    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first use."""
     channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return channel, compute_pb2_grpc.ComputeStub(channel)
+    return channel, NodeStream(compute_pb2_grpc.ComputeStub(channel), address)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 

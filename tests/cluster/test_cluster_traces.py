@@ -33,10 +33,14 @@ def test_one_trace_spans_router_compute_and_block_service(start_cluster):
         assert parent(s) is root
     [route] = [s for s in trace if s.name == "route"]
     assert route.attributes["kvfleet.node_id"] == chunks[-1].node_id
-    # router's client span → compute's server span → prefill / decode
-    [call] = [s for s in trace if s.service == "kvfleet-router" and s.name == "/kvfleet.v1.Compute/Generate"]
-    [served] = [s for s in trace if s.service == "kvfleet-compute" and s.name == "/kvfleet.v1.Compute/Generate"]
+    # router's span of the attempt → the node's span of the request (its context crossed the shared
+    # Serve stream inside the start command) → prefill / decode
+    [call] = [s for s in trace if s.service == "kvfleet-router" and s.name == "compute"]
+    [served] = [s for s in trace if s.service == "kvfleet-compute" and s.name == "generate"]
     assert parent(call) is root and parent(served) is call
+    assert call.attributes["kvfleet.node_id"] == served.attributes["kvfleet.node_id"] == chunks[-1].node_id
+    # the long-lived stream itself is not traced: it belongs to no request
+    assert not [s for s in spans if s.name.endswith("Compute/Serve")]
     assert served.attributes["kvfleet.tenant"] == "gold" and served.attributes["kvfleet.prompt_tokens"] == 40
     prefill, decode = ([s for s in trace if s.name == n] for n in ("prefill", "decode"))
     assert parent(prefill[0]) is served and parent(decode[0]) is served

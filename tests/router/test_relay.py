@@ -12,9 +12,9 @@ from compute_service.sampling import SamplingParams
 from kvfleet.membership import NodeInfo, NodeState
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
+from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.prefix_lookup import BlockServicePrefixLookup
-from kvfleet.wire import REFUSAL_KEY
 from router.relay import Relay, RelayError
 from router.request import ParsedRequest
 from router.routing import NodePicker, RoutingConfig
@@ -22,49 +22,49 @@ from router.routing import NodePicker, RoutingConfig
 TENANT = Tenant("acme", "k", 10, 1, 4)
 
 
-def rpc_error(code, details="", trailing=()):
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+def failure(code, details="", refusal=""):
+    return NodeFailure(code, details, refusal)
 
 
-class FakeCall:
-    def __init__(self, chunks, error):
-        self.chunks, self.error = chunks, error
-
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for c in self.chunks:
-            yield c
-        if self.error is not None:
-            raise self.error
-
-    def cancel(self):
-        pass
+def error_event(request_id, code, details, refusal=""):
+    return compute_pb2.RequestEvent(request_id=request_id, error=compute_pb2.RequestError(
+        code=code.value[0], message=details, refusal=refusal))
 
 
-class FakeStub:
-    """Answers each Generate with the next scripted (tokens, error-or-finish) of this node."""
+class FakeStream:
+    """Answers each start with the next scripted (tokens, end) of this node: ``end`` is a finish
+    reason (the last token carries it), a NodeFailure (the stream broke) or an error event."""
 
     def __init__(self, script):
         self.script = list(script)
         self.requests: list = []
+        self.finished: list = []
 
-    def Generate(self, message):
+    def start(self, message):
         self.requests.append(message)
         tokens, end = self.script.pop(0)
-        chunks = [compute_pb2.ComputeChunk(token_ids=[t], text=str(t)) for t in tokens]
-        if isinstance(end, int):  # a finish reason: the last token carries it
-            chunks[-1].finish_reason = end
-            return FakeCall(chunks, None)
-        return FakeCall(chunks, end)
+        inbox = asyncio.Queue()
+        events = [compute_pb2.RequestEvent(request_id=message.request_id,
+                                           chunk=compute_pb2.ComputeChunk(token_ids=[t], text=str(t))) for t in tokens]
+        if isinstance(end, int):
+            events[-1].chunk.finish_reason = end
+        elif isinstance(end, NodeFailure):
+            events.append(end)
+        else:  # an error event: (code, details, refusal)
+            events.append(error_event(message.request_id, *end))
+        for event in events:
+            inbox.put_nowait(event)
+        return inbox
+
+    def finish(self, request_id, cancel):
+        self.finished.append((request_id, cancel))
 
 
 def table(scripts: dict) -> NodeTable:
     nodes = NodeTable(dial=lambda address: (None, None))  # nodes are placed by hand below
     for node_id, script in scripts.items():
         info = NodeInfo(node_id, f"{node_id}:1", "m", 64, 16, NodeState.READY)
-        nodes.nodes[node_id] = RouterNode(info, None, FakeStub(script), ready_since=float("-inf"))
+        nodes.nodes[node_id] = RouterNode(info, None, FakeStream(script), ready_since=float("-inf"))
     return nodes
 
 
@@ -82,14 +82,14 @@ def run(nodes, max_tokens=5):
 
 
 def stub(nodes, node_id):
-    return nodes.nodes[node_id].stub
+    return nodes.nodes[node_id].stream
 
 
 LENGTH = inference_pb2.FINISH_REASON_LENGTH
 
 
 def test_mid_stream_failure_resumes_elsewhere_without_repeats():
-    died = rpc_error(grpc.StatusCode.UNAVAILABLE, "socket closed")
+    died = failure(grpc.StatusCode.UNAVAILABLE, "socket closed")
     nodes = table({"a": [([10, 11], died)], "b": [([12, 13, 14], LENGTH)]})
     nodes.nodes["b"].active_blocks = 1  # "a" is chosen first
     chunks = run(nodes)
@@ -98,33 +98,34 @@ def test_mid_stream_failure_resumes_elsewhere_without_repeats():
     resumed = stub(nodes, "b").requests[0]
     assert list(resumed.prompt_token_ids) == [1, 2, 3, 10, 11] and resumed.num_resumed_tokens == 2
     assert resumed.sampling.max_tokens == 3 and resumed.request_id == "r-1.1"
+    assert stub(nodes, "a").finished == [("r-1", False)] and stub(nodes, "b").finished == [("r-1.1", False)]
     last = chunks[-1]
     assert last.finish_reason == LENGTH and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 5)
 
 
 def test_failure_before_the_first_token_is_a_plain_retry():
-    nodes = table({"a": [([], rpc_error(grpc.StatusCode.UNKNOWN, "boom"))], "b": [([7, 8, 9, 10, 11], LENGTH)]})
+    nodes = table({"a": [([], (grpc.StatusCode.UNKNOWN, "boom"))], "b": [([7, 8, 9, 10, 11], LENGTH)]})
     nodes.nodes["b"].active_blocks = 1
     assert [t for c in run(nodes) for t in c.token_ids] == [7, 8, 9, 10, 11]
     assert stub(nodes, "b").requests[0].num_resumed_tokens == 0
 
 
 def test_answers_are_relayed_not_retried():
-    quota = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant 'acme' KV quota exhausted", ((REFUSAL_KEY, "quota"),))
+    quota = (grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant 'acme' KV quota exhausted", "quota")
     nodes = table({"a": [([], quota)], "b": []})
     nodes.nodes["b"].active_blocks = 1
     with pytest.raises(RelayError) as info:
         run(nodes)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in str(info.value)
     assert stub(nodes, "b").requests == []
-    nodes = table({"a": [([], rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"))]})
+    nodes = table({"a": [([], (grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"))]})
     with pytest.raises(RelayError) as info:
         run(nodes)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_full_pool_tries_another_node():
-    pool = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "block pool exhausted", ((REFUSAL_KEY, "pool"),))
+    pool = (grpc.StatusCode.RESOURCE_EXHAUSTED, "block pool exhausted", "pool")
     nodes = table({"a": [([], pool)], "b": [([1, 2, 3, 4, 5], LENGTH)]})
     nodes.nodes["b"].active_blocks = 1
     assert chunks_nodes(run(nodes)) == {"b"}
@@ -135,7 +136,7 @@ def chunks_nodes(chunks):
 
 
 def test_every_node_failing_is_unavailable():
-    died = rpc_error(grpc.StatusCode.UNAVAILABLE, "gone")
+    died = failure(grpc.StatusCode.UNAVAILABLE, "gone")
     nodes = table({"a": [([], died)], "b": [([], died)]})
     with pytest.raises(RelayError) as info:
         run(nodes)

@@ -1,0 +1,182 @@
+"""One request on a router's Serve stream, from its start command to its last event.
+
+    start command → checks → spans (in the router's trace) → early block allocation → engine
+    engine outputs → ``RequestEvent``s (up to ``stream_interval`` tokens per chunk) → the stream
+    finish, refusal, cancel or the stream ending → spans closed, early blocks forgotten, node idle?
+
+The request runs under a ``generate`` span (kind SERVER) whose parent is the router's span for
+this attempt, taken from the start command's ``trace_context``; under it a ``prefill`` span (until
+the first token; block_service calls for the request join it) and a ``decode`` span (the rest).
+
+A block refusal (the engine aborts a request whose blocks were refused) ends the request with
+RESOURCE_EXHAUSTED and the refusal's reason: a quota is the tenant's problem, a full pool is this
+node's, and the router retries a full pool elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from opentelemetry import propagate, trace
+
+from compute_service.async_engine import AsyncEngine
+from compute_service.request_output import RequestOutput
+from compute_service.tokenizer import IncrementalDetokenizer
+from kvfleet.membership import NodeState
+from kvfleet.v1 import compute_pb2, inference_pb2
+from kvfleet.wire import InvalidRequest, sampling_from_proto
+
+tracer = trace.get_tracer(__name__)
+
+FINISH = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "abort": inference_pb2.FINISH_REASON_ABORT,
+}
+MAX_ID_LEN = 128
+
+Emit = Callable[[compute_pb2.RequestEvent], None]
+
+
+def check_request(request: compute_pb2.ComputeRequest) -> list[int]:
+    """The prompt's token ids; raises InvalidRequest for a field the node cannot serve."""
+    if not request.request_id or len(request.request_id) > MAX_ID_LEN:
+        raise InvalidRequest(f"request_id must be 1..{MAX_ID_LEN} characters")
+    if not request.tenant:
+        raise InvalidRequest("tenant is missing")
+    ids = list(request.prompt_token_ids)
+    if not ids:
+        raise InvalidRequest("prompt_token_ids is empty")
+    if request.num_resumed_tokens >= len(ids):
+        raise InvalidRequest("num_resumed_tokens must be smaller than the number of prompt tokens")
+    return ids
+
+
+def error_event(request_id: str, code: grpc.StatusCode, message: str, refusal: str = "") -> compute_pb2.RequestEvent:
+    return compute_pb2.RequestEvent(request_id=request_id, error=compute_pb2.RequestError(
+        code=code.value[0], message=message, refusal=refusal))
+
+
+def _resumed_detokenizer(tokenizer, resumed: list[int]) -> IncrementalDetokenizer:
+    """A detokenizer that has already seen ``resumed``, so the first new token's text is decoded in
+    context (a leading space or a multi-byte character split across nodes comes out right)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.ids = list(resumed)
+    detok.prefix_offset = max(len(resumed) - 6, 0)
+    detok.read_offset = len(resumed)
+    return detok
+
+
+class RequestStream:
+    """A started request's state on the node. ``emit`` hands its events to the stream; ``on_end``
+    runs once, whichever way it ends."""
+
+    def __init__(self, request: compute_pb2.ComputeRequest, node, emit: Emit, on_end: Callable[["RequestStream"], None]):
+        self.request = request
+        self.request_id = request.request_id
+        self.node = node  # the servicer: engine, status, remote allocator, stream interval
+        self.emit = emit
+        self.on_end = on_end
+        self.ended = False
+        self.completion_tokens = 0
+        self._pending_ids: list[int] = []
+        self._pending_text: list[str] = []
+        self._detok: IncrementalDetokenizer | None = None
+        self.span = tracer.start_span("generate", context=propagate.extract(dict(request.trace_context)),
+                                      kind=trace.SpanKind.SERVER,
+                                      attributes={"kvfleet.node_id": node.status.node_id,
+                                                  "kvfleet.tenant": request.tenant,
+                                                  "kvfleet.request_id": request.request_id})
+        self.phase = tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
+        self._first = True
+        self._usage_sent = False
+
+    async def run(self) -> None:
+        """Check, allocate early and hand the request to the engine; a problem ends it with an error."""
+        request, node = self.request, self.node
+        if node.status.state != NodeState.READY:
+            self.fail(grpc.StatusCode.UNAVAILABLE,
+                      f"node {node.status.node_id} is {node.status.state.value}, not taking requests")
+            return
+        try:
+            ids = check_request(request)
+            sampling = sampling_from_proto(request.sampling)
+        except InvalidRequest as e:
+            self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        self.span.set_attributes({"kvfleet.prompt_tokens": len(ids),
+                                  "kvfleet.resumed_tokens": request.num_resumed_tokens})
+        if request.num_resumed_tokens:
+            self._detok = _resumed_detokenizer(node.engine.engine.tokenizer, ids[len(ids) - request.num_resumed_tokens:])
+        engine: AsyncEngine = node.engine
+        if node.remote is not None:
+            # block_service calls for this request join its trace, under the prefill span
+            node.remote.trace_contexts[self.request_id] = trace.set_span_in_context(self.phase)
+            with trace.use_span(self.phase):
+                await node.remote.allocator.preallocate(self.request_id, request.tenant, ids,
+                                                        engine.engine.config.share_prefix_across_tenants)
+        if self.ended:  # cancelled while allocating
+            return
+        try:
+            await engine.submit(self.request_id, ids, sampling, self.on_output, request.tenant, request.priority)
+        except ValueError as e:
+            self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def on_output(self, out: RequestOutput) -> None:
+        """An engine output (on the event loop, a step's outputs together)."""
+        if self.ended:
+            return
+        if out.refusal is not None:
+            self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error, out.refusal.reason)
+            return
+        if self._first:
+            self._first = False
+            self.phase.set_attribute("kvfleet.cached_tokens", out.cached_tokens)
+            self.phase.end()
+            self.phase = tracer.start_span("decode", context=trace.set_span_in_context(self.span))
+        self.completion_tokens = out.completion_tokens
+        self._pending_ids += out.new_token_ids
+        self._pending_text.append("".join(self._detok.push(t) for t in out.new_token_ids) if self._detok
+                                  else out.new_text)
+        if out.finished or len(self._pending_ids) >= self.node.stream_interval:
+            chunk = compute_pb2.ComputeChunk(
+                token_ids=self._pending_ids, text="".join(self._pending_text),
+                finish_reason=FINISH.get(out.finish_reason, inference_pb2.FINISH_REASON_UNSPECIFIED))
+            if out.finished or not self._usage_sent:  # the router takes cached_tokens from the first
+                self._usage_sent = True
+                chunk.usage.CopyFrom(inference_pb2.Usage(prompt_tokens=out.prompt_tokens,
+                                                         completion_tokens=out.completion_tokens,
+                                                         cached_tokens=out.cached_tokens))
+            self._pending_ids, self._pending_text = [], []
+            self.emit(compute_pb2.RequestEvent(request_id=self.request_id, chunk=chunk))
+        if out.finished:
+            self.end()
+
+    def fail(self, code: grpc.StatusCode, message: str, refusal: str = "") -> None:
+        if self.ended:
+            return
+        self.phase.set_status(trace.StatusCode.ERROR, message)
+        self.emit(error_event(self.request_id, code, message, refusal))
+        self.end()
+
+    def cancel(self) -> None:
+        """The router no longer wants it (or its stream is gone): abort it quietly."""
+        if not self.ended:
+            self.node.engine.abort(self.request_id)
+            self.end()
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        remote = self.node.remote
+        if remote is not None:
+            remote.trace_contexts.pop(self.request_id, None)
+            remote.allocator.forget(self.request_id)
+        self.phase.set_attribute("kvfleet.completion_tokens", self.completion_tokens)
+        self.phase.end()
+        self.span.set_attribute("kvfleet.completion_tokens", self.completion_tokens)
+        self.span.end()
+        self.on_end(self)
+
