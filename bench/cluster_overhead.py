@@ -105,6 +105,7 @@ def main() -> None:
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
 
     from compute_service.engine import EngineConfig, LLMEngine
+    from kvfleet.event_loop import run as run_loop
     from kvfleet.local_cluster import LocalCluster
 
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
@@ -114,12 +115,12 @@ def main() -> None:
     with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
                       log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval))) as cluster:
         node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
-        asyncio.run(_through_router(cluster.router_address, warm, 8))  # warm-up
+        run_loop(_through_router(cluster.router_address, warm, 8))  # warm-up
         for _ in range(cfg["repeats"]):
             inproc.append(run_inprocess(engine, prompts, cfg["new_tokens"]))
-            before = asyncio.run(_block_rpcs(node))
-            cluster_runs.append(asyncio.run(_through_router(cluster.router_address, prompts, cfg["new_tokens"])))
-            rpcs.append((asyncio.run(_block_rpcs(node)) - before) / cluster_runs[-1]["tokens"])
+            before = run_loop(_block_rpcs(node))
+            cluster_runs.append(run_loop(_through_router(cluster.router_address, prompts, cfg["new_tokens"])))
+            rpcs.append((run_loop(_block_rpcs(node)) - before) / cluster_runs[-1]["tokens"])
     a = max(inproc, key=lambda r: r["tokens_per_s"])
     b = max(cluster_runs, key=lambda r: r["tokens_per_s"])
     same = all(r["outputs"] == inproc[0]["outputs"] for r in cluster_runs)

@@ -72,6 +72,16 @@ class BlockManagerClient:
     async def release(self, seq_ids: Sequence[str], tenant: str | None = None) -> None:
         await self._call("ReleaseMany", pb.ReleaseManyRequest(seq_ids=seq_ids, tenant=tenant or ""))
 
+    async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
+                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> tuple[int, list[list[int] | Refusal]]:
+        """``commit``, ``release`` and ``extend`` in one call, in that order: (blocks newly
+        committed, the growth's results)."""
+        resp = await self._call("ApplyMany", pb.ApplyManyRequest(
+            commits=wire.commit_request_to_pb(commits, tenant),
+            releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),
+            growth=wire.extend_request_to_pb(growth, tenant)))
+        return resp.num_committed, wire.extend_results_from_pb(resp.growth)
+
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])
         resp = await self._call("MatchPrefix", req)

@@ -2,7 +2,8 @@
 
 Each handler converts (``wire``), calls the durable page table, waits for its log record to be
 fsynced (group commit: concurrent calls share one fsync), and answers. Errors become status codes in
-one place, ``_answers``; a rejected call has changed nothing.
+one place, ``_answers``; a rejected call has changed nothing (``ApplyMany``: a rejected part, the
+parts before it stay applied).
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.store.release(list(request.seq_ids), _tenant(request))
         await self.store.flush()
         return pb.ReleaseManyResponse()
+
+    @_answers
+    async def ApplyMany(self, request, context):
+        num_new = 0
+        if request.commits.runs:
+            num_new = self.store.commit(wire.commit_request_from_pb(request.commits), _tenant(request.commits))
+        if request.releases.seq_ids:
+            self.store.release(list(request.releases.seq_ids), _tenant(request.releases))
+        results = []
+        if request.growth.sequences:
+            results = self.store.extend(wire.extend_request_from_pb(request.growth), _tenant(request.growth))
+        await self.store.flush()
+        return pb.ApplyManyResponse(num_committed=num_new, growth=wire.extend_results_to_pb(results))
 
     @_answers
     async def MatchPrefix(self, request, context):

@@ -8,7 +8,8 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   it the answer is already here. A mismatch (the engine hashed differently, or re-allocates after
   a preemption) falls back to asking then.
 - **Write-behind.** ``commit`` and ``release`` answer nothing the engine needs, so they are queued
-  and sent together once per step (``end_step``), after the model has run.
+  and sent together once per step (``end_step``), after the model has run, in one ``ApplyMany``
+  with the step's reserve top-ups.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed. When
   the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
   top-up for the next step's flush; the network is only on the path when no reserve was granted.
@@ -16,7 +17,7 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   everything queued and waits for it, so block_service sees a node's changes in the order they
   happened (commits before the allocation that reuses them, releases before the pool fills).
 
-    event loop:    preallocate ─queue─┐            flush: CommitMany, ReleaseMany, AllocateMany, ExtendMany
+    event loop:    preallocate ─queue─┐            flush: ApplyMany (commits, releases, top-ups), AllocateMany
     engine thread: allocate (answered) │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┘
 
 The reserve costs at most one block per running sequence, charged to its tenant like any other.
@@ -129,19 +130,16 @@ class RemoteBlockAllocator:
             await self._send_asks(asks)
 
     async def _send_bookkeeping(self, commits, releases, topups) -> None:
-        if commits:  # before releases: a block is committed by its live sequence
-            self.num_rpcs += 1
-            await self.client.commit(commits)
-        if releases:  # before allocations: what they free may be what the newcomers need
-            self.num_rpcs += 1
-            await self.client.release(releases)
-        if topups:
-            self.num_rpcs += 1
-            results = await self.client.extend(topups)
-            with self._lock:
-                for (seq_id, _), new in zip(topups, results):
-                    if isinstance(new, list) and seq_id in self._tables:
-                        self._tables[seq_id].extend(new)
+        if not (commits or releases or topups):
+            return
+        # one call, applied in order: commits (a block is committed by its live sequence), releases
+        # (what they free may be what the top-ups need), top-ups
+        self.num_rpcs += 1
+        _, results = await self.client.apply(commits, releases, topups)
+        with self._lock:
+            for (seq_id, _), new in zip(topups, results):
+                if isinstance(new, list) and seq_id in self._tables:
+                    self._tables[seq_id].extend(new)
 
     async def _send_asks(self, asks: list[tuple[AllocateRequest, asyncio.Future]]) -> None:
         try:

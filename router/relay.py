@@ -60,6 +60,29 @@ class NodeStalled(Exception):
     """A node sent nothing for too long: treated like a node that died."""
 
 
+class _StallWatch:
+    """Puts a ``NodeStalled`` into an attempt's inbox once nothing arrived for ``timeout_s``
+    (noticed within a quarter of that): one timer per request, not one per token."""
+
+    def __init__(self, inbox: asyncio.Queue, node_id: str, timeout_s: float):
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+        self._task = self.loop.create_task(self._watch(inbox, node_id, timeout_s))
+
+    def heard(self) -> None:
+        self.last = self.loop.time()
+
+    async def _watch(self, inbox: asyncio.Queue, node_id: str, timeout_s: float) -> None:
+        while True:
+            await asyncio.sleep(max(self.last + timeout_s - self.loop.time(), timeout_s / 4))
+            if self.loop.time() - self.last >= timeout_s:
+                inbox.put_nowait(NodeStalled(f"no token from node {node_id} for {timeout_s:g}s"))
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 class PrefixLookup(Protocol):
     async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
         """Per node id, how many leading full blocks of ``token_ids`` are (about to be) cached there."""
@@ -155,16 +178,16 @@ class Relay:
         node.num_in_flight += 1
         node.num_routed += 1
         inbox = node.stream.start(message)
+        watch = _StallWatch(inbox, node.node_id, self.stall_timeout_s)
         over = False  # the node is done with it (finished, refused, or its stream broke)
         try:
             while True:
-                try:
-                    async with asyncio.timeout(self.stall_timeout_s):
-                        event = await inbox.get()
-                except asyncio.TimeoutError:
-                    raise NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:.0f}s") from None
+                event = await inbox.get()
+                watch.heard()
                 if isinstance(event, NodeFailure):
                     over = True
+                    raise event
+                if isinstance(event, NodeStalled):
                     raise event
                 if event.HasField("error"):
                     over = True
@@ -183,7 +206,8 @@ class Relay:
             span.set_status(trace.StatusCode.ERROR, str(e))
             raise
         finally:
-            node.stream.finish(message.request_id, cancel=not over)  # cancel: the client left
+            watch.stop()
+            node.stream.finish(message.request_id, cancel=not over)  # cancel: the client left or it stalled
             node.untrack(req.seq_id)
             node.num_in_flight -= 1
             span.set_attribute("kvfleet.tokens", len(progress.sent))

@@ -119,6 +119,12 @@ def _bad_requests() -> list[tuple[str, object, Code]]:
          Code.INVALID_ARGUMENT),
         ("ExtendMany", pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=64)],
                                             tenant="b"), Code.PERMISSION_DENIED),
+        # ApplyMany: a rejected first part changes nothing (later parts are not reached)
+        ("ApplyMany", pb.ApplyManyRequest(commits=pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", block_hashes=H[:7])]),
+                                          releases=pb.ReleaseManyRequest(seq_ids=["live"])), Code.INVALID_ARGUMENT),
+        ("ApplyMany", pb.ApplyManyRequest(releases=pb.ReleaseManyRequest(seq_ids=["nope"])), Code.NOT_FOUND),
+        ("ApplyMany", pb.ApplyManyRequest(growth=pb.ExtendManyRequest(sequences=[pb.SequenceGrowth(seq_id="live", num_tokens=-5)])),
+         Code.INVALID_ARGUMENT),
         ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="nope", block_hashes=H)]), Code.NOT_FOUND),
         ("CommitMany", pb.CommitManyRequest(runs=[pb.CommitRun(seq_id="live", block_hashes=H[:7])]),
          Code.INVALID_ARGUMENT),
@@ -187,3 +193,27 @@ def test_every_rpc_answers_bad_input_and_changes_nothing(tmp_path) -> None:
     serve_and_run(store, body)
     assert store.lsn == lsn
     store.close()
+
+
+def test_apply_many_is_commit_release_extend_in_that_order(tmp_path) -> None:
+    """One call for a step's bookkeeping: a release frees the blocks a later growth in the same call
+    needs; a rejected part leaves the parts before it applied, and is logged durably like them."""
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+
+    async def body(client: BlockManagerClient) -> None:
+        await client.register_node("n0", 4, 16, 1 << 16)
+        a, b = await client.allocate_many([AllocateRequest("n0", "a", "t", [], 32),
+                                           AllocateRequest("n0", "b", "t", [], 32)])
+        assert isinstance(a, Allocation) and isinstance(b, Allocation)  # the pool is full now
+        num_new, [grown] = await client.apply(commits=[("a", 0, H)], releases=["a"], growth=[("b", 48)])
+        assert num_new == 1 and isinstance(grown, list) and len(grown) == 1
+        assert store.table.match_prefix([H]) == {"n0": 1}  # committed before the release: cached
+        with pytest.raises(NotFound):
+            await client.apply(commits=[("b", 0, bytes(16))], releases=["nobody"], growth=[])
+        assert store.table.match_prefix([bytes(16)]) == {"n0": 1}  # the commit before it stayed
+
+    serve_and_run(store, body)
+    store.close()
+    reopened, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    assert reopened.table.match_prefix([bytes(16)]) == {"n0": 1} and reopened.table.sequence("b").num_tokens == 48
+    reopened.close()

@@ -46,7 +46,9 @@ class FakeStream:
         inbox = asyncio.Queue()
         events = [compute_pb2.RequestEvent(request_id=message.request_id,
                                            chunk=compute_pb2.ComputeChunk(token_ids=[t], text=str(t))) for t in tokens]
-        if isinstance(end, int):
+        if end is None:  # the node goes silent
+            pass
+        elif isinstance(end, int):
             events[-1].chunk.finish_reason = end
         elif isinstance(end, NodeFailure):
             events.append(end)
@@ -68,15 +70,16 @@ def table(scripts: dict) -> NodeTable:
     return nodes
 
 
-def relay(nodes):
-    return Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), BlockServicePrefixLookup(), max_attempts=3)
+def relay(nodes, **options):
+    return Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), BlockServicePrefixLookup(), max_attempts=3,
+                 **options)
 
 
-def run(nodes, max_tokens=5):
+def run(nodes, max_tokens=5, **options):
     req = ParsedRequest("r", "r-1", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
 
     async def collect():
-        return [c async for c in relay(nodes).run(req, TENANT)]
+        return [c async for c in relay(nodes, **options).run(req, TENANT)]
 
     return asyncio.run(collect())
 
@@ -143,3 +146,27 @@ def test_every_node_failing_is_unavailable():
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no READY compute node" in str(info.value)
     with pytest.raises(RelayError, match="no READY compute node"):
         run(table({}))
+
+
+def test_a_silent_node_counts_as_failed_and_is_cancelled():
+    nodes = table({"a": [([10], None)], "b": [([11, 12, 13, 14], LENGTH)]})
+    nodes.nodes["b"].active_blocks = 1
+    chunks = run(nodes, stall_timeout_s=0.05)
+    assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14]
+    assert stub(nodes, "a").finished == [("r-1", True)]  # told to abort what it may still be running
+    assert nodes.nodes["a"].failed_at is not None
+
+
+def test_a_client_leaving_cancels_the_request_on_its_node():
+    nodes = table({"a": [([10, 11, 12], None)]})
+    req = ParsedRequest("r", "r-1", [1, 2, 3], SamplingParams(max_tokens=5))
+
+    async def take_one():
+        stream = relay(nodes).run(req, TENANT)
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    assert list(asyncio.run(take_one()).token_ids) == [10]
+    assert stub(nodes, "a").finished == [("r-1", True)]
+    assert nodes.nodes["a"].num_in_flight == 0 and nodes.nodes["a"].active_blocks == 0
