@@ -95,6 +95,8 @@ def main() -> None:
                         help="runs of each side, alternating; the best of each counts (default 5, quick 3)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the node's tokens per streamed chunk (default 1: every token at once)")
+    parser.add_argument("--batch-wait-ms", type=float, default=2.0,
+                        help="the node's --batch-wait-ms (default 2, the node's default; 0: off)")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
@@ -113,7 +115,8 @@ def main() -> None:
     run_inprocess(engine, warm, 8)  # warm-up: kernels built and loaded, every batch shape seen
     inproc, cluster_runs, rpcs = [], [], []
     with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
-                      log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval))) as cluster:
+                      log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval),
+                                    "--batch-wait-ms", str(args.batch_wait_ms))) as cluster:
         node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
         run_loop(_through_router(cluster.router_address, warm, 8))  # warm-up
         for _ in range(cfg["repeats"]):
@@ -131,7 +134,7 @@ def main() -> None:
         block_rpcs_per_token=min(rpcs),
         identical_tokens=same,
         requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval, batch_wait_ms=args.batch_wait_ms,
         inprocess_runs=[round(r["tokens_per_s"], 1) for r in inproc],
         cluster_runs=[round(r["tokens_per_s"], 1) for r in cluster_runs],
     )
@@ -140,7 +143,7 @@ def main() -> None:
         return
     print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
           f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}, "
-          f"stream interval {args.stream_interval}")
+          f"stream interval {args.stream_interval}, node batch wait {args.batch_wait_ms:g} ms")
     print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
     print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")
     print(f"  ratio (cluster / in-process): {result['ratio']:.3f}   (target >= 0.9)")

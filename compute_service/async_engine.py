@@ -8,6 +8,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from compute_service.engine import LLMEngine
@@ -16,10 +17,15 @@ from compute_service.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_BURST_WAITS = 10  # an idle engine holds its first step at most this many batch waits
+
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, batch_wait_s: float = 0.0):
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.engine = engine
+        self.batch_wait_s = batch_wait_s
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         # outputs of the current step, handed to their event loops in one wake-up per step
@@ -110,6 +116,16 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver_all, items)
 
+    def _gather_burst(self) -> None:
+        """Idle → busy: let a burst of arrivals land before the first step, so it runs as one batch
+        instead of a step for the first few while the rest wait a whole step. Waits while they keep
+        coming less than ``batch_wait_s`` apart, at most ``MAX_BURST_WAITS`` times that in all."""
+        if self.batch_wait_s <= 0:
+            return
+        deadline = time.monotonic() + MAX_BURST_WAITS * self.batch_wait_s
+        while (left := deadline - time.monotonic()) > 0 and self._wake.wait(min(self.batch_wait_s, left)):
+            self._wake.clear()
+
     def _submit(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
         self._wake.set()
@@ -127,6 +143,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.wait()
                 self._wake.clear()
+                self._gather_burst()
 
 
 def _deliver_all(items: list[tuple[Callable[[RequestOutput], None], RequestOutput]]) -> None:

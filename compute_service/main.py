@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     parser.add_argument("--stream-interval", type=_positive_int, default=1,
                         help="tokens per streamed chunk (default 1: every token as soon as it exists)")
+    parser.add_argument("--batch-wait-ms", type=float, default=2.0,
+                        help="an idle node holds its first step while requests keep arriving less than this "
+                             "many ms apart (at most 10 times it), so a burst is scheduled as one batch; 0: off")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
@@ -90,7 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
     server = grpc.aio.server(options=SERVER_OPTIONS)

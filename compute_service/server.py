@@ -85,8 +85,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     @staticmethod
     async def _read_commands(request_iterator, session: ServeSession) -> None:
         try:
-            async for command in request_iterator:
-                session.command(command)
+            async for commands in request_iterator:
+                for command in commands.commands:  # a burst's starts reach the engine together
+                    session.command(command)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream broke under us

@@ -1,6 +1,7 @@
 """The router's one ``Compute.Serve`` stream to a node, shared by every request it sends there.
 
-    start(request)  → a start command on the stream; returns the request's inbox
+    start(request)  → a start command on the stream (commands queued while a write is in flight go
+                      together in the next message); returns the request's inbox
     reader task     : NodeEvents from the node → each RequestEvent into its request's inbox
     finish(id)      → the request is over for the router (a cancel command if the node still runs it)
     stream breaks   → a NodeFailure in every open inbox; the next start opens a fresh stream
@@ -57,7 +58,10 @@ class _Link:
     async def _write(self) -> None:
         try:
             while True:
-                await self.call.write(await self.commands.get())
+                batch = [await self.commands.get()]
+                while not self.commands.empty():  # what queued up meanwhile goes in the same message
+                    batch.append(self.commands.get_nowait())
+                await self.call.write(compute_pb2.NodeCommands(commands=batch))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the call is over; the reader reports how it ended

@@ -106,11 +106,12 @@ class Relay:
             if not candidates:
                 tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
-            try:
-                cached = await self.prefix.match(tenant.name, ids, candidates)
-            except Exception as e:  # routing without prefix knowledge still serves the request
-                log.warning("prefix lookup failed, routing by load only: %s", e)
-                cached = {}
+            cached: dict[str, int] = {}
+            if len(candidates) > 1:  # one candidate is the answer whatever is cached where
+                try:
+                    cached = await self.prefix.match(tenant.name, ids, candidates)
+                except Exception as e:  # routing without prefix knowledge still serves the request
+                    log.warning("prefix lookup failed, routing by load only: %s", e)
             loads = [NodeLoad(n.node_id, n.active_blocks, cached.get(n.node_id, 0), n.ready_since) for n in candidates]
             num_blocks = len(ids) // candidates[0].info.block_size
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())

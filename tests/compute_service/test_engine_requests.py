@@ -163,3 +163,47 @@ def _drop_field(model_dir, field):
     cfg = json.loads((model_dir / "config.json").read_text())
     del cfg[field]
     (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def _first_step_batch(engine, arrive, batch_wait_s: float) -> int:
+    """How many requests the first step of an idle ``AsyncEngine`` ran, with ``arrive(aengine)``
+    submitting them."""
+    sizes: list[int] = []
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        sizes.append(len(outputs))
+        return outputs
+
+    async def main(aengine):
+        await arrive(aengine)
+
+    engine.step = step
+    aengine = AsyncEngine(engine, batch_wait_s=batch_wait_s)
+    try:
+        asyncio.run(main(aengine))
+    finally:
+        aengine.shutdown()
+        del engine.step
+    return sizes[0]
+
+
+async def _drain(aengine, request_id, prompt):
+    async for _ in aengine.generate(request_id, prompt, SamplingParams(max_tokens=3, ignore_eos=True)):
+        pass
+
+
+def test_a_burst_of_arrivals_is_one_first_batch(engine):
+    async def trickling(aengine):  # arrivals 10 ms apart, within the 200 ms batch wait
+        async def later(i):
+            await asyncio.sleep(0.01 * i)
+            await _drain(aengine, f"t{i}", random_prompt(10, seed=20 + i))
+        await asyncio.gather(*(later(i) for i in range(4)))
+
+    assert _first_step_batch(engine, trickling, batch_wait_s=0.2) == 4
+
+
+def test_batch_wait_must_not_be_negative(engine):
+    with pytest.raises(ValueError, match="batch_wait_s"):
+        AsyncEngine(engine, batch_wait_s=-1)
