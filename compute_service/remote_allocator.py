@@ -8,8 +8,8 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   it the answer is already here. A mismatch (the engine hashed differently, or re-allocates after
   a preemption) falls back to asking then.
 - **Write-behind.** ``commit`` and ``release`` answer nothing the engine needs, so they are queued
-  and sent together after the model has run (``end_step``), in one ``ApplyMany`` with the reserve
-  top-ups, at most every ``FLUSH_INTERVAL_S``.
+  and sent together once per step (``end_step``), after the model has run, in one ``ApplyMany``
+  with the step's reserve top-ups.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed. When
   the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
   top-up for the next step's flush; the network is only on the path when no reserve was granted.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 from block_service.allocator import Allocation, AllocatorStats, Refusal
@@ -42,12 +41,6 @@ log = logging.getLogger(__name__)
 
 TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
 
-# Write-behind bookkeeping goes out at most this often: a step's commits, releases and top-ups wait
-# for the next flush (a top-up has a whole block of tokens to arrive; a call that needs an answer
-# sends everything queued first), and block_service takes a node's bookkeeping in a few calls a
-# second instead of one per step that filled a block.
-FLUSH_INTERVAL_S = 0.05
-
 
 def _untraced():
     from opentelemetry.instrumentation.utils import suppress_instrumentation  # noqa: PLC0415
@@ -57,7 +50,7 @@ def _untraced():
 
 class RemoteBlockAllocator:
     def __init__(self, client, loop: asyncio.AbstractEventLoop, node_id: str, num_blocks: int, block_size: int,
-                 trace_context_of: TraceContextOf | None = None, flush_interval_s: float = FLUSH_INTERVAL_S):
+                 trace_context_of: TraceContextOf | None = None):
         self.client = client
         self.loop = loop
         self.node_id = node_id
@@ -75,9 +68,6 @@ class RemoteBlockAllocator:
         self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
         self._in_step = False                       # between begin_step and end_step (engine thread)
-        self.flush_interval_s = flush_interval_s
-        self._flush_scheduled = False               # a write-behind flush is on its way
-        self._last_flush = 0.0                      # time.monotonic() of the last one
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -108,20 +98,11 @@ class RemoteBlockAllocator:
         self._send_soon()
 
     def _send_soon(self) -> None:
-        """Have the loop flush what is queued, if anything, at most once per ``flush_interval_s``
-        (any thread; returns at once)."""
+        """Have the loop flush what is queued, if anything (any thread; returns at once)."""
         with self._lock:
-            if self._flush_scheduled or not (self._commits or self._releases or self._topups):
+            if not (self._commits or self._releases or self._topups):
                 return
-            self._flush_scheduled = True
-            delay = self._last_flush + self.flush_interval_s - time.monotonic()
-        self.loop.call_soon_threadsafe(self._kick_after, delay)
-
-    def _kick_after(self, delay: float) -> None:
-        if delay > 0:
-            self.loop.call_later(delay, self._kick)
-        else:
-            self._kick()
+        self.loop.call_soon_threadsafe(self._kick)
 
     def _kick(self) -> None:
         self.loop.create_task(self._flush())
@@ -133,8 +114,6 @@ class RemoteBlockAllocator:
 
     async def _send(self) -> None:
         with self._lock:
-            self._flush_scheduled = False
-            self._last_flush = time.monotonic()
             commits, self._commits = self._commits, []
             releases, self._releases = self._releases, []
             released = set(releases)
