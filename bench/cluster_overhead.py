@@ -97,6 +97,9 @@ def main() -> None:
                         help="runs of each side, alternating; the best of each counts (default 7, quick 3)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the node's tokens per streamed chunk (default 1: every token at once)")
+    parser.add_argument("--client-transport", choices=("unix", "tcp"), default="unix",
+                        help="how the client reaches the router: its Unix socket (default, as a client on "
+                             "the same machine would) or TCP loopback")
     parser.add_argument("--batch-wait-ms", type=float, default=2.0,
                         help="the node's --batch-wait-ms (default 2, the node's default; 0: off)")
     args = parser.parse_args()
@@ -120,11 +123,14 @@ def main() -> None:
                       log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval),
                                     "--batch-wait-ms", str(args.batch_wait_ms))) as cluster:
         node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
-        run_loop(_through_router(cluster.router_address, warm, 8))  # warm-up
+        router = cluster.router_unix_address if args.client_transport == "unix" else cluster.router_address
+        if router is None:
+            raise SystemExit("the cluster's work directory path is too long for a Unix socket; use --client-transport tcp")
+        run_loop(_through_router(router, warm, 8))  # warm-up
         for _ in range(cfg["repeats"]):
             inproc.append(run_inprocess(engine, prompts, cfg["new_tokens"]))
             before = run_loop(_block_rpcs(node))
-            cluster_runs.append(run_loop(_through_router(cluster.router_address, prompts, cfg["new_tokens"])))
+            cluster_runs.append(run_loop(_through_router(router, prompts, cfg["new_tokens"])))
             rpcs.append((run_loop(_block_rpcs(node)) - before) / cluster_runs[-1]["tokens"])
     a = max(inproc, key=lambda r: r["tokens_per_s"])
     b = max(cluster_runs, key=lambda r: r["tokens_per_s"])
@@ -139,6 +145,7 @@ def main() -> None:
         identical_tokens=same,
         requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
         stream_interval=args.stream_interval, batch_wait_ms=args.batch_wait_ms,
+        client_transport=args.client_transport,
         inprocess_runs=[round(r["tokens_per_s"], 1) for r in inproc],
         cluster_runs=[round(r["tokens_per_s"], 1) for r in cluster_runs],
     )
@@ -147,7 +154,8 @@ def main() -> None:
         return
     print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
           f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}, "
-          f"stream interval {args.stream_interval}, node batch wait {args.batch_wait_ms:g} ms")
+          f"stream interval {args.stream_interval}, node batch wait {args.batch_wait_ms:g} ms, "
+          f"client → router over {args.client_transport}")
     print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
     print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")
     print(f"  ratio (cluster / in-process): {result['ratio']:.3f}   (target >= 0.9); "

@@ -38,6 +38,9 @@ tenants:
 """
 
 
+MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
+
+
 @dataclass(slots=True)
 class Child:
     name: str
@@ -89,12 +92,20 @@ class LocalCluster:
         self.block_service: Child | None = None
         self.nodes: dict[str, Child] = {}
         self.router: Child | None = None
+        socket_path = self.work_dir / "router.sock"
+        self._router_socket = str(socket_path) if len(str(socket_path)) <= MAX_UNIX_SOCKET_PATH else None
 
     # -- addresses --------------------------------------------------------------------------------
 
     @property
     def router_address(self) -> str:
         return f"127.0.0.1:{self.router.port}"
+
+    @property
+    def router_unix_address(self) -> str | None:
+        """The router's Unix domain socket, for clients on this machine (``unix:PATH``); None when
+        the work directory's path is too long for one."""
+        return f"unix:{self._router_socket}" if self._router_socket else None
 
     @property
     def block_service_address(self) -> str | None:
@@ -130,6 +141,8 @@ class LocalCluster:
                     "--tenants", self.tenants_file, "--model", self.model_dir, *self.router_args]
             if self.block_service:
                 argv += ["--block-service", self.block_service_address]
+            if self._router_socket:
+                argv += ["--listen-unix", self._router_socket]
             self.router = self._spawn("router", argv, port)
             self._wait_router(timeout)
         except BaseException:
@@ -301,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         key = "sk-gold" if args.tenants is None else "<your api key>"
         print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        if cluster.router_unix_address:
+            print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
         print("Ctrl-C stops everything.", flush=True)
         while not stop:

@@ -128,8 +128,10 @@ async def build_server(
     relay: Relay,
     nodes: NodeTable,
     tokenizers: TokenizerSource,
+    unix_socket: str | None = None,
 ) -> RouterServer:
-    """Bind the router's services on ``listen`` (``host:port``; port 0 picks one); not started."""
+    """Bind the router's services on ``listen`` (``host:port``; port 0 picks one) and, when given,
+    on the Unix domain socket ``unix_socket`` too; not started."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(tenants, admission, relay, tokenizers), server
@@ -143,6 +145,8 @@ async def build_server(
     port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"cannot listen on {listen}")
+    if unix_socket is not None and server.add_insecure_port(f"unix:{unix_socket}") == 0:
+        raise RuntimeError(f"cannot listen on the Unix socket {unix_socket}")
     routed = RouterServer(server, port, nodes, health_servicer)
     await routed.update_health()
     return routed

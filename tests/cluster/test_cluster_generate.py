@@ -35,6 +35,13 @@ def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference)
         assert {c.node_id for c in chunks} <= {"node-0", "node-1"}
 
 
+def test_clients_on_the_machine_reach_the_router_over_its_unix_socket(start_cluster, reference):
+    cluster = start_cluster(1)
+    assert cluster.router_unix_address.startswith("unix:")
+    chunks = stream(cluster.router_unix_address, request(tokens=PROMPTS[2], max_tokens=24, ignore_eos=True))
+    assert tokens_of(chunks) == reference[2] and len(chunks) == 24
+
+
 def test_a_stream_interval_groups_tokens_and_changes_nothing_else(start_cluster, reference):
     cluster = start_cluster(1, compute_args=("--stream-interval", "5"))
     for prompt, expected in zip(PROMPTS, reference):
