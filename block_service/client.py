@@ -74,8 +74,8 @@ class BlockManagerClient:
 
     async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
                     growth: Sequence[tuple[str, int]], tenant: str | None = None) -> tuple[int, list[list[int] | Refusal]]:
-        """``commit``, ``release`` and ``extend`` in one call, in that order: (blocks newly
-        committed, the growth's results)."""
+        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order: (blocks
+        newly committed, the growth's results)."""
         resp = await self._call("ApplyMany", pb.ApplyManyRequest(
             commits=wire.commit_request_to_pb(commits, tenant),
             releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),

@@ -72,14 +72,14 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     @_answers
     async def ApplyMany(self, request, context):
+        results = []
+        if request.growth.sequences:
+            results = self.store.extend(wire.extend_request_from_pb(request.growth), _tenant(request.growth))
         num_new = 0
         if request.commits.runs:
             num_new = self.store.commit(wire.commit_request_from_pb(request.commits), _tenant(request.commits))
         if request.releases.seq_ids:
             self.store.release(list(request.releases.seq_ids), _tenant(request.releases))
-        results = []
-        if request.growth.sequences:
-            results = self.store.extend(wire.extend_request_from_pb(request.growth), _tenant(request.growth))
         await self.store.flush()
         return pb.ApplyManyResponse(num_committed=num_new, growth=wire.extend_results_to_pb(results))
 

@@ -17,7 +17,7 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   everything queued and waits for it, so block_service sees a node's changes in the order they
   happened (commits before the allocation that reuses them, releases before the pool fills).
 
-    event loop:    preallocate ─queue─┐            flush: ApplyMany (commits, releases, top-ups), AllocateMany
+    event loop:    preallocate ─queue─┐            flush: ApplyMany (top-ups, commits, releases), AllocateMany
     engine thread: allocate (answered) │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┘
 
 The reserve costs at most one block per running sequence, charged to its tenant like any other.
@@ -132,8 +132,9 @@ class RemoteBlockAllocator:
     async def _send_bookkeeping(self, commits, releases, topups) -> None:
         if not (commits or releases or topups):
             return
-        # one call, applied in order: commits (a block is committed by its live sequence), releases
-        # (what they free may be what the top-ups need), top-ups
+        # one call, applied in order: top-ups (they bring block_service's length of a sequence up to
+        # the blocks the engine filled, so its commits below are of full blocks), commits (a block is
+        # committed by its live sequence), releases
         self.num_rpcs += 1
         _, results = await self.client.apply(commits, releases, topups)
         with self._lock:

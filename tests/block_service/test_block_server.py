@@ -195,25 +195,29 @@ def test_every_rpc_answers_bad_input_and_changes_nothing(tmp_path) -> None:
     store.close()
 
 
-def test_apply_many_is_commit_release_extend_in_that_order(tmp_path) -> None:
-    """One call for a step's bookkeeping: a release frees the blocks a later growth in the same call
-    needs; a rejected part leaves the parts before it applied, and is logged durably like them."""
+def test_apply_many_is_growth_commit_release_in_that_order(tmp_path) -> None:
+    """One call for a node's bookkeeping: the growth comes first, so a commit may name the block the
+    node just filled (its reserve); commits come before releases, so a released prefix stays cached;
+    a rejected part leaves the parts before it applied, and is logged durably like them."""
     store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    h0, h1, hb = bytes([1] * 16), bytes([2] * 16), bytes([3] * 16)
 
     async def body(client: BlockManagerClient) -> None:
-        await client.register_node("n0", 4, 16, 1 << 16)
-        a, b = await client.allocate_many([AllocateRequest("n0", "a", "t", [], 32),
-                                           AllocateRequest("n0", "b", "t", [], 32)])
-        assert isinstance(a, Allocation) and isinstance(b, Allocation)  # the pool is full now
-        num_new, [grown] = await client.apply(commits=[("a", 0, H)], releases=["a"], growth=[("b", 48)])
-        assert num_new == 1 and isinstance(grown, list) and len(grown) == 1
-        assert store.table.match_prefix([H]) == {"n0": 1}  # committed before the release: cached
+        await client.register_node("n0", 8, 16, 1 << 16)
+        a, b = await client.allocate_many([AllocateRequest("n0", "a", "t", [], 20),
+                                           AllocateRequest("n0", "b", "t", [], 16)])
+        assert isinstance(a, Allocation) and isinstance(b, Allocation)
+        # block 1 of "a" is full only at the 40 tokens of the growth in the same call
+        num_new, [grown] = await client.apply(commits=[("a", 0, h0), ("a", 1, h1)], releases=[], growth=[("a", 40)])
+        assert num_new == 2 and isinstance(grown, list) and len(grown) == 1
+        await client.apply(commits=[], releases=["a"], growth=[])
+        assert store.table.match_prefix([h0, h1]) == {"n0": 2}  # committed, then released: cached
         with pytest.raises(NotFound):
-            await client.apply(commits=[("b", 0, bytes(16))], releases=["nobody"], growth=[])
-        assert store.table.match_prefix([bytes(16)]) == {"n0": 1}  # the commit before it stayed
+            await client.apply(commits=[("b", 0, hb)], releases=["nobody"], growth=[])
+        assert store.table.match_prefix([hb]) == {"n0": 1}  # the commit before it stayed
 
     serve_and_run(store, body)
     store.close()
     reopened, _ = DurablePageTable.open(str(tmp_path), fsync=False)
-    assert reopened.table.match_prefix([bytes(16)]) == {"n0": 1} and reopened.table.sequence("b").num_tokens == 48
+    assert reopened.table.match_prefix([hb]) == {"n0": 1} and reopened.table.match_prefix([h0, h1]) == {"n0": 2}
     reopened.close()
