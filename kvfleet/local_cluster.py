@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,7 @@ class LocalCluster:
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
+        self._own_work_dir = work_dir is None  # a temporary one: its state goes at stop, its logs stay
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-cluster-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if tenants_file is None:
@@ -269,6 +271,10 @@ class LocalCluster:
                     child.process.wait()
         if self.etcd is not None:
             self.etcd.stop()
+        if self._own_work_dir:
+            # etcd preallocates ~60 MiB of log; a temporary cluster keeps only its logs
+            for state in ("etcd", "block_state"):
+                shutil.rmtree(self.work_dir / state, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

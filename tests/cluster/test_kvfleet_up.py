@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvfleet.local_cluster import LocalCluster
 
 from cluster_helpers import request, stream, tokens_of
 
@@ -67,3 +70,14 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
         for pid in children:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_temporary_cluster_keeps_its_logs_and_drops_its_state(model_dir):
+    with LocalCluster(model_dir, num_nodes=1) as cluster:
+        work = cluster.work_dir
+        assert (work / "etcd").is_dir() and (work / "block_state").is_dir()
+    try:
+        assert not (work / "etcd").exists() and not (work / "block_state").exists()
+        assert (work / "router.log").exists() and (work / "node-0.log").exists()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
