@@ -23,12 +23,17 @@ import urllib.request
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_SIGTERM = int(signal.SIGTERM)
+# Resolved here, in the parent: the child between fork and exec must not load a library (the
+# dynamic loader's lock may be held by another thread of a multi-threaded parent at the fork, and
+# the child then hangs in Popen forever).
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def die_with_parent() -> None:
     """``preexec_fn`` for children: the kernel sends SIGTERM when the parent dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, _SIGTERM)
 
 
 def find_etcd_binary() -> str:
