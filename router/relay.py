@@ -35,6 +35,7 @@ from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
 from router.resume import Progress
+from router.stall_watch import StallWatch
 from router.routing import NodeLoad, NodePicker
 
 log = logging.getLogger(__name__)
@@ -58,29 +59,6 @@ class RelayError(Exception):
 
 class NodeStalled(Exception):
     """A node sent nothing for too long: treated like a node that died."""
-
-
-class _StallWatch:
-    """Puts a ``NodeStalled`` into an attempt's inbox once nothing arrived for ``timeout_s``
-    (noticed within a quarter of that): one timer per request, not one per token."""
-
-    def __init__(self, inbox: asyncio.Queue, node_id: str, timeout_s: float):
-        self.loop = asyncio.get_running_loop()
-        self.last = self.loop.time()
-        self._task = self.loop.create_task(self._watch(inbox, node_id, timeout_s))
-
-    def heard(self) -> None:
-        self.last = self.loop.time()
-
-    async def _watch(self, inbox: asyncio.Queue, node_id: str, timeout_s: float) -> None:
-        while True:
-            await asyncio.sleep(max(self.last + timeout_s - self.loop.time(), timeout_s / 4))
-            if self.loop.time() - self.last >= timeout_s:
-                inbox.put_nowait(NodeStalled(f"no token from node {node_id} for {timeout_s:g}s"))
-                return
-
-    def stop(self) -> None:
-        self._task.cancel()
 
 
 class PrefixLookup(Protocol):
@@ -179,7 +157,8 @@ class Relay:
         node.num_in_flight += 1
         node.num_routed += 1
         inbox = node.stream.start(message)
-        watch = _StallWatch(inbox, node.node_id, self.stall_timeout_s)
+        watch = StallWatch(inbox, NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:g}s"),
+                           self.stall_timeout_s)
         over = False  # the node is done with it (finished, refused, or its stream broke)
         try:
             while True:
