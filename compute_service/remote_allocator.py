@@ -7,9 +7,14 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   (``preallocate``, on the event loop, batched with other arrivals), so when the scheduler admits
   it the answer is already here. A mismatch (the engine hashed differently, or re-allocates after
   a preemption) falls back to asking then.
-- **Write-behind.** ``commit`` and ``release`` answer nothing the engine needs, so they are queued
-  and sent together once per step (``end_step``), after the model has run, in one ``ApplyMany``
-  with the step's reserve top-ups.
+- **Write-behind.** ``commit``, ``release`` and reserve top-ups answer nothing the engine needs
+  now, so they are queued and sent together after a step (``end_step``), in one ``ApplyMany``.
+  What others wait for goes at the end of its step: releases (free blocks, the tenant's quota)
+  and commits of prompt blocks (a request sharing the prefix may arrive any moment). Decode-time
+  bookkeeping rides along with those, or goes on its own once it is due: a top-up a couple of
+  steps before its sequence could need the block, a generated block's commit after at most
+  ``defer_steps`` steps. A batch of decoding requests then costs block_service a call every few
+  steps instead of one per step that crossed a block boundary.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed. When
   the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
   top-up for the next step's flush; the network is only on the path when no reserve was granted.
@@ -39,6 +44,9 @@ from kvfleet import block_hash
 
 log = logging.getLogger(__name__)
 
+DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
+TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
+
 TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
 
 
@@ -50,7 +58,7 @@ def _untraced():
 
 class RemoteBlockAllocator:
     def __init__(self, client, loop: asyncio.AbstractEventLoop, node_id: str, num_blocks: int, block_size: int,
-                 trace_context_of: TraceContextOf | None = None):
+                 trace_context_of: TraceContextOf | None = None, defer_steps: int = DEFER_STEPS):
         self.client = client
         self.loop = loop
         self.node_id = node_id
@@ -68,6 +76,11 @@ class RemoteBlockAllocator:
         self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
         self._in_step = False                       # between begin_step and end_step (engine thread)
+        self.defer_steps = defer_steps
+        self._step = 0                              # end_step calls so far
+        self._urgent = False                        # a release or a prompt block's commit is queued
+        self._due: int | None = None                # the step by which deferred bookkeeping must go
+        self._prompt_blocks: dict[str, int] = {}    # seq → full blocks of its prompt (urgent commits)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -93,9 +106,24 @@ class RemoteBlockAllocator:
         self._in_step = True
 
     def end_step(self) -> None:
-        """The engine finished a step: send what it queued (returns at once)."""
+        """The engine finished a step: send what is queued if it is urgent or due (returns at once)."""
         self._in_step = False
-        self._send_soon()
+        self._step += 1
+        with self._lock:
+            send = self._urgent or (self._due is not None and self._step >= self._due)
+        if send:
+            self._send_soon()
+
+    def _defer(self, steps: int) -> None:
+        """What was just queued must be sent within ``steps`` more steps (lock held)."""
+        due = self._step + max(steps, 0) + 1  # end_step counts this step first
+        self._due = due if self._due is None else min(self._due, due)
+
+    def _topup(self, seq_id: str, held: int, num_tokens: int) -> None:
+        """Queue the reserve block past ``held`` blocks for a sequence now ``num_tokens`` long
+        (lock held): due a little before decoding (a token a step) fills the blocks it has."""
+        self._topups[seq_id] = (held + 1) * self.block_size
+        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)
 
     def _send_soon(self) -> None:
         """Have the loop flush what is queued, if anything (any thread; returns at once)."""
@@ -114,6 +142,7 @@ class RemoteBlockAllocator:
 
     async def _send(self) -> None:
         with self._lock:
+            self._urgent, self._due = False, None
             commits, self._commits = self._commits, []
             releases, self._releases = self._releases, []
             released = set(releases)
@@ -175,7 +204,9 @@ class RemoteBlockAllocator:
         with self._lock:
             if self._early.pop(seq_id, None) is not None:
                 self._releases.append(seq_id)
-        self._send_soon()
+                self._urgent = True
+        if not self._in_step:  # during a step (the engine thread finishing it) end_step sends it
+            self._send_soon()
 
     # -- BlockAllocator ---------------------------------------------------------------------------
 
@@ -189,20 +220,22 @@ class RemoteBlockAllocator:
             if early is not None:
                 request, result = early
                 if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
-                    self._claim(seq_id, result)
+                    self._claim(seq_id, result, num_tokens)
                     return result
                 self._releases.append(seq_id)  # asked differently: give it back, ask again below
+                self._urgent = True
         result = self._call(lambda: self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens), seq_id)
         if isinstance(result, Allocation):
             with self._lock:
-                self._claim(seq_id, result)
+                self._claim(seq_id, result, num_tokens)
         return result
 
-    def _claim(self, seq_id: str, result: Allocation) -> None:
+    def _claim(self, seq_id: str, result: Allocation, num_tokens: int) -> None:
         """Record a granted table (lock held) and queue its reserve block."""
         self._tables[seq_id] = list(result.block_ids)
         self._handed[seq_id] = len(result.block_ids)
-        self._topups[seq_id] = (len(result.block_ids) + 1) * self.block_size
+        self._prompt_blocks[seq_id] = num_tokens // self.block_size
+        self._topup(seq_id, len(result.block_ids), num_tokens)
 
     def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
         answers: dict[str, list[int] | Refusal] = {}
@@ -215,7 +248,7 @@ class RemoteBlockAllocator:
                     answers[seq_id] = table[handed:need]
                     handed = self._handed[seq_id] = max(handed, need)
                     if len(table) <= handed:  # the reserve is used up: ask for the next one
-                        self._topups[seq_id] = (handed + 1) * self.block_size
+                        self._topup(seq_id, handed, num_tokens)
                 else:
                     short.append((seq_id, num_tokens))
         if short:
@@ -243,6 +276,10 @@ class RemoteBlockAllocator:
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
         with self._lock:
             self._commits.extend(commits)
+            if any(index < self._prompt_blocks.get(seq_id, index + 1) for seq_id, index, _ in commits):
+                self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
+            else:
+                self._defer(self.defer_steps)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         with self._lock:
@@ -250,7 +287,9 @@ class RemoteBlockAllocator:
                 self._tables.pop(seq_id, None)
                 self._handed.pop(seq_id, None)
                 self._topups.pop(seq_id, None)
+                self._prompt_blocks.pop(seq_id, None)
             self._releases.extend(seq_ids)
+            self._urgent = True
         if not self._in_step:  # an abort between steps: no end_step will come to send it
             self._send_soon()
 
