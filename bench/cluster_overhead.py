@@ -100,8 +100,8 @@ def main() -> None:
     parser.add_argument("--client-transport", choices=("unix", "tcp"), default="unix",
                         help="how the client reaches the router: its Unix socket (default, as a client on "
                              "the same machine would) or TCP loopback")
-    parser.add_argument("--batch-wait-ms", type=float, default=2.0,
-                        help="the node's --batch-wait-ms (default 2, the node's default; 0: off)")
+    parser.add_argument("--batch-wait-ms", type=float, default=None,
+                        help="the node's --batch-wait-ms (default: the node's own default; 0: off)")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
@@ -119,9 +119,11 @@ def main() -> None:
     warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)
     run_inprocess(engine, warm, 8)  # warm-up: kernels built and loaded, every batch shape seen
     inproc, cluster_runs, rpcs = [], [], []
+    node_args = ["--stream-interval", str(args.stream_interval)]
+    if args.batch_wait_ms is not None:
+        node_args += ["--batch-wait-ms", str(args.batch_wait_ms)]
     with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
-                      log_level="WARNING", compute_args=("--stream-interval", str(args.stream_interval),
-                                    "--batch-wait-ms", str(args.batch_wait_ms))) as cluster:
+                      log_level="WARNING", compute_args=tuple(node_args)) as cluster:
         node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
         router = cluster.router_unix_address if args.client_transport == "unix" else cluster.router_address
         if router is None:
@@ -154,7 +156,8 @@ def main() -> None:
         return
     print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
           f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}, "
-          f"stream interval {args.stream_interval}, node batch wait {args.batch_wait_ms:g} ms, "
+          f"stream interval {args.stream_interval}, node batch wait "
+          f"{'the default' if args.batch_wait_ms is None else f'{args.batch_wait_ms:g} ms'}, "
           f"client → router over {args.client_transport}")
     print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
     print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")

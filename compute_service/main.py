@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     parser.add_argument("--stream-interval", type=_positive_int, default=1,
                         help="tokens per streamed chunk (default 1: every token as soon as it exists)")
-    parser.add_argument("--batch-wait-ms", type=float, default=2.0,
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="an idle node holds its first step while requests keep arriving less than this "
-                             "many ms apart (at most 10 times it), so a burst is scheduled as one batch; 0: off")
+                             "many ms apart (at most 10 times it), so a burst is scheduled as one batch (default "
+                             "5: a burst's requests reach a busy router's node up to ~5 ms apart); 0: off")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 

@@ -274,6 +274,8 @@ class RemoteBlockAllocator:
                 self._handed[seq_id] = need
 
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        if not commits:
+            return
         with self._lock:
             self._commits.extend(commits)
             if any(index < self._prompt_blocks.get(seq_id, index + 1) for seq_id, index, _ in commits):

@@ -18,7 +18,7 @@ from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable
 from block_service.server import BlockManagerServicer
 from block_service.tenants import TenantConfig
-from compute_service.remote_allocator import RemoteAllocatorFactory
+from compute_service.remote_allocator import DEFER_STEPS, RemoteAllocatorFactory
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from kvfleet.v1 import block_manager_pb2_grpc
 
@@ -126,3 +126,68 @@ def test_quota_refusal_after_the_reserve(node):
     [refused] = allocator.extend([("s", 65)])
     assert isinstance(refused, Refusal) and refused.reason == "quota" and refused.tenant == "q"
     check_agrees(allocator, table)
+
+
+def settle(allocator, on_loop):
+    """Wait until a flush that ``end_step`` may have kicked off has finished."""
+
+    async def after_flushes():
+        await asyncio.sleep(0)  # a kick queued before this coroutine has created its flush task
+        async with allocator._flush_lock:
+            pass
+
+    on_loop(after_flushes())
+
+
+def decode_step(allocator, on_loop, seq_id: str, num_tokens: int, commits=()) -> tuple[list[int], int]:
+    """One engine step growing ``seq_id`` to ``num_tokens``: (new blocks, calls made inside the step)."""
+    allocator.begin_step()
+    before = allocator.num_rpcs
+    [new] = allocator.extend([(seq_id, num_tokens)])
+    inside = allocator.num_rpcs - before
+    allocator.commit(list(commits))
+    allocator.end_step()
+    settle(allocator, on_loop)
+    return new, inside
+
+
+def test_decode_bookkeeping_waits_for_company_yet_the_reserve_never_runs_dry(node):
+    allocator, on_loop, table = node
+    ids = list(range(20))  # one full prompt block, four tokens into the second
+    allocator.allocate("a", "t", hashes(ids), 20)
+    start = allocator.num_rpcs
+    named = block_hashes(ids + list(range(100, 300)), BS, tenant_extra_key("t"))
+    last = 20 + 6 * BS
+    for n in range(21, last + DEFER_STEPS + 1):  # decode, a token a step, as the engine grows it
+        if n == 21:
+            commits = [("a", 0, named[0])]  # the prompt's full block
+        elif (n - 2) % BS == 0 and n <= last:  # the step after a block filled, as the engine commits
+            commits = [("a", (n - 2) // BS - 1, named[(n - 2) // BS - 1])]
+        else:
+            commits = []
+        _, inside = decode_step(allocator, on_loop, "a", n, commits)
+        assert inside == 0, f"token {n} waited for block_service: its reserve was not there"
+    check_agrees(allocator, table)
+    assert not allocator._commits and table._seqs["a"].num_committed == 7  # each within DEFER_STEPS steps
+    # A block crossed costs a top-up in one step and a commit in the next: 13 calls if each step's
+    # bookkeeping went on its own. Deferred, a crossing's two ride together with the next due top-up.
+    assert allocator.num_rpcs - start <= 8
+
+
+def test_releases_and_prompt_commits_are_sent_at_the_end_of_their_step(node):
+    allocator, on_loop, table = node
+    ids = list(range(40))  # two full prompt blocks
+    allocator.allocate("p", "t", hashes(ids), 40)
+    allocator.end_step()
+    settle(allocator, on_loop)
+    rpcs = allocator.num_rpcs
+    prompt = block_hashes(ids, BS, tenant_extra_key("t"))
+    decode_step(allocator, on_loop, "p", 41, [("p", 0, prompt[0]), ("p", 1, prompt[1])])
+    assert allocator.num_rpcs == rpcs + 1 and not allocator._commits  # findable by the next request now
+    assert allocator.allocate("q", "t", hashes(ids + [7]), 41).num_cached_blocks == 2
+    rpcs = allocator.num_rpcs
+    allocator.begin_step()
+    allocator.release(["p"])
+    allocator.end_step()
+    settle(allocator, on_loop)
+    assert allocator.num_rpcs == rpcs + 1 and "p" not in table._seqs
