@@ -60,6 +60,7 @@ async def _through_router(address: str, prompts: list[list[int]], new_tokens: in
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()  # a serving client is connected already: the clock is for requests
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(prompt: list[int]) -> list[int]:

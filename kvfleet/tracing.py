@@ -7,8 +7,8 @@ afterwards opens a span per RPC and carries the W3C ``traceparent`` in metadata.
 channels after this call, through ``grpc.aio.*`` attribute access (not ``from grpc.aio import``).
 
 Spans are exported over OTLP/gRPC only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces-specific
-variable) is set; otherwise gRPC is not instrumented at all (no per-message cost) and the spans the
-services open themselves are dropped. etcd's own RPCs,
+variable) is set; otherwise no tracer provider is installed: gRPC is not instrumented (no
+per-message cost) and the spans the services open themselves are the API's no-op spans. etcd's own RPCs,
 health checks and reflection are not traced: they are noise around the requests. Nor is the
 router↔node ``Compute/Serve`` stream: it outlives requests, so each request's node-side spans take
 their parent from the trace context in its start command instead.
@@ -49,30 +49,28 @@ def _traced(details) -> bool:
     return not method.lstrip("/").startswith(_UNTRACED_SERVICES)
 
 
-def setup_tracing(service_name: str) -> TracerProvider:
-    """Install tracing for this process (idempotent: a second call returns the first provider)."""
+def setup_tracing(service_name: str) -> TracerProvider | None:
+    """Install tracing for this process (idempotent). With no OTLP endpoint set, nothing is
+    installed: the API's no-op tracer makes every span the services open cost next to nothing."""
     global _provider
     if _provider is not None:
         return _provider
+    endpoint = otlp_endpoint()
+    if not endpoint:
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
     from opentelemetry.instrumentation.grpc import (  # noqa: PLC0415 - patches grpc on import use
         GrpcAioInstrumentorClient,
         GrpcAioInstrumentorServer,
     )
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    endpoint = otlp_endpoint()
-    if endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
-
-        # The exporter reads the endpoint, headers and insecure flag from the standard variables.
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        log.info("tracing %s: exporting spans over OTLP to %s", service_name, endpoint)
+    # The exporter reads the endpoint, headers and insecure flag from the standard variables.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    log.info("tracing %s: exporting spans over OTLP to %s", service_name, endpoint)
     trace.set_tracer_provider(provider)
-    if endpoint:
-        # Instrumenting costs every streamed message a trip through the interceptors; with nothing
-        # exported there is nothing to gain from it, so the token stream skips it.
-        GrpcAioInstrumentorServer(filter_=_traced).instrument(tracer_provider=provider)
-        GrpcAioInstrumentorClient(filter_=_traced).instrument(tracer_provider=provider)
+    GrpcAioInstrumentorServer(filter_=_traced).instrument(tracer_provider=provider)
+    GrpcAioInstrumentorClient(filter_=_traced).instrument(tracer_provider=provider)
     _provider = provider
     return provider
 
