@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from kvfleet import parent_death
+
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("kvfleet.model_maker", "write a seeded random Llama-style model directory"),
@@ -37,6 +39,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_death.arm()  # started by `kvfleet up` or a test: die with it
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(

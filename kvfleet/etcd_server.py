@@ -9,32 +9,17 @@ keeps its data in a temporary directory, and dies with the process that started 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-_SIGTERM = int(signal.SIGTERM)
-# Resolved here, in the parent: the child between fork and exec must not load a library (the
-# dynamic loader's lock may be held by another thread of a multi-threaded parent at the fork, and
-# the child then hangs in Popen forever).
-_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for children: the kernel sends SIGTERM when the parent dies (Linux only)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, _SIGTERM)
-
+from kvfleet import parent_death
 
 def find_etcd_binary() -> str:
     """The etcd executable to run; raises FileNotFoundError saying where it looked."""
@@ -93,7 +78,7 @@ class EtcdServer:
             peer = f"http://{self.host}:{peer_port}"
             log = open(self.data_dir / "etcd.log", "ab")  # a file, not a pipe nobody drains
             self.process = subprocess.Popen(
-                [
+                parent_death.wrap([
                     self.binary,
                     "--name", "kvfleet",
                     "--data-dir", str(self.data_dir / "member"),
@@ -103,10 +88,10 @@ class EtcdServer:
                     "--initial-advertise-peer-urls", peer,
                     "--initial-cluster", f"kvfleet={peer}",
                     "--log-level", "error",
-                ],
+                ]),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
-                preexec_fn=die_with_parent,
+                env=parent_death.child_env(os.environ),
                 start_new_session=True,  # a terminal's Ctrl-C is for our owner, who stops us last
             )
             log.close()

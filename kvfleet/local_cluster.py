@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.etcd_server import EtcdServer, die_with_parent, free_port
+from kvfleet import parent_death
+from kvfleet.etcd_server import EtcdServer, free_port
 
 DEFAULT_MODEL = "models/demo-tiny"
 DEMO_TENANTS = """\
@@ -120,7 +121,7 @@ class LocalCluster:
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet.cli", "--log-level", self.log_level, *argv],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent,
+                stdout=log, stderr=subprocess.STDOUT, env=parent_death.child_env(self.env),
                 start_new_session=True,  # Ctrl-C reaches `kvfleet up` only; it stops them in order
             )
         return Child(name, process, log_path, port)

@@ -1,0 +1,70 @@
+"""Children started through ``kvfleet.parent_death`` die with their parent, with no ``preexec_fn``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from kvfleet import parent_death
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A parent that starts a wrapped program and a kvfleet-style child (``arm`` at startup), prints
+# their pids, and waits to be killed.
+PARENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from kvfleet import parent_death
+    env = parent_death.child_env(os.environ)
+    wrapped = subprocess.Popen(parent_death.wrap(["sleep", "600"]), env=env)
+    armed = subprocess.Popen([sys.executable, "-c",
+                              "from kvfleet import parent_death; parent_death.arm(); import time; time.sleep(600)"], env=env)
+    print(wrapped.pid, armed.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_children_die_when_their_parent_is_killed():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    children: list[int] = []
+    try:
+        children = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(children) == 2 and all(_alive(pid) for pid in children)
+        time.sleep(0.5)  # both have armed: the wrapped one has exec'd sleep
+        assert Path(f"/proc/{children[0]}/comm").read_text().strip() == "sleep"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in children)
+    finally:
+        parent.kill()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_whose_parent_is_already_gone_exits_at_once():
+    # KVFLEET_PARENT_PID names a process that is not the child's parent: as if the parent had died
+    # between the spawn and the child's prctl (the child would then have been re-parented).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), parent_death.ENV: "1"}
+    done = subprocess.run(parent_death.wrap(["sleep", "600"]), env=env, timeout=60, cwd=ROOT)  # sleep 600 would time out
+    assert done.returncode == 1
+
+
+def test_arm_is_a_no_op_without_a_named_parent(monkeypatch):
+    monkeypatch.delenv(parent_death.ENV, raising=False)
+    parent_death.arm()  # nothing to arm: returns, does not exit
