@@ -17,7 +17,8 @@ asyncio, on the node's event loop. Three rules keep the step from waiting on the
   steps instead of one per step that crossed a block boundary.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed. When
   the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
-  top-up for the next step's flush; the network is only on the path when no reserve was granted.
+  top-up, sent before the sequence can fill the block it just got; the network is only on the
+  path when no reserve was granted.
 - **Order.** A call that needs an answer (``allocate``, an ``extend`` without reserve) first sends
   everything queued and waits for it, so block_service sees a node's changes in the order they
   happened (commits before the allocation that reuses them, releases before the pool fills).
@@ -202,9 +203,10 @@ class RemoteBlockAllocator:
     def forget(self, seq_id: str) -> None:
         """The request ended; if the scheduler never claimed its early allocation, give it back."""
         with self._lock:
-            if self._early.pop(seq_id, None) is not None:
-                self._releases.append(seq_id)
-                self._urgent = True
+            if self._early.pop(seq_id, None) is None:
+                return
+            self._releases.append(seq_id)
+            self._urgent = True
         if not self._in_step:  # during a step (the engine thread finishing it) end_step sends it
             self._send_soon()
 
