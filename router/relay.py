@@ -34,19 +34,12 @@ from kvfleet.wire import sampling_to_proto
 from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
-from router.resume import Progress
+from router.resume import Progress, is_client_answer
 from router.stall_watch import StallWatch
 from router.routing import NodeLoad, NodePicker
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-
-_ANSWERS = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.UNAUTHENTICATED,
-}
 
 
 class RelayError(Exception):
@@ -135,7 +128,7 @@ class Relay:
     def _classify(e: NodeFailure) -> str:
         """Raise ``RelayError`` for an answer meant for the client; return a description for a
         node failure."""
-        if e.code in _ANSWERS or (e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.refusal != "pool"):
+        if is_client_answer(e.code.name, e.refusal):
             raise RelayError(e.code, e.details or e.code.name)
         return str(e)
 

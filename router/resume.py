@@ -11,6 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+# What a node answers that is the request's own outcome, to pass on to the client as it is: the
+# request is wrong or not allowed, and another node would say the same. (gRPC status names.)
+CLIENT_ANSWERS = frozenset({"INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "UNAUTHENTICATED"})
+
+
+def is_client_answer(status: str, refusal: str = "") -> bool:
+    """True when a node's error ends the request; False when another node should try. A block
+    refusal is the client's unless it is a full pool (a quota is the tenant's; a pool is the node's)."""
+    return status in CLIENT_ANSWERS or (status == "RESOURCE_EXHAUSTED" and refusal != "pool")
+
+
 @dataclass(slots=True)
 class Progress:
     prompt_ids: list[int]

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-PURE = ["router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request", "router.admission",
+PURE = ["router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request", "router.admission", "router.resume",
         "kvfleet.tenants"]
 
 
