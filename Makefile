@@ -33,10 +33,10 @@ $(STUBS): $(PROTOS) $(STAMP)
 	touch $(STUBS)
 
 $(DEMO_MODEL)/config.json: $(STAMP)
-	$(PY) -m kvfleet.cli make-model --out $(DEMO_MODEL) --preset tiny
+	$(PY) -m kvfleet_cli make-model --out $(DEMO_MODEL) --preset tiny
 
 demo: setup protos $(DEMO_MODEL)/config.json
-	$(PY) -m kvfleet.cli demo --model $(DEMO_MODEL)
+	$(PY) -m kvfleet_cli demo --model $(DEMO_MODEL)
 
 test: setup protos
 	$(PY) -m pytest -q

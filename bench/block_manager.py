@@ -104,7 +104,7 @@ def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int) -> 
     address = f"127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as state_dir:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet.cli", "--log-level", "ERROR", "block-service", "--listen", address,
+            [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen", address,
              "--state-dir", state_dir, "--durability", durability],
             cwd=ROOT,
         )

@@ -62,7 +62,7 @@ def main() -> None:
 
     from compute_service.engine import EngineConfig, LLMEngine
     from kvfleet.event_loop import run as run_loop
-    from kvfleet.local_cluster import LocalCluster
+    from kvfleet_cli.local_cluster import LocalCluster
 
     model = ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)

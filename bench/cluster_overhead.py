@@ -39,7 +39,7 @@ def run_inprocess(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """``engine.generate`` on a worker thread, as the node runs its engine (``AsyncEngine``'s step
     thread): torch's intra-op (OpenMP) threading is configured per calling thread, and on a small
     machine the main thread's team can be many times slower or faster than a worker's."""
-    from compute_service.sampling import SamplingParams
+    from kvfleet.sampling import SamplingParams
 
     result: list = []
     worker = threading.Thread(target=lambda: result.append(
@@ -114,7 +114,7 @@ def main() -> None:
 
     from compute_service.engine import EngineConfig, LLMEngine
     from kvfleet.event_loop import run as run_loop
-    from kvfleet.local_cluster import LocalCluster
+    from kvfleet_cli.local_cluster import LocalCluster
 
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
     warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)

@@ -15,7 +15,7 @@ BENCH_MODEL = ROOT / "models" / "bench-small"
 def ensure_model(preset: str = "small", path: Path = BENCH_MODEL) -> Path:
     if not (path / "config.json").is_file():
         sys.path.insert(0, str(ROOT))
-        from kvfleet.model_maker import make_model
+        from kvfleet_cli.model_maker import make_model
 
         make_model(path, preset, seed=0)
     return path

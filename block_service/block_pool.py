@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from block_service.errors import FailedPrecondition, InvalidArgument
+from kvfleet.errors import FailedPrecondition, InvalidArgument
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 2048

@@ -2,7 +2,7 @@
 
 ``BlockManagerClient`` speaks the same calls as ``PageTable`` (``allocate_many``, ``extend``,
 ``commit``, ``release``, ``match_prefix``, ...), batched, and raises the same errors
-(``block_service.errors``) for the same status codes, so code written against the core runs against
+(``kvfleet.errors``) for the same status codes, so code written against the core runs against
 the service unchanged. Transport failures stay ``grpc.aio.AioRpcError``.
 """
 
@@ -14,13 +14,14 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from block_service import wire
-from block_service.allocator import Allocation, Refusal
-from block_service.errors import ERRORS_BY_CODE
-from block_service.page_table import AllocateRequest, SeqState
+from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from block_service.tenants import TenantConfig
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.errors import ERRORS_BY_CODE
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
+
 
 class BlockManagerClient:
     def __init__(self, target: str, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:

@@ -25,12 +25,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
-from block_service.allocator import Allocation, Refusal
-from block_service.errors import Unavailable
-from block_service.page_table import AllocateRequest, PageTable
+from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
 from block_service.tenants import TenantConfig
 from block_service.wal import LogWriter, frame, log_name, scan_log
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

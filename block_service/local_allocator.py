@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from block_service.allocator import Allocation, AllocatorStats, Refusal
 from block_service.page_table import PageTable
+from kvfleet.allocator import Allocation, AllocatorStats, Refusal
 
 
 class LocalBlockAllocator:

@@ -15,29 +15,24 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from block_service.allocator import Allocation, AllocatorStats, Refusal
 from block_service.block_pool import BlockPool
-from block_service.errors import (
-    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-)
 from block_service.stats import Counters, NodeStats, TenantStats
-from block_service.tenants import QuotaLedger, TenantConfig, validate_name
+from block_service.tenants import QuotaLedger, TenantConfig
+from kvfleet.ids import check_id
+from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
 from kvfleet.block_hash import HASH_BYTES
+from kvfleet.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = (1 << 31) - 1      # more is an absurd count, not a refusal
-MAX_SEQ_ID_LEN = 256
 WARN_INTERVAL_S = 1.0           # pool-exhausted warnings per node, at most one per interval
-
-
-@dataclass(slots=True, frozen=True)
-class AllocateRequest:
-    node_id: str
-    seq_id: str
-    tenant: str
-    block_hashes: Sequence[bytes]
-    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -83,9 +78,7 @@ def validate_hashes(hashes: Sequence[bytes]) -> None:
 
 
 def _validate_seq_id(seq_id: object) -> str:
-    if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
-        raise InvalidArgument(f"seq_id must be a non-empty string of at most {MAX_SEQ_ID_LEN} chars")
-    return seq_id
+    return check_id("seq_id", seq_id)
 
 
 class PageTable:
@@ -98,7 +91,7 @@ class PageTable:
 
     def register_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int) -> bool:
         """Add a node's pool; True if new. Registering the same shape again is a no-op."""
-        validate_name("node_id", node_id)
+        check_id("node_id", node_id)
         node = self._nodes.get(node_id)
         if node is not None:
             p = node.pool
@@ -171,7 +164,7 @@ class PageTable:
             if r.seq_id in self._seqs or r.seq_id in seen:
                 raise AlreadyExists(f"sequence {r.seq_id!r} is already live")
             seen.add(r.seq_id)
-            validate_name("tenant", r.tenant)
+            check_id("tenant", r.tenant)
             _validate_tokens(r.num_tokens)
             validate_hashes(r.block_hashes)
         return [self._allocate(r) for r in requests]

@@ -15,7 +15,7 @@ import grpc
 
 from block_service import wire
 from block_service.durable import DurablePageTable
-from block_service.errors import BlockServiceError, PermissionDenied
+from kvfleet.errors import BlockServiceError, PermissionDenied
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -13,19 +13,13 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-from block_service.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument
+from kvfleet.ids import check_id
 from kvfleet.tenants import Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-MAX_NAME_LEN = 128
-
-
-def validate_name(kind: str, name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
-        raise InvalidArgument(f"{kind} must be a non-empty string of at most {MAX_NAME_LEN} chars, got {name!r}")
-    return name
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,7 +34,7 @@ class TenantConfig:
     api_key: str = ""
 
     def __post_init__(self) -> None:
-        validate_name("tenant name", self.name)
+        check_id("tenant name", self.name)
         if self.quota_mib is not None and not (0 <= self.quota_mib < 1 << 40):
             raise InvalidArgument(f"tenant {self.name!r}: quota_mib must be >= 0, got {self.quota_mib}")
         if not 0 <= self.reserved_mib <= (self.quota_mib if self.quota_mib is not None else 1 << 40):

@@ -15,8 +15,7 @@ import random
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
-from block_service.allocator import Allocation
-from block_service.page_table import AllocateRequest
+from kvfleet.allocator import AllocateRequest, Allocation
 
 Call = tuple[str, tuple]
 

@@ -19,9 +19,9 @@ import json
 import struct
 from collections.abc import Sequence
 
-from block_service.allocator import Refusal
-from block_service.page_table import AllocateRequest, PageTable
+from block_service.page_table import PageTable
 from block_service.tenants import TenantConfig
+from kvfleet.allocator import AllocateRequest, Refusal
 from kvfleet.block_hash import HASH_BYTES
 
 ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS = range(1, 8)

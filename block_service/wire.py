@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from block_service.allocator import Allocation, Refusal
-from block_service.errors import InvalidArgument
-from block_service.page_table import AllocateRequest, SeqState
+from block_service.page_table import SeqState
 from block_service.stats import Counters, NodeStats, TenantStats
 from block_service.tenants import TenantConfig
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.block_hash import HASH_BYTES
+from kvfleet.errors import InvalidArgument
 from kvfleet.v1 import block_manager_pb2 as pb
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from compute_service.engine import LLMEngine
 from compute_service.request_output import RequestOutput
-from compute_service.sampling import SamplingParams
+from kvfleet.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,19 +15,24 @@ from pathlib import Path
 
 import torch
 
-from block_service.allocator import AllocatorStats, BlockAllocator, Refusal
 from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.kv_pool import allocate_kv_cache, bytes_per_block, num_blocks_for, parse_block_size
+from compute_service.kv_pool import (
+    allocate_kv_cache,
+    bytes_per_block,
+    num_blocks_for,
+    parse_block_size,
+)
 from compute_service.model_config import ModelConfig
 from compute_service.model_runner import ModelRunner
 from compute_service.request_output import RequestOutput, StopChecker
 from compute_service.sampler import Sampler
-from compute_service.sampling import SamplingParams
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence
 from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.weights import load_model, parse_dtype
+from kvfleet.allocator import AllocatorStats, BlockAllocator, Refusal
+from kvfleet.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

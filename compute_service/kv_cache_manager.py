@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from block_service.allocator import BlockAllocator, Refusal
 from compute_service.sequence import Sequence
+from kvfleet.allocator import BlockAllocator, Refusal
 from kvfleet.block_hash import cluster_seed, next_block_hash, tenant_extra_key
 
 

@@ -68,7 +68,12 @@ async def serve(args: argparse.Namespace) -> None:
     import grpc  # noqa: PLC0415
 
     from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
-    from compute_service.server import SERVER_OPTIONS, ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
+    from compute_service.server import (  # noqa: PLC0415
+        SERVER_OPTIONS,
+        ComputeServicer,
+        NodeStatus,
+        warm_up,
+    )
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
     from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
 

@@ -38,10 +38,9 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from block_service.allocator import Allocation, AllocatorStats, Refusal
-from block_service.errors import NotFound
-from block_service.page_table import AllocateRequest
 from kvfleet import block_hash
+from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.errors import NotFound
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from block_service.allocator import Refusal
-from compute_service.sampling import SamplingParams
 from compute_service.sequence import Sequence
+from kvfleet.allocator import Refusal
+from kvfleet.sampling import SamplingParams
 
 
 @dataclass(slots=True)

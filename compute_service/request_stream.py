@@ -24,6 +24,7 @@ from opentelemetry import propagate, trace
 from compute_service.async_engine import AsyncEngine
 from compute_service.request_output import RequestOutput
 from compute_service.tokenizer import IncrementalDetokenizer
+from kvfleet.ids import MAX_ID_LEN
 from kvfleet.membership import NodeState
 from kvfleet.v1 import compute_pb2, inference_pb2
 from kvfleet.wire import InvalidRequest, sampling_from_proto
@@ -35,7 +36,6 @@ FINISH = {
     "length": inference_pb2.FINISH_REASON_LENGTH,
     "abort": inference_pb2.FINISH_REASON_ABORT,
 }
-MAX_ID_LEN = 128
 
 Emit = Callable[[compute_pb2.RequestEvent], None]
 

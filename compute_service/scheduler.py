@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from block_service.allocator import Refusal
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.sequence import Sequence, Status
+from kvfleet.allocator import Refusal
 
 log = logging.getLogger(__name__)
 

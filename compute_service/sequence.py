@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from compute_service.sampling import SamplingParams
+from kvfleet.sampling import SamplingParams
 
 
 class Status(Enum):

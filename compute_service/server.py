@@ -114,7 +114,7 @@ async def warm_up(engine: AsyncEngine, node_id: str, seed: int = 0) -> float:
     then a prefill that starts from cached prefix blocks. Returns the seconds it took."""
     import random  # noqa: PLC0415
 
-    from compute_service.sampling import SamplingParams  # noqa: PLC0415
+    from kvfleet.sampling import SamplingParams  # noqa: PLC0415
 
     started = time.perf_counter()
     e = engine.engine

@@ -6,37 +6,27 @@ Proto3 cannot tell an unset number from zero, so the API's zero values mean "off
 
 from __future__ import annotations
 
-import math
+from kvfleet.sampling import SamplingParams
 
-from compute_service.sampling import SamplingParams
 
 class InvalidRequest(ValueError):
     """A field of the request is wrong; the message says which and why."""
 
 
 def sampling_from_proto(s) -> SamplingParams:
-    """``kvfleet.v1.SamplingParams`` → ``SamplingParams``; raises InvalidRequest."""
-    if s.max_tokens < 1:
-        raise InvalidRequest("sampling.max_tokens must be at least 1")
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(getattr(s, name)):
-            raise InvalidRequest(f"sampling.{name} must be a finite number")
-    if s.temperature < 0:
-        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy), got {s.temperature}")
-    if not 0.0 <= s.top_p <= 1.0:
-        raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 or 1 = disabled), got {s.top_p}")
+    """``kvfleet.v1.SamplingParams`` → ``SamplingParams`` (which validates); raises InvalidRequest."""
     try:
         return SamplingParams(
             max_tokens=int(s.max_tokens),
             temperature=float(s.temperature),
-            top_p=float(s.top_p) if s.top_p > 0 else 1.0,
+            top_p=float(s.top_p) if s.top_p != 0 else 1.0,
             top_k=int(s.top_k),
             seed=int(s.seed) if s.seed else None,
             stop=tuple(s.stop),
             ignore_eos=bool(s.ignore_eos),
         )
     except ValueError as e:
-        raise InvalidRequest(f"sampling: {e}") from None
+        raise InvalidRequest(f"sampling.{e}") from None
 
 
 def sampling_to_proto(p: SamplingParams, message) -> None:

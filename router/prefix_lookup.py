@@ -54,7 +54,7 @@ class BlockServicePrefixLookup:
         self.recent.forget_node(node_id)
         if self.client is None:
             return
-        from block_service.errors import NotFound  # noqa: PLC0415
+        from kvfleet.errors import NotFound  # noqa: PLC0415
 
         try:
             released = await self.client.deregister_node(node_id)

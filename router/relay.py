@@ -19,7 +19,6 @@ the node's spans for the request join the request's trace.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -35,8 +34,8 @@ from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
 from router.resume import Progress, is_client_answer
-from router.stall_watch import StallWatch
 from router.routing import NodeLoad, NodePicker
+from router.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

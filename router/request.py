@@ -11,10 +11,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from compute_service.sampling import SamplingParams
+from kvfleet.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_HEX
+from kvfleet.sampling import SamplingParams
 from kvfleet.wire import InvalidRequest, sampling_from_proto
 
-MAX_REQUEST_ID_LEN = 100  # + a 9-character suffix, within block_service's 128 for sequence ids
 MAX_PROMPT_CHARS = 4 << 20
 
 
@@ -63,5 +63,5 @@ def parse_request(req, tokenizer: TextTokenizer) -> ParsedRequest:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
-    seq_id = f"{request_id}-{secrets.token_hex(4)}"
+    seq_id = f"{request_id}-{secrets.token_hex(SEQ_SUFFIX_HEX // 2)}"
     return ParsedRequest(request_id, seq_id, ids, sampling_from_proto(req.sampling))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
 # What a node answers that is the request's own outcome, to pass on to the client as it is: the
 # request is wrong or not allowed, and another node would say the same. (gRPC status names.)
 CLIENT_ANSWERS = frozenset({"INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "UNAUTHENTICATED"})

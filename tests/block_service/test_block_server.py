@@ -9,14 +9,14 @@ import logging
 import grpc
 import pytest
 
-from block_service.allocator import Allocation, Refusal
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable
-from block_service.errors import NotFound
-from block_service.page_table import AllocateRequest, PageTable
+from block_service.page_table import PageTable
 from block_service.server import BlockManagerServicer
 from block_service.tenants import TenantConfig
 from block_service.trace import Trace, drive, drive_async
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.errors import NotFound
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from block_service.allocator import Allocation
 from block_service.client import BlockManagerClient
-from block_service.page_table import AllocateRequest, PageTable
+from block_service.page_table import PageTable
 from block_service.tenants import tenant_configs
-from kvfleet.tenants import parse_tenants
 from block_service.trace import Trace, drive, drive_async
+from kvfleet.allocator import AllocateRequest, Allocation
+from kvfleet.tenants import parse_tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS_YAML = """\
@@ -46,7 +46,7 @@ class Service:
     def start(self) -> None:
         self.log = open(self.state_dir.parent / "service.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet.cli", "block-service", "--listen", self.address,
+            [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", self.address,
              "--state-dir", str(self.state_dir), "--tenants", str(self.tenants)],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -145,7 +145,7 @@ def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     snaps = sorted(p.name for p in service.state_dir.glob("*.snap"))
     logs = [p.stat().st_size for p in service.state_dir.glob("*.log")]
     assert snaps and logs == [16]  # clean shutdown: snapshot, empty log
-    out = subprocess.run([sys.executable, "-m", "kvfleet.cli", "checkpoint", "verify", str(service.state_dir)],
+    out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "checkpoint", "verify", str(service.state_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all verify" in out.stdout

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from block_service.allocator import Allocation, BlockAllocator, Refusal
 from block_service.local_allocator import LocalBlockAllocator
+from kvfleet.allocator import Allocation, BlockAllocator, Refusal
 from kvfleet.block_hash import block_hashes
 
 

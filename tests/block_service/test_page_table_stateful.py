@@ -9,13 +9,18 @@ import tempfile
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from block_service.allocator import Allocation, Refusal
 from block_service.durable import DurablePageTable, recover
-from block_service.errors import BlockServiceError
-from block_service.page_table import AllocateRequest
 from block_service.tenants import TenantConfig
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.errors import BlockServiceError
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
 TENANTS = ["a", "b", "c"]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.allocator import Allocation, Refusal
-from block_service.errors import InvalidArgument
 from block_service.page_table import PageTable
 from block_service.tenants import MIB, TenantConfig, tenant_configs
-from kvfleet.tenants import parse_tenants
+from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes
+from kvfleet.tenants import parse_tenants
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from kvfleet.etcd_server import EtcdServer
-from kvfleet.local_cluster import DEMO_TENANTS, LocalCluster
-from kvfleet.model_maker import make_model
-
 from cluster_helpers import BLOCK_SIZE
+
+from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet_cli.model_maker import make_model
 
 # The demo tenants (gold, free) and one with a quota of 3 blocks of the test model.
 TENANTS = DEMO_TENANTS + """\

@@ -7,7 +7,10 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,12 +6,11 @@ import signal
 import time
 
 import grpc
+from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
 
 from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.sampling import SamplingParams
+from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
-
-from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
 
 MAX_TOKENS = 1200
 LEASE_TTL = 3

@@ -6,12 +6,18 @@ import time
 
 import grpc
 import pytest
+from cluster_helpers import (
+    BLOCK_SIZE,
+    block_pools,
+    random_prompt,
+    request,
+    stream,
+    tokens_of,
+)
 
 from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.sampling import SamplingParams
+from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
-
-from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([5, 16, 37, 70])]
 

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-
 from cluster_helpers import random_prompt, request, stream
 
 WARMUP_S = 8.0

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvfleet.local_cluster import LocalCluster
-
 from cluster_helpers import request, stream, tokens_of
+
+from kvfleet_cli.local_cluster import LocalCluster
 
 
 def children_of(pid: int) -> list[int]:
@@ -37,7 +37,7 @@ def alive(pid: int) -> bool:
 
 def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet.cli", "up", "--nodes", "2", "--model", str(model_dir),
+        [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", "2", "--model", str(model_dir),
          "--work-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -12,13 +12,13 @@ import threading
 import grpc
 import pytest
 
-from block_service.allocator import Allocation, Refusal
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable
 from block_service.server import BlockManagerServicer
 from block_service.tenants import TenantConfig
 from compute_service.remote_allocator import DEFER_STEPS, RemoteAllocatorFactory
+from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from kvfleet.v1 import block_manager_pb2_grpc
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvfleet.model_maker import make_model
+from kvfleet_cli.model_maker import make_model
 
 VARIANTS = {
     "llama": dict(architecture="llama"),

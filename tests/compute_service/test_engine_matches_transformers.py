@@ -8,7 +8,7 @@ import torch
 from compute_service.engine import EngineConfig, LLMEngine
 from compute_service.kv_pool import bytes_per_block
 from compute_service.model_config import ModelConfig
-from compute_service.sampling import SamplingParams
+from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 PROMPT_LENGTHS = [1, 2, 15, 16, 17, 33, 64, 100, 255, 256, 257, 511, 700, 1023, 1025, 2000]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from block_service.local_allocator import LocalBlockAllocator
 from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.sampling import SamplingParams
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence, Status
+from kvfleet.sampling import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8):

@@ -8,8 +8,8 @@ import random
 import grpc
 import pytest
 
-from compute_service.sampling import SamplingParams
 from kvfleet.membership import NodeInfo, NodeState
+from kvfleet.sampling import SamplingParams
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from router.node_stream import NodeFailure

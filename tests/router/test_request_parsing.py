@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvfleet.ids import MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
 from kvfleet.v1 import inference_pb2
 from kvfleet.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
 from router.request import parse_request
@@ -50,10 +51,20 @@ def test_zero_means_off():
     (req(text="x", sampling=dict(max_tokens=1, temperature=float("nan"))), "temperature"),
     (req(text="x", sampling=dict(max_tokens=1, top_p=1.5)), "top_p"),
     (req(text="x", sampling=dict(max_tokens=1, stop=[""])), "stop"),
-    (req(text="x", request_id="a" * 101), "request_id"),
+    (req(text="x", request_id="a" * (MAX_REQUEST_ID_LEN + 1)), "request_id"),
     (req(text="x", request_id="bad\nid"), "request_id"),
 ])
 def test_bad_fields(r, words):
     with pytest.raises(InvalidRequest, match=None) as info:
         parse_request(r, ByteTokenizer())
     assert words in str(info.value)
+
+
+def test_longest_request_id_makes_a_sequence_id_block_service_takes():
+    p = parse_request(req(text="x", request_id="a" * MAX_REQUEST_ID_LEN), ByteTokenizer())
+    assert len(p.seq_id) == MAX_ID_LEN and check_id("seq_id", p.seq_id) == p.seq_id
+
+
+def test_negative_top_p_is_refused_not_disabled():
+    with pytest.raises(InvalidRequest, match="top_p"):
+        parse_request(req(text="x", sampling=dict(max_tokens=1, top_p=-0.5)), ByteTokenizer())

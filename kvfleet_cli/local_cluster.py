@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet import parent_death
-from kvfleet.etcd_server import EtcdServer, free_port
+from kvfleet_cli.etcd_server import EtcdServer, free_port
 
 DEFAULT_MODEL = "models/demo-tiny"
 DEMO_TENANTS = """\
@@ -120,7 +120,7 @@ class LocalCluster:
         log_path = self.work_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kvfleet.cli", "--log-level", self.log_level, *argv],
+                [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", self.log_level, *argv],
                 stdout=log, stderr=subprocess.STDOUT, env=parent_death.child_env(self.env),
                 start_new_session=True,  # Ctrl-C reaches `kvfleet up` only; it stops them in order
             )
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model != DEFAULT_MODEL:
             print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
             return 2
-        from kvfleet.model_maker import make_model  # noqa: PLC0415
+        from kvfleet_cli.model_maker import make_model  # noqa: PLC0415
 
         make_model(args.model, preset="tiny")
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)

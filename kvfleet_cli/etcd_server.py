@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvfleet import parent_death
 
+
 def find_etcd_binary() -> str:
     """The etcd executable to run; raises FileNotFoundError saying where it looked."""
     explicit = os.environ.get("KVFLEET_ETCD_BIN")

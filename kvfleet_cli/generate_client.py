@@ -65,13 +65,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the cluster demo's traffic (kvfleet.demo runs it against a LocalCluster) --------------------
+# -- the cluster demo's traffic (kvfleet_cli.demo runs it against a LocalCluster) --------------------
 
 DEMO_PREFIX = (
     "You are a careful assistant for a fleet of language model servers. Answer briefly, cite the "
     "block table when asked about memory, and never invent a tenant's quota. The question follows. "
 )
-DEMO_REQUESTS = [  # (tag, api key of kvfleet.local_cluster.DEMO_TENANTS, prompt)
+DEMO_REQUESTS = [  # (tag, api key of kvfleet_cli.local_cluster.DEMO_TENANTS, prompt)
     ("gold-1", "sk-gold", DEMO_PREFIX + "What is a block?"),
     ("free-1", "sk-free", DEMO_PREFIX + "What is a slot?"),
     ("gold-2", "sk-gold", DEMO_PREFIX + "Who owns the page table?"),

@@ -35,6 +35,17 @@ class Refusal:
         )
 
 
+@dataclass(slots=True, frozen=True)
+class AllocateRequest:
+    """One sequence's first allocation, as a node asks for it (``BlockAllocator.allocate``'s arguments)."""
+
+    node_id: str
+    seq_id: str
+    tenant: str
+    block_hashes: Sequence[bytes]
+    num_tokens: int
+
+
 @dataclass(slots=True)
 class Allocation:
     """A sequence's block table after allocation.

@@ -12,14 +12,14 @@ from kvfleet import parent_death
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-model": ("kvfleet.model_maker", "write a seeded random Llama-style model directory"),
-    "demo": ("kvfleet.demo", "run the demo: a local cluster serving two tenants (or --in-process), streamed"),
+    "make-model": ("kvfleet_cli.model_maker", "write a seeded random Llama-style model directory"),
+    "demo": ("kvfleet_cli.demo", "run the demo: a local cluster serving two tenants (or --in-process), streamed"),
     "block-service": ("block_service.main", "run block_service: the fleet's page table, quotas, durable log"),
     "checkpoint": ("block_service.checkpoint", "check block_service snapshots and logs (verify PATH)"),
     "compute": ("compute_service.main", "run a compute node: model, KV pool, Compute service, etcd membership"),
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
-    "generate": ("kvfleet.generate_client", "send a prompt to the router and stream the answer"),
-    "up": ("kvfleet.local_cluster", "run a local cluster (etcd, block_service, compute nodes, router) until Ctrl-C"),
+    "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
+    "up": ("kvfleet_cli.local_cluster", "run a local cluster (etcd, block_service, compute nodes, router) until Ctrl-C"),
 }
 
 

@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfleet.generate_client import demo_requests
-    from kvfleet.local_cluster import LocalCluster
+    from kvfleet_cli.generate_client import demo_requests
+    from kvfleet_cli.local_cluster import LocalCluster
 
     print(f"starting a local cluster: etcd, block_service, {args.nodes} compute nodes, router ...", flush=True)
     started = time.perf_counter()
@@ -59,7 +59,7 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def run_in_process(args: argparse.Namespace) -> int:
     from compute_service.engine import EngineConfig, LLMEngine
-    from compute_service.sampling import SamplingParams
+    from kvfleet.sampling import SamplingParams
 
     engine = LLMEngine(args.model, EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory))
     names = {f"p{i}": prompt for i, prompt in enumerate(IN_PROCESS_PROMPTS)}

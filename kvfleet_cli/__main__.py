@@ -1,0 +1,3 @@
+from kvfleet_cli.cli import main
+
+raise SystemExit(main())
