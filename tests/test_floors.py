@@ -42,6 +42,7 @@ PURE = [
     "compute_service.scheduler", "compute_service.kv_cache_manager",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes",
+    "kvfleet_cli.supervisor",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
