@@ -66,6 +66,7 @@ def _build_engine(args: argparse.Namespace, remote):
 
 async def serve(args: argparse.Namespace) -> None:
     import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
 
     from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
     from compute_service.server import (  # noqa: PLC0415
@@ -105,6 +106,10 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = ComputeServicer(async_engine, status, remote, args.stream_interval)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
+    # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(args.listen)
     await server.start()
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
@@ -114,6 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
     status.state = NodeState.READY
     if registration is not None:
         await registration.set_state(NodeState.READY)
+    await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.SERVING)
     log.info("node %s READY on %s after a %.1fs warm-up (%d blocks of %d tokens)", args.node_id, address,
              seconds, allocator.num_blocks, allocator.block_size)
     if args.port_file:
@@ -133,6 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
         os._exit(1)
     log.info("node %s draining (%d requests in flight)", args.node_id, status.num_in_flight)
     status.state = NodeState.DRAINING
+    await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     if registration is not None:
         await registration.set_state(NodeState.DRAINING)
     try:

@@ -116,9 +116,11 @@ class RouterServer:
     health: health.aio.HealthServicer
 
     async def update_health(self) -> None:
+        """``kvfleet.v1.Inference`` is SERVING while a node is READY (readiness); the server as a
+        whole (service ``""``) stays SERVING while the process answers (liveness: a router with no
+        node to route to is not broken, and restarting it would not bring nodes back)."""
         status = health_pb2.HealthCheckResponse.SERVING if self.nodes.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await self.health.set(SERVICE_NAME, status)
 
 
 async def build_server(
