@@ -61,6 +61,7 @@ class EtcdServer:
         self._own_data_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else None
         self.client_port = 0
+        self.peer_port = 0
         self.process: subprocess.Popen | None = None
 
     @property
@@ -75,9 +76,26 @@ class EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         last_error = ""
         for _ in range(3):  # a free port can be taken between our probe and etcd's bind
-            self.client_port, peer_port = free_port(self.host), free_port(self.host)
-            peer = f"http://{self.host}:{peer_port}"
-            log = open(self.data_dir / "etcd.log", "ab")  # a file, not a pipe nobody drains
+            self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+            self._spawn()
+            if self._wait_healthy(timeout):
+                return self
+            last_error = self._reap()
+        self.stop()
+        raise RuntimeError(f"etcd did not become healthy at {self.url}: {last_error.strip()[-2000:]}")
+
+    def restart(self) -> None:
+        """Start etcd again after it died, on the same ports and data directory (its keys and
+        leases survive; clients reconnect to the same URL). Does not wait for it to be healthy."""
+        if self.process is None:
+            raise RuntimeError("etcd was never started, or was stopped")
+        if self.process.poll() is None:
+            raise RuntimeError("etcd is still running")
+        self._spawn()
+
+    def _spawn(self) -> None:
+        peer = f"http://{self.host}:{self.peer_port}"
+        with open(self.data_dir / "etcd.log", "ab") as log:  # a file, not a pipe nobody drains
             self.process = subprocess.Popen(
                 parent_death.wrap([
                     self.binary,
@@ -95,12 +113,6 @@ class EtcdServer:
                 env=parent_death.child_env(os.environ),
                 start_new_session=True,  # a terminal's Ctrl-C is for our owner, who stops us last
             )
-            log.close()
-            if self._wait_healthy(timeout):
-                return self
-            last_error = self._reap()
-        self.stop()
-        raise RuntimeError(f"etcd did not become healthy at {self.url}: {last_error.strip()[-2000:]}")
 
     def _wait_healthy(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -1,15 +1,16 @@
-"""``kvfleet up``: the whole cluster as child processes on loopback, and the same for tests.
+"""The whole cluster as child processes on loopback, for ``kvfleet up``, the demo and the tests.
 
     etcd (EtcdServer) → block_service → N × ``kvfleet compute`` → ``kvfleet router``
 
 Every child gets its own log file in the work directory and dies with this process (Linux
 ``PR_SET_PDEATHSIG``); ``stop()`` sends SIGTERM to all (compute nodes drain), waits, then SIGKILLs
-whatever is left, so no process outlives the cluster even when a test fails.
+whatever is left, so no process outlives the cluster even when a test fails. ``exited()`` and
+``restart(name)`` let a supervisor (``kvfleet_cli.up``) bring a dead child back on the same port
+and state directory, so its peers find it where it was.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -24,7 +25,6 @@ from pathlib import Path
 from kvfleet import parent_death
 from kvfleet_cli.etcd_server import EtcdServer, free_port
 
-DEFAULT_MODEL = "models/demo-tiny"
 DEMO_TENANTS = """\
 tenants:
   - name: gold
@@ -45,10 +45,14 @@ MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 @dataclass(slots=True)
 class Child:
+    """One service process. ``process`` is the current one: a restart replaces it and keeps the
+    command line, the port and the log (the new process appends to it)."""
+
     name: str
-    process: subprocess.Popen
+    argv: list[str]
     log_path: Path
     port: int
+    process: subprocess.Popen | None = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -117,14 +121,38 @@ class LocalCluster:
     # -- processes --------------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str], port: int) -> Child:
-        log_path = self.work_dir / f"{name}.log"
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", self.log_level, *argv],
+        child = Child(name, argv, self.work_dir / f"{name}.log", port)
+        self._launch(child)
+        return child
+
+    def _launch(self, child: Child) -> None:
+        with open(child.log_path, "ab") as log:
+            child.process = subprocess.Popen(
+                [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", self.log_level, *child.argv],
                 stdout=log, stderr=subprocess.STDOUT, env=parent_death.child_env(self.env),
                 start_new_session=True,  # Ctrl-C reaches `kvfleet up` only; it stops them in order
             )
-        return Child(name, process, log_path, port)
+
+    def exited(self) -> dict[str, int]:
+        """Name → exit code of every process of the cluster that has exited, etcd included."""
+        dead = {c.name: c.process.returncode for c in self.children() if not c.alive()}
+        if self.etcd is not None and self.etcd.process is not None and self.etcd.process.poll() is not None:
+            dead["etcd"] = self.etcd.process.returncode
+        return dead
+
+    def restart(self, name: str) -> None:
+        """Start the exited process ``name`` (``etcd``, ``block_service``, ``router`` or a node id)
+        again with the same command line: same port, same state or data directory, same log. Does
+        not wait for it to be ready: its peers reconnect on their own."""
+        if name == "etcd":
+            self.etcd.restart()
+            return
+        child = next((c for c in self.children() if c.name == name), None)
+        if child is None:
+            raise KeyError(f"no process named {name!r} in this cluster")
+        if child.alive():
+            raise RuntimeError(f"{name} is still running (pid {child.process.pid})")
+        self._launch(child)
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
         try:
@@ -221,7 +249,7 @@ class LocalCluster:
             while time.monotonic() < deadline:
                 self._check_alive(self.router)
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service="kvfleet.v1.Inference"), timeout=1)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
@@ -282,63 +310,3 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# -- `kvfleet up` -------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=2, help="compute nodes (default 2)")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"model directory (default {DEFAULT_MODEL}, made with make-model if missing)")
-    parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
-    parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.nodes < 1:
-        print("--nodes must be at least 1", file=sys.stderr)
-        return 2
-    if not (Path(args.model) / "config.json").exists():
-        if args.model != DEFAULT_MODEL:
-            print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
-            return 2
-        from kvfleet_cli.model_maker import make_model  # noqa: PLC0415
-
-        make_model(args.model, preset="tiny")
-    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)
-    stop = False
-
-    def on_signal(*_):
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        cluster.start()
-        key = "sk-gold" if args.tenants is None else "<your api key>"
-        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes, "
-              f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
-        if cluster.router_unix_address:
-            print(f"clients on this machine can use {cluster.router_unix_address}")
-        print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
-        print("Ctrl-C stops everything.", flush=True)
-        while not stop:
-            for child in cluster.children():
-                if not child.alive():
-                    print(f"{child.name} exited ({child.process.returncode}); stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if cluster.router is not None and cluster.block_service is not None and cluster.block_service.alive():
-            try:
-                print(cluster.summary())
-            except Exception as e:  # the summary is a courtesy; stopping is what matters
-                print(f"(no summary: {e})", file=sys.stderr)
-        print("stopping the cluster ...", flush=True)
-        cluster.stop()
-    return 0

@@ -30,7 +30,8 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if not 0 <= self.initial_delay_s <= self.max_delay_s:
-            raise ValueError(f"need 0 <= initial_delay_s <= max_delay_s, got {self.initial_delay_s}, {self.max_delay_s}")
+            raise ValueError(f"need 0 <= initial_delay_s <= max_delay_s, "
+                             f"got {self.initial_delay_s} and {self.max_delay_s}")
         if self.factor < 1:
             raise ValueError(f"factor must be >= 1, got {self.factor}")
         if self.stable_after_s <= 0 or self.window_s <= 0:

@@ -1,4 +1,4 @@
-"""``kvfleet up`` starts the cluster, serves, and on Ctrl-C leaves no process behind."""
+"""``kvfleet up`` starts the cluster, serves, restarts what dies, and on Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+import pytest
 from cluster_helpers import request, stream, tokens_of
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet_cli.local_cluster import LocalCluster
 
@@ -35,41 +38,159 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", "2", "--model", str(model_dir),
-         "--work-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    children: list[int] = []
+def role_of(pid: int) -> tuple[str, int | None] | None:
+    """(name as ``kvfleet up`` says it, port it listens on) of one of its children, from its command
+    line: etcd, block_service, a node id, router."""
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        lines = []
-        while address is None and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"router at (\S+),", line)
-            address = match and match.group(1)
-        assert address, "".join(lines)
-        children = children_of(up.pid)
-        assert len(children) >= 5  # etcd, block_service, two compute nodes, router
-        chunks = stream(address, request(text="hello from kvfleet up", max_tokens=5, ignore_eos=True))
-        assert len(tokens_of(chunks)) == 5
-        up.send_signal(signal.SIGINT)
-        assert up.wait(60) == 0
-        out = up.stdout.read()
-        assert "stopping the cluster" in "".join(lines) + out
-        time.sleep(0.5)
-        assert [p for p in children if alive(p)] == []
-    finally:
-        if up.poll() is None:
-            up.kill()
-        for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return None
+    flags = dict(zip(argv, argv[1:]))
+    port = int(flags["--listen"].rsplit(":", 1)[1]) if "--listen" in flags else None
+    if "--name" in flags and flags["--name"] == "kvfleet":
+        return "etcd", None
+    if "block-service" in argv:
+        return "block_service", port
+    if "compute" in argv:
+        return flags["--node-id"], port
+    if "router" in argv:
+        return "router", port
+    return None
+
+
+def roles(up_pid: int) -> dict[str, tuple[int, int | None]]:
+    """Name → (pid, port) of the live children of ``kvfleet up``."""
+    found = {}
+    for pid in children_of(up_pid):
+        role = role_of(pid)
+        if role is not None and alive(pid):
+            found[role[0]] = (pid, role[1])
+    return found
+
+
+def health(port: int, service: str) -> int | None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(what: str, condition, timeout: float = 120.0, every: float = 0.2):
+    """The first truthy value of ``condition()``; fails the test, saying what, after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"no {what} within {timeout}s")
+
+
+class Up:
+    """``kvfleet up`` as a child of the test, its stdout and stderr in a file."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path, nodes: int):
+        self.output = tmp_path / "up.out"
+        with open(self.output, "w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", str(nodes), "--model", str(model_dir),
+                 "--work-dir", str(tmp_path / "work")],
+                stdout=out, stderr=subprocess.STDOUT, text=True,
+            )
+        self.seen: set[int] = set()
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def address(self) -> str:
+        def up() -> str | None:
+            assert self.process.poll() is None, self.text()
+            match = re.search(r"router at (\S+),", self.text())
+            return match and match.group(1)
+        return wait_for("router address", up)
+
+    def children(self) -> list[int]:
+        """Every child seen so far (to clean up after a failed test)."""
+        self.seen.update(children_of(self.process.pid))
+        return sorted(self.seen)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for pid in self.children():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(model_dir, tmp_path):
+    started: list[Up] = []
+
+    def start(nodes: int) -> Up:
+        started.append(Up(model_dir, tmp_path, nodes))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for u in started:
+            u.close()
+
+
+def stop_and_check_nothing_is_left(u: Up) -> None:
+    children = u.children()
+    u.process.send_signal(signal.SIGINT)
+    assert u.process.wait(60) == 0, u.text()
+    assert "stopping the cluster" in u.text()
+    assert wait_for("exit of every child", lambda: not [p for p in children if alive(p)], timeout=10)
+
+
+def test_up_serves_and_ctrl_c_stops_everything(up):
+    u = up(nodes=2)
+    address = u.address()
+    assert set(roles(u.process.pid)) == {"etcd", "block_service", "node-0", "node-1", "router"}
+    u.children()
+    chunks = stream(address, request(text="hello from kvfleet up", max_tokens=5, ignore_eos=True))
+    assert len(tokens_of(chunks)) == 5
+    stop_and_check_nothing_is_left(u)
+    assert "restarting" not in u.text()
+
+
+def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
+    u = up(nodes=1)
+    address = u.address()
+    before = roles(u.process.pid)
+    u.children()
+    pid, port = before["block_service"]
+    assert health(port, "kvfleet.v1.BlockManager") == health_pb2.HealthCheckResponse.SERVING
+
+    os.kill(pid, signal.SIGKILL)
+    wait_for("restart line", lambda: "block_service exited with code -9; restarting in 0.5 s (restart 1)" in u.text())
+    pid_after, port_after = wait_for("new block_service", lambda: roles(u.process.pid).get("block_service"))
+    assert pid_after != pid and port_after == port
+    wait_for("block_service SERVING",
+             lambda: health(port, "kvfleet.v1.BlockManager") == health_pb2.HealthCheckResponse.SERVING)
+
+    def served() -> bool:
+        try:
+            chunks = stream(address, request(text="after the restart", max_tokens=5, ignore_eos=True), timeout=30)
+        except grpc.RpcError:
+            return False  # nodes may still be coming back
+        return len(tokens_of(chunks)) == 5
+    wait_for("request served after the restart", served, every=1.0)
+
+    # Whatever else died with block_service (a node, say) was restarted too: every process is back.
+    now = roles(u.process.pid)
+    assert set(now) == set(before), (now, u.text())
+    restarted = set(re.findall(r"(\S+) exited with code \S+; restarting in", u.text()))
+    assert "block_service" in restarted and restarted <= set(before), u.text()
+    assert all(now[name][1] == before[name][1] for name in now)  # same ports
+    assert "giving up" not in u.text()
+    assert "restarting in 0.5 s (restart 1)" in (tmp_path / "work" / "supervisor.log").read_text()
+    stop_and_check_nothing_is_left(u)
 
 
 def test_a_temporary_cluster_keeps_its_logs_and_drops_its_state(model_dir):

@@ -1,0 +1,134 @@
+"""``kvfleet up``: a local cluster until Ctrl-C, whose processes are restarted when they die.
+
+The supervisor polls the cluster's processes; a dead one is started again with the same command
+line (same port, same state directory) after the delay its ``Backoff`` gives
+(``kvfleet_cli.supervisor``), and each restart is one line on stderr and in ``supervisor.log`` in
+the work directory. A process that crash-loops is given up on: the cluster stops, exit status 1.
+Shutdown (Ctrl-C, SIGTERM) ends the polling before anything is stopped, so nothing that exits
+during shutdown is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet_cli.supervisor import Backoff, RestartPolicy
+
+DEFAULT_MODEL = "models/demo-tiny"
+POLL_S = 0.2
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Restarts the cluster's dead processes, each after its own backoff."""
+
+    def __init__(self, cluster: LocalCluster, policy: RestartPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cluster = cluster
+        self.policy = policy = policy or RestartPolicy()
+        self.clock = clock
+        now = clock()
+        names = ["etcd", *(c.name for c in cluster.children())]
+        self._backoffs = {name: Backoff(policy) for name in names}
+        for backoff in self._backoffs.values():
+            backoff.started(now)
+        self._due: dict[str, float] = {}  # name → when to start it again
+
+    def poll(self) -> str | None:
+        """Notice exits, start what is due. Returns the name of a process given up on, else None."""
+        now = self.clock()
+        for name, code in self.cluster.exited().items():
+            if name in self._due:
+                continue
+            decision = self._backoffs[name].exited(now)
+            if not decision.restart:
+                log.error("%s exited with code %s, %d times within %g s; giving up", name, code,
+                          decision.crashes_in_window, self.policy.window_s)
+                return name
+            log.warning("%s exited with code %s; restarting in %g s (restart %d)", name, code,
+                        decision.delay_s, decision.restart_number)
+            self._due[name] = now + decision.delay_s
+        for name, due in list(self._due.items()):
+            if due <= now:
+                del self._due[name]
+                self.cluster.restart(name)
+                self._backoffs[name].started(now)
+        return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="compute nodes (default 2)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"model directory (default {DEFAULT_MODEL}, made with make-model if missing)")
+    parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
+    parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+
+
+def _log_to(path: Path) -> None:
+    """The supervisor's lines go to ``path`` too, next to the services' own logs."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        print("--nodes must be at least 1", file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "config.json").exists():
+        if args.model != DEFAULT_MODEL:
+            print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+        from kvfleet_cli.model_maker import make_model  # noqa: PLC0415
+
+        make_model(args.model, preset="tiny")
+    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    status = 0
+    try:
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as err:  # which child, and the end of its log
+            print(f"kvfleet up: the cluster did not start: {err}", file=sys.stderr)
+            return 1
+        _log_to(cluster.work_dir / "supervisor.log")
+        key = "sk-gold" if args.tenants is None else "<your api key>"
+        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes, "
+              f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        if cluster.router_unix_address:
+            print(f"clients on this machine can use {cluster.router_unix_address}")
+        print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
+        print("Ctrl-C stops everything; a process that dies is restarted.", flush=True)
+        supervisor = Supervisor(cluster)
+        while not stop:
+            if supervisor.poll() is not None:
+                status = 1
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if cluster.router is not None and cluster.block_service is not None and cluster.block_service.alive():
+            try:
+                print(cluster.summary())
+            except Exception as e:  # the summary is a courtesy; stopping is what matters
+                print(f"(no summary: {e})", file=sys.stderr)
+        print("stopping the cluster ...", flush=True)
+        cluster.stop()
+    return status
