@@ -188,6 +188,10 @@ def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
     restarted = set(re.findall(r"(\S+) exited with code \S+; restarting in", u.text()))
     assert "block_service" in restarted and restarted <= set(before), u.text()
     assert all(now[name][1] == before[name][1] for name in now)  # same ports
+    # what the Kubernetes probes ask (deploy/k8s): "" is liveness, the named service readiness
+    SERVING = health_pb2.HealthCheckResponse.SERVING
+    assert health(now["node-0"][1], "") == health(now["router"][1], "") == SERVING
+    assert health(now["node-0"][1], "kvfleet.v1.Compute") == health(now["router"][1], "kvfleet.v1.Inference") == SERVING
     assert "giving up" not in u.text()
     assert "restarting in 0.5 s (restart 1)" in (tmp_path / "work" / "supervisor.log").read_text()
     stop_and_check_nothing_is_left(u)

@@ -65,6 +65,30 @@ def test_a_child_whose_parent_is_already_gone_exits_at_once():
     assert done.returncode == 1
 
 
-def test_arm_is_a_no_op_without_a_named_parent(monkeypatch):
-    monkeypatch.delenv(parent_death.ENV, raising=False)
-    parent_death.arm()  # nothing to arm: returns, does not exit
+# A kvfleet-style child that arms, then prints the parent-death signal it holds (prctl
+# PR_GET_PDEATHSIG = 2; 0 when none).
+ARM_AND_REPORT = textwrap.dedent("""
+    import ctypes
+    from kvfleet import parent_death
+    parent_death.arm()
+    signal = ctypes.c_int(-1)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(signal))
+    print(signal.value)
+""")
+
+
+def _arm_in_a_child(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", ARM_AND_REPORT], env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_arm_asks_for_sigterm_when_its_parent_is_named():
+    done = _arm_in_a_child(parent_death.child_env(os.environ))
+    assert (done.returncode, done.stdout.strip()) == (0, str(int(signal.SIGTERM))), done.stderr
+
+
+def test_arm_is_a_no_op_without_a_named_parent():
+    env = {k: v for k, v in os.environ.items() if k != parent_death.ENV}
+    done = _arm_in_a_child(env)
+    # it neither exited nor armed: no parent-death signal, the program ran to its end
+    assert (done.returncode, done.stdout.strip()) == (0, "0"), done.stderr
