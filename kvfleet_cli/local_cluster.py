@@ -140,6 +140,13 @@ class LocalCluster:
             dead["etcd"] = self.etcd.process.returncode
         return dead
 
+    def child(self, name: str) -> Child:
+        """The service process ``name``: ``block_service``, ``router`` or a node id."""
+        child = next((c for c in self.children() if c.name == name), None)
+        if child is None:
+            raise KeyError(f"no process named {name!r} in this cluster")
+        return child
+
     def restart(self, name: str) -> None:
         """Start the exited process ``name`` (``etcd``, ``block_service``, ``router`` or a node id)
         again with the same command line: same port, same state or data directory, same log. Does
@@ -147,9 +154,7 @@ class LocalCluster:
         if name == "etcd":
             self.etcd.restart()
             return
-        child = next((c for c in self.children() if c.name == name), None)
-        if child is None:
-            raise KeyError(f"no process named {name!r} in this cluster")
+        child = self.child(name)
         if child.alive():
             raise RuntimeError(f"{name} is still running (pid {child.process.pid})")
         self._launch(child)
@@ -175,7 +180,7 @@ class LocalCluster:
             if self._router_socket:
                 argv += ["--listen-unix", self._router_socket]
             self.router = self._spawn("router", argv, port)
-            self._wait_router(timeout)
+            self.wait_router(timeout)
         except BaseException:
             self.stop()
             raise
@@ -194,7 +199,11 @@ class LocalCluster:
         return child
 
     def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
-        child = self.nodes[node_id]
+        self.kill(self.nodes[node_id].name, sig)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process ``name``; after SIGKILL, wait until it is gone."""
+        child = self.child(name)
         child.process.send_signal(sig)
         if sig == signal.SIGKILL:
             child.process.wait()
@@ -239,7 +248,8 @@ class LocalCluster:
             time.sleep(0.2)
         raise TimeoutError(f"nodes {node_ids} not READY within {timeout}s: {self.node_states()}")
 
-    def _wait_router(self, timeout: float) -> None:
+    def wait_router(self, timeout: float = 120.0) -> None:
+        """Until the router says it can route (``kvfleet.v1.Inference`` SERVING: a node is READY)."""
         import grpc  # noqa: PLC0415
         from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 

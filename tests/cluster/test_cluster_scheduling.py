@@ -1,14 +1,13 @@
-"""Who is served first (paid level under contention) and where (a new node's share ramps up)."""
+"""Who is served first (paid level under contention) and where (a node that just joined gets a small share)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-import pytest
 from cluster_helpers import random_prompt, request, stream
 
-WARMUP_S = 8.0
+SAMPLE = 40
 
 
 def test_higher_paid_level_is_served_first_under_contention(start_cluster):
@@ -45,21 +44,24 @@ def test_higher_paid_level_is_served_first_under_contention(start_cluster):
     assert finished == ["blocker", "gold1", "gold2", "free1", "free2"]
 
 
-def test_a_new_node_gets_a_ramping_share(start_cluster):
-    cluster = start_cluster(1, router_args=("--warmup-s", str(WARMUP_S)))
+def test_a_node_that_joins_gets_a_cold_start_share(start_cluster):
+    """A node that turns READY while the router runs gets a small share of the traffic at first; a
+    router that finds it READY when it starts treats it as warm and splits traffic evenly. (How the
+    share ramps with time is the policy's, tested in tests/router/test_routing.py.)"""
+    # a ramp far longer than the test: what the new node gets early cannot depend on machine speed
+    cluster = start_cluster(1, router_args=("--warmup-s", "3600"))
     cluster.add_node("node-new")
-    joined = time.monotonic()
 
-    def share_of_new(n: int) -> float:
-        nodes = [stream(cluster.router_address, request(tokens=random_prompt(8, i), max_tokens=1))[-1].node_id
-                 for i in range(n)]
-        return nodes.count("node-new") / n
+    def node_of(i: int) -> str:
+        return stream(cluster.router_address, request(tokens=random_prompt(8, i), max_tokens=1))[-1].node_id
 
-    early = share_of_new(40)
-    early_span = time.monotonic() - joined
-    if early_span > WARMUP_S / 4:
-        pytest.skip(f"machine too slow: the early sample took {early_span:.1f}s of a {WARMUP_S}s ramp")
-    time.sleep(max(WARMUP_S - (time.monotonic() - joined), 0) + 0.5)
-    late = share_of_new(40)
-    # Candidate probability ramps 0.1 → 1 over the window; an idle tie then splits traffic evenly.
+    # the router has seen the new node once it routes a request there (a share of ~5% per request)
+    assert any(node_of(i) == "node-new" for i in range(500))
+    early = [node_of(1000 + i) for i in range(SAMPLE)].count("node-new") / SAMPLE
+
+    cluster.kill("router")
+    cluster.restart("router")  # same port, same flags: both nodes are READY when it starts
+    cluster.wait_router()
+    late = [node_of(2000 + i) for i in range(SAMPLE)].count("node-new") / SAMPLE
+    # Candidate probability 0.1 (then an idle tie, split at random) against 1 for a warm node.
     assert early < 0.3 and late > 0.25 and late > early, (early, late)
