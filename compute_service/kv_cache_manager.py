@@ -11,7 +11,12 @@ from collections.abc import Iterable
 
 from compute_service.sequence import Sequence
 from kvfleet.allocator import BlockAllocator, Refusal
-from kvfleet.block_hash import cluster_seed, next_block_hash, tenant_extra_key
+from kvfleet.block_hash import (
+    cluster_seed,
+    next_block_hash,
+    reusable_blocks,
+    tenant_extra_key,
+)
 
 
 class KVCacheManager:
@@ -29,7 +34,7 @@ class KVCacheManager:
         ``seq.num_computed`` starts past them. At least one token is always left to compute (its
         logits are needed), so a fully cached prompt recomputes its last block."""
         self._extend_hashes(seq, seq.num_tokens // self.block_size)
-        reusable = (seq.num_tokens - 1) // self.block_size
+        reusable = reusable_blocks(seq.num_tokens, self.block_size)
         result = self.allocator.allocate(seq.seq_id, seq.tenant, seq.block_hashes[:reusable], seq.num_tokens)
         if isinstance(result, Refusal):
             return result

@@ -189,7 +189,7 @@ class RemoteBlockAllocator:
         """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
         the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
         compute). A refusal is not kept: the scheduler asks again when it admits the request."""
-        reusable = (len(token_ids) - 1) // self.block_size
+        reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
         hashes = block_hash.block_hashes(token_ids, self.block_size,
                                          block_hash.tenant_extra_key(tenant, share_across_tenants),
                                          max_blocks=reusable)
