@@ -1,0 +1,275 @@
+"""What a compute node tells block_service about its blocks, and when. Pure: plain lists and dicts.
+
+``RemoteBlockAllocator`` (remote_allocator.py) is the bridge: it moves work between the engine's
+step thread and the event loop and calls block_service. What it answers from the node's own
+tables, what it sends now, what it defers and what each answer changes is decided here, so it can
+be tested without a thread, a loop or a network. The bridge calls it under one lock.
+
+A sequence's blocks, as the node sees them:
+
+    asked ──take_asks──▶ in flight ──fold_asks──▶ early ──allocate──▶ claimed ──release──▶ gone
+                                                                        ▲
+                                               claim (the engine asked itself, no early) ┘
+
+A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
+the reserve, one block ahead. ``num_tokens`` is the sequence's length at block_service (what was
+asked and granted). Bookkeeping waits in three queues (top-ups, commits, releases) until
+``take`` empties them into one ``ApplyMany``; ``end_step`` says when that is due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+
+DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
+TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
+
+
+@dataclass(slots=True)
+class Bookkeeping:
+    """One ``ApplyMany``, applied in this order: top-ups (they bring block_service's length of a
+    sequence up to the blocks the engine fills, so the commits after them are of full blocks),
+    commits (a block is committed by its live sequence), releases."""
+
+    topups: list[tuple[str, int]] = field(default_factory=list)       # (seq, tokens to extend to)
+    commits: list[tuple[str, int, bytes]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.topups or self.commits or self.releases)
+
+
+@dataclass(slots=True)
+class Growth:
+    """``extend``'s first pass: what the node's tables answered, and what needs block_service."""
+
+    answers: dict[str, list[int]]
+    short: list[tuple[str, int]]  # (seq, tokens) with no reserve left to cover them
+
+
+@dataclass(slots=True, frozen=True)
+class LiveSequence:
+    """A sequence block_service holds for this node (claimed by the engine or granted early)."""
+
+    seq_id: str
+    tenant: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Table:
+    tenant: str
+    block_ids: list[int]     # what block_service gave: handed + reserve
+    handed: int              # blocks the engine has been given
+    num_tokens: int          # the sequence's length at block_service
+    prompt_blocks: int       # full blocks of its prompt: their commits are urgent
+
+
+class AllocatorPolicy:
+    def __init__(self, node_id: str, block_size: int, defer_steps: int = DEFER_STEPS):
+        self.node_id = node_id
+        self.block_size = block_size
+        self.defer_steps = defer_steps
+        self._tables: dict[str, _Table] = {}
+        self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
+        self._asks: list[AllocateRequest] = []      # preallocations to send
+        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
+        self._commits: list[tuple[str, int, bytes]] = []
+        self._releases: list[str] = []
+        self._growing: dict[str, int] = {}          # the short sequences of the extend under way
+        self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
+        self._in_step = False
+        self._step = 0                              # end_step calls so far
+        self._urgent = False                        # a release or a prompt block's commit is queued
+        self._due: int | None = None                # the step by which deferred bookkeeping must go
+
+    # -- early allocation -------------------------------------------------------------------------
+
+    def ask(self, request: AllocateRequest) -> bool:
+        """Queue a preallocation; True when it is the first queued (the bridge sends them soon,
+        together with the other arrivals of its loop iteration)."""
+        self._asks.append(request)
+        return len(self._asks) == 1
+
+    def take_asks(self) -> list[AllocateRequest]:
+        """The preallocations to send now."""
+        asks, self._asks = self._asks, []
+        return asks
+
+    def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
+        """block_service's answers (``None``: the call failed). A grant waits for the engine to
+        claim it; a refusal is not kept (the engine asks again when it admits the sequence).
+        True when a release was queued that the bridge should send soon."""
+        for request, result in zip(asks, results):
+            if isinstance(result, Allocation):
+                self._early[request.seq_id] = (request, result)
+        return False
+
+    # -- the engine's calls -----------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | None:
+        """The early allocation if it was asked as the engine asks now (then it is claimed), else
+        None: the engine's ask goes to block_service (an early one asked differently is given back)."""
+        early = self._early.pop(seq_id, None)
+        if early is None:
+            return None
+        request, result = early
+        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
+            self.claim(seq_id, request.tenant, result, num_tokens)
+            return result
+        self._release_now(seq_id)
+        return None
+
+    def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
+        """The engine now holds ``result``; queue its reserve block."""
+        blocks = len(result.block_ids)
+        self._tables[seq_id] = _Table(tenant, list(result.block_ids), blocks, num_tokens,
+                                      num_tokens // self.block_size)
+        self._topup(seq_id, num_tokens)
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> Growth:
+        """Hand over reserve blocks where they cover the growth (queueing the next reserve);
+        the rest is ``short``: the bridge asks block_service (``extend_asks``) and hands over."""
+        answers: dict[str, list[int]] = {}
+        short: list[tuple[str, int]] = []
+        for seq_id, num_tokens in growth:
+            table, need = self._tables[seq_id], self._blocks(num_tokens)
+            if need <= len(table.block_ids):
+                answers[seq_id] = table.block_ids[table.handed:need]
+                table.handed = max(table.handed, need)
+                if len(table.block_ids) <= table.handed:  # the reserve is used up: ask for the next one
+                    self._topup(seq_id, num_tokens)
+            else:
+                short.append((seq_id, num_tokens))
+        return Growth(answers, short)
+
+    def extend_asks(self, short: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """What to ask block_service for the short sequences, once the queue before it was sent:
+        one block ahead each (a new reserve); ``fold_extend`` says what to ask next."""
+        self._growing, self._refused = dict(short), {}
+        return [(s, (self._blocks(n) + 1) * self.block_size) for s, n in short]
+
+    def fold_extend(self, asks: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> list[tuple[str, int]]:
+        """block_service's answers to ``asks``; returns what to ask next: exactly the growth of
+        each sequence whose one-block-ahead ask was refused (empty when done)."""
+        retry: list[tuple[str, int]] = []
+        for (seq_id, tokens), result in zip(asks, results):
+            wanted = self._growing[seq_id]
+            if isinstance(result, Refusal):
+                if tokens > wanted:
+                    retry.append((seq_id, wanted))
+                self._refused[seq_id] = result
+                continue
+            self._refused.pop(seq_id, None)
+            table = self._tables[seq_id]
+            table.block_ids.extend(result)
+            table.num_tokens = max(table.num_tokens, tokens)
+        return retry
+
+    def hand_over(self) -> dict[str, list[int] | Refusal]:
+        """The answers of the extend under way: the new blocks of each short sequence, or why not."""
+        answers: dict[str, list[int] | Refusal] = {}
+        for seq_id, num_tokens in self._growing.items():
+            refusal = self._refused.get(seq_id)
+            if refusal is not None:
+                answers[seq_id] = refusal
+                continue
+            table, need = self._tables[seq_id], self._blocks(num_tokens)
+            answers[seq_id] = table.block_ids[table.handed:need]
+            table.handed = need
+        self._growing, self._refused = {}, {}
+        return answers
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        if not commits:
+            return
+        self._commits.extend(commits)
+        if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
+            self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
+        else:
+            self._defer(self.defer_steps)
+
+    def release(self, seq_ids: Sequence[str]) -> bool:
+        """The engine dropped these sequences. True when the bridge should send soon (between
+        steps: an abort, after which no ``end_step`` comes to send it)."""
+        for seq_id in seq_ids:
+            self._tables.pop(seq_id, None)
+            self._topups.pop(seq_id, None)
+        self._releases.extend(seq_ids)
+        self._urgent = True
+        return not self._in_step
+
+    def forget(self, seq_id: str) -> bool:
+        """The request ended: an early allocation the engine never claimed is given back.
+        True when the bridge should send soon."""
+        if self._early.pop(seq_id, None) is None:
+            return False
+        self._release_now(seq_id)
+        return not self._in_step
+
+    # -- steps and sending ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self._in_step = True
+
+    def end_step(self) -> bool:
+        """The engine finished a step: True when what is queued is urgent or due."""
+        self._in_step = False
+        self._step += 1
+        return self._urgent or (self._due is not None and self._step >= self._due)
+
+    def has_bookkeeping(self) -> bool:
+        return bool(self._commits or self._releases or self._topups)
+
+    def take(self) -> Bookkeeping:
+        """Everything queued, to send now in one call."""
+        self._urgent, self._due = False, None
+        released = set(self._releases)
+        batch = Bookkeeping([(s, n) for s, n in self._topups.items() if s not in released],
+                            self._commits, self._releases)
+        self._topups, self._commits, self._releases = {}, [], []
+        return batch
+
+    def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
+        """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
+        for (seq_id, tokens), new in zip(topups, results):
+            table = self._tables.get(seq_id)
+            if isinstance(new, list) and table is not None:
+                table.block_ids.extend(new)
+                table.num_tokens = max(table.num_tokens, tokens)
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """What block_service holds for this node as far as the node knows: claimed tables (reserve
+        included) and early allocations not yet claimed. A node re-registering sends these."""
+        live = [LiveSequence(s, t.tenant, list(t.block_ids), t.num_tokens) for s, t in self._tables.items()]
+        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a) in self._early.items()]
+        return live
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prompt_blocks(self, seq_id: str, index: int) -> int:
+        table = self._tables.get(seq_id)
+        return table.prompt_blocks if table is not None else index + 1
+
+    def _release_now(self, seq_id: str) -> None:
+        self._releases.append(seq_id)
+        self._urgent = True
+
+    def _defer(self, steps: int) -> None:
+        """What was just queued must be sent within ``steps`` more steps."""
+        due = self._step + max(steps, 0) + 1  # end_step counts this step first
+        self._due = due if self._due is None else min(self._due, due)
+
+    def _topup(self, seq_id: str, num_tokens: int) -> None:
+        """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
+        a little before decoding (a token a step) fills the blocks it has."""
+        held = self._tables[seq_id].handed
+        self._topups[seq_id] = (held + 1) * self.block_size
+        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)
