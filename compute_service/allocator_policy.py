@@ -193,23 +193,24 @@ class AllocatorPolicy:
         else:
             self._defer(self.defer_steps)
 
-    def release(self, seq_ids: Sequence[str]) -> bool:
-        """The engine dropped these sequences. True when the bridge should send soon (between
-        steps: an abort, after which no ``end_step`` comes to send it)."""
+    def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
+        """Give back what block_service holds for these sequences: a table the engine claimed
+        (unless ``claimed`` is False: the engine may still be using it and releases it itself),
+        an early allocation it never claimed. A sequence unknown or already released sends
+        nothing. True when the bridge should send soon (between steps: after an abort no
+        ``end_step`` comes to send it)."""
+        queued = False
         for seq_id in seq_ids:
-            self._tables.pop(seq_id, None)
-            self._topups.pop(seq_id, None)
-        self._releases.extend(seq_ids)
-        self._urgent = True
-        return not self._in_step
-
-    def forget(self, seq_id: str) -> bool:
-        """The request ended: an early allocation the engine never claimed is given back.
-        True when the bridge should send soon."""
-        if self._early.pop(seq_id, None) is None:
-            return False
-        self._release_now(seq_id)
-        return not self._in_step
+            if seq_id in self._tables:
+                if not claimed:
+                    continue
+                del self._tables[seq_id]
+                self._topups.pop(seq_id, None)
+            elif self._early.pop(seq_id, None) is None:
+                continue
+            self._release_now(seq_id)
+            queued = True
+        return queued and not self._in_step
 
     # -- steps and sending ------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Per-sequence use of a node's ``BlockAllocator``: what the scheduler calls to give a sequence its
-blocks, grow it, commit its full blocks under their chained hashes, and free it. Pure Python.
+blocks, grow it, commit its full blocks under their chained hashes, and release it. Pure Python.
 
 The allocator holds the page table (here or in block_service); this class only translates a
 sequence's progress into allocator calls, batched per step.
@@ -75,7 +75,7 @@ class KVCacheManager:
         if commits:
             self.allocator.commit(commits)
 
-    def free(self, seqs: Iterable[Sequence]) -> None:
+    def release(self, seqs: Iterable[Sequence]) -> None:
         seqs = list(seqs)
         ids = [seq.seq_id for seq in seqs]
         if ids:

@@ -154,23 +154,12 @@ class RemoteBlockAllocator:
             self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
         await done
 
-    def forget(self, seq_id: str) -> None:
-        """The request ended; if the scheduler never claimed its early allocation, give it back."""
-        with self._lock:
-            send = self._policy.forget(seq_id)
-        if send:  # during a step (the engine thread finishing it) end_step sends it
-            self._send_soon()
-
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node, as the node knows it (claimed and early)."""
         with self._lock:
             return self._policy.live_sequences()
 
     # -- BlockAllocator ---------------------------------------------------------------------------
-
-    def num_available(self) -> int:
-        stats = self.stats()
-        return stats.num_free + stats.num_cached
 
     def begin_step(self) -> None:
         with self._lock:
@@ -224,10 +213,20 @@ class RemoteBlockAllocator:
             self._policy.commit(commits)
 
     def release(self, seq_ids: Sequence[str]) -> None:
+        """Give back the sequences' blocks. From the engine (its step thread): whatever it holds.
+        On the event loop (a request's stream ended): only what the engine never claimed, an
+        early allocation; a claimed sequence may be in the engine's step right now, and the
+        engine releases it itself when the request's abort reaches it."""
         with self._lock:
-            send = self._policy.release(seq_ids)
-        if send:  # an abort between steps: no end_step will come to send it
+            send = self._policy.release(seq_ids, claimed=not self._on_loop())
+        if send:  # during a step (the engine thread finishing it) end_step sends it
             self._send_soon()
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop runs in this thread: the engine's
+            return False
 
     def stats(self) -> AllocatorStats:
         async def ask():

@@ -147,7 +147,7 @@ def test_a_granted_ahead_extend_leaves_a_reserve():
     assert policy.extend([("s", 49)]).answers == {"s": [3]}  # the block ahead
 
 
-def test_forget_gives_back_only_an_unclaimed_early_allocation():
+def test_a_request_ending_gives_back_only_what_the_engine_never_claimed():
     policy = AllocatorPolicy("n0", BS)
     policy.ask(asked("a", 20, H[:1]))
     policy.ask(asked("b", 20, H[:1]))
@@ -155,10 +155,13 @@ def test_forget_gives_back_only_an_unclaimed_early_allocation():
     policy.fold_asks(asks, [Allocation([0, 1], 0), Allocation([2, 3], 0)])
     policy.allocate("a", H[:1], 20)
     policy.take()
-    assert policy.forget("a") is False                    # the engine holds it: its release is the engine's
-    assert policy.forget("b") is True
+    assert policy.release(["a", "b"], claimed=False) is True  # the engine holds a: its release is the engine's
     assert policy.take().releases == ["b"]
     assert [s.seq_id for s in policy.live_sequences()] == ["a"]
+    assert policy.release(["b", "unknown"]) is False      # already released, never known: nothing to send
+    assert not policy.has_bookkeeping()
+    assert policy.release(["a"]) is True                  # the engine's own release
+    assert policy.take().releases == ["a"] and policy.live_sequences() == []
 
 
 def _sent(policy: AllocatorPolicy, results):

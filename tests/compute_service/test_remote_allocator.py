@@ -75,6 +75,11 @@ def num_sequences(on_loop, client) -> int:
     return nodes[0].num_sequences
 
 
+async def release_on_loop(allocator, seq_id: str) -> None:
+    """A request's stream ending: the allocator's release, called on the event loop."""
+    allocator.release([seq_id])
+
+
 def check_agrees(allocator, on_loop, client):
     """block_service holds exactly the sequences the allocator knows, with the same blocks
     (handed + reserve) and lengths."""
@@ -116,13 +121,13 @@ def test_early_allocation_reserve_and_write_behind(node):
     check_agrees(allocator, on_loop, client)
 
 
-def test_mismatch_and_forget_give_blocks_back(node):
+def test_mismatch_and_release_of_an_unclaimed_sequence_give_blocks_back(node):
     allocator, on_loop, client = node
     on_loop(allocator.preallocate("c", "t", list(range(30))))
     on_loop(allocator.preallocate("d", "t", list(range(20))))
     got = allocator.allocate("c", "t", hashes(list(range(50))), 50)  # asked differently: fresh table
     assert isinstance(got, Allocation) and len(got.block_ids) == 4
-    allocator.forget("d")  # the request ended before the scheduler admitted it
+    on_loop(release_on_loop(allocator, "d"))  # the request ended before the scheduler admitted it
     on_loop(allocator.flush())
     check_agrees(allocator, on_loop, client)
     assert [s.seq_id for s in allocator.live_sequences()] == ["c"]
