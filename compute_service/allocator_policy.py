@@ -137,21 +137,22 @@ class AllocatorPolicy:
         answers: dict[str, list[int]] = {}
         short: list[tuple[str, int]] = []
         for seq_id, num_tokens in growth:
-            table, need = self._tables[seq_id], self._blocks(num_tokens)
-            if need <= len(table.block_ids):
-                answers[seq_id] = table.block_ids[table.handed:need]
-                table.handed = max(table.handed, need)
-                if len(table.block_ids) <= table.handed:  # the reserve is used up: ask for the next one
-                    self._topup(seq_id, num_tokens)
+            if self._covers(seq_id, num_tokens):
+                answers[seq_id] = self._hand(seq_id, num_tokens)
             else:
                 short.append((seq_id, num_tokens))
         return Growth(answers, short)
 
     def extend_asks(self, short: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-        """What to ask block_service for the short sequences, once the queue before it was sent:
-        one block ahead each (a new reserve); ``fold_extend`` says what to ask next."""
+        """What to ask block_service for the short sequences, once the queue before them was sent:
+        one block ahead each (a new reserve); ``fold_extend`` says what to ask next.
+
+        Only those the table still does not cover are asked: a top-up sent with that queue may
+        have brought the reserve, and block_service's length then is past the growth. Asking for
+        less than it holds is an error, not a refusal (a sequence cannot shrink), so every ask
+        here is past the table's end and therefore past block_service's length."""
         self._growing, self._refused = dict(short), {}
-        return [(s, (self._blocks(n) + 1) * self.block_size) for s, n in short]
+        return [(s, (self._blocks(n) + 1) * self.block_size) for s, n in short if not self._covers(s, n)]
 
     def fold_extend(self, asks: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> list[tuple[str, int]]:
         """block_service's answers to ``asks``; returns what to ask next: exactly the growth of
@@ -178,9 +179,7 @@ class AllocatorPolicy:
             if refusal is not None:
                 answers[seq_id] = refusal
                 continue
-            table, need = self._tables[seq_id], self._blocks(num_tokens)
-            answers[seq_id] = table.block_ids[table.handed:need]
-            table.handed = need
+            answers[seq_id] = self._hand(seq_id, num_tokens)
         self._growing, self._refused = {}, {}
         return answers
 
@@ -254,6 +253,19 @@ class AllocatorPolicy:
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _covers(self, seq_id: str, num_tokens: int) -> bool:
+        return self._blocks(num_tokens) <= len(self._tables[seq_id].block_ids)
+
+    def _hand(self, seq_id: str, num_tokens: int) -> list[int]:
+        """The blocks a sequence growing to ``num_tokens`` gets from its table (covered); when that
+        uses up the reserve, queue the next one."""
+        table, need = self._tables[seq_id], self._blocks(num_tokens)
+        new = table.block_ids[table.handed:need]
+        table.handed = max(table.handed, need)
+        if len(table.block_ids) <= table.handed:
+            self._topup(seq_id, num_tokens)
+        return new
 
     def _prompt_blocks(self, seq_id: str, index: int) -> int:
         table = self._tables.get(seq_id)

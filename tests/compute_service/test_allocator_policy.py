@@ -164,6 +164,52 @@ def test_a_request_ending_gives_back_only_what_the_engine_never_claimed():
     assert policy.take().releases == ["a"] and policy.live_sequences() == []
 
 
+class QuotaBlockService:
+    """block_service's extend, for one tenant: each sequence's length and blocks, a block quota,
+    and its refusal to shrink a sequence (an error, which killed the node's step thread)."""
+
+    def __init__(self, quota: int, held: dict[str, tuple[int, int]]):
+        self.quota = quota
+        self.held = dict(held)  # seq → (tokens, blocks)
+        self.next_block = 1000
+
+    def extend(self, asks: list[tuple[str, int]]) -> list[list[int] | Refusal]:
+        results: list[list[int] | Refusal] = []
+        for seq_id, tokens in asks:
+            length, blocks = self.held[seq_id]
+            assert tokens >= length, f"sequence {seq_id!r} holds {length} tokens; extend cannot shrink it to {tokens}"
+            more = max(-(-tokens // BS) - blocks, 0)
+            if sum(b for _, b in self.held.values()) + more > self.quota:
+                results.append(refusal())
+                continue
+            self.held[seq_id] = (tokens, blocks + more)
+            results.append(list(range(self.next_block, self.next_block + more)))
+            self.next_block += more
+        return results
+
+
+def extend_as_the_bridge_does(policy: AllocatorPolicy, short, block_service: QuotaBlockService):
+    asks = policy.extend_asks(short)
+    while asks:
+        asks = policy.fold_extend(asks, block_service.extend(asks))
+    return policy.hand_over()
+
+
+def test_an_extend_never_asks_to_shrink_what_a_topup_just_granted():
+    """Issue 11: a tenant near its quota killed nodes with "holds 512 tokens; extend cannot shrink
+    it to 497". The engine crossed into block 32 while the reserve's top-up (to 512 tokens) was
+    still queued; the bridge sent the queue first (granted), then asked one block ahead (refused:
+    the quota), then exactly 497 tokens: less than block_service had just granted."""
+    policy = claimed(496, list(range(31)))                # its top-up to 512 tokens is queued
+    short = policy.extend([("s", 497)]).short
+    assert short == [("s", 497)]
+    block_service = QuotaBlockService(quota=32, held={"s": (496, 31)})
+    topups, _ = _sent(policy, [])                         # the queue goes first: the top-up is granted
+    policy.fold_topups(topups, block_service.extend(topups))
+    assert extend_as_the_bridge_does(policy, short, block_service) == {"s": [1000]}
+    assert policy.live_sequences() == [LiveSequence("s", "t", list(range(31)) + [1000], 512)]
+
+
 def _sent(policy: AllocatorPolicy, results):
     """Take what is queued as a flush would; (the batch's top-ups, ``results``) to fold."""
     return policy.take().topups, results

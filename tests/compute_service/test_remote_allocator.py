@@ -210,3 +210,19 @@ def test_releases_and_prompt_commits_are_sent_at_the_end_of_their_step(node):
     assert allocator.num_rpcs == rpcs + 1
     assert [s.seq_id for s in allocator.live_sequences()] == ["q"]
     check_agrees(allocator, on_loop, client)
+
+
+def test_a_tenant_at_its_quota_crossing_blocks_while_its_topups_are_queued(node):
+    """Issue 11: the exact extend after a refused one-block-ahead ask asked block_service to shrink
+    sequences whose queued top-ups the same call had just had granted; block_service refused with
+    an error, which killed the node's step thread. Tenant q may hold 4 blocks."""
+    allocator, on_loop, client = node
+    for seq_id in ("s1", "s2"):
+        assert len(allocator.allocate(seq_id, "q", [], 16).block_ids) == 1  # each queues its reserve
+    # both cross into their second block before a step's end sent the top-ups
+    new = allocator.extend([("s1", 17), ("s2", 17)])
+    assert new == [held(on_loop, client, "s1").block_ids[1:], held(on_loop, client, "s2").block_ids[1:]]
+    assert all(len(blocks) == 1 for blocks in new)
+    check_agrees(allocator, on_loop, client)
+    [refused, _] = allocator.extend([("s1", 33), ("s2", 32)])  # the quota is spent: an answer, not an error
+    assert isinstance(refused, Refusal) and refused.reason == "quota"
