@@ -11,6 +11,11 @@ A sequence's blocks, as the node sees them:
                                                                         ▲
                                                claim (the engine asked itself, no early) ┘
 
+A request may end at any of these moments, and its release must leave block_service holding
+nothing for it: queued, its ask is dropped (never sent); in flight, it is marked and its grant
+given back when the answer lands; early, the grant is given back; claimed, the table is the
+engine's, which releases it itself (a request's stream ending passes ``claimed=False``).
+
 A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
 the reserve, one block ahead. ``num_tokens`` is the sequence's length at block_service (what was
 asked and granted). Bookkeeping waits in three queues (top-ups, commits, releases) until
@@ -77,6 +82,7 @@ class AllocatorPolicy:
         self._tables: dict[str, _Table] = {}
         self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
         self._asks: list[AllocateRequest] = []      # preallocations to send
+        self._in_flight: dict[str, bool] = {}       # preallocations sent → released before their answer
         self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
         self._commits: list[tuple[str, int, bytes]] = []
         self._releases: list[str] = []
@@ -98,16 +104,25 @@ class AllocatorPolicy:
     def take_asks(self) -> list[AllocateRequest]:
         """The preallocations to send now."""
         asks, self._asks = self._asks, []
+        self._in_flight.update((r.seq_id, False) for r in asks)
         return asks
 
     def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
         """block_service's answers (``None``: the call failed). A grant waits for the engine to
         claim it; a refusal is not kept (the engine asks again when it admits the sequence).
+        A grant for a sequence released while its ask was in flight is given back at once.
         True when a release was queued that the bridge should send soon."""
+        queued = False
         for request, result in zip(asks, results):
-            if isinstance(result, Allocation):
+            released = self._in_flight.pop(request.seq_id, False)
+            if not isinstance(result, Allocation):
+                continue
+            if released:
+                self._release_now(request.seq_id)
+                queued = True
+            else:
                 self._early[request.seq_id] = (request, result)
-        return False
+        return queued and not self._in_step
 
     # -- the engine's calls -----------------------------------------------------------------------
 
@@ -193,9 +208,10 @@ class AllocatorPolicy:
             self._defer(self.defer_steps)
 
     def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
-        """Give back what block_service holds for these sequences: a table the engine claimed
-        (unless ``claimed`` is False: the engine may still be using it and releases it itself),
-        an early allocation it never claimed. A sequence unknown or already released sends
+        """Give back what block_service holds or will hold for these sequences: a table the
+        engine claimed (unless ``claimed`` is False: the engine may still be using it and
+        releases it itself), an early allocation it never claimed, one in flight (when its
+        answer lands); a queued ask is dropped. A sequence unknown or already released sends
         nothing. True when the bridge should send soon (between steps: after an abort no
         ``end_step`` comes to send it)."""
         queued = False
@@ -205,7 +221,11 @@ class AllocatorPolicy:
                     continue
                 del self._tables[seq_id]
                 self._topups.pop(seq_id, None)
+            elif seq_id in self._in_flight:
+                self._in_flight[seq_id] = True
+                continue
             elif self._early.pop(seq_id, None) is None:
+                self._asks = [r for r in self._asks if r.seq_id != seq_id]
                 continue
             self._release_now(seq_id)
             queued = True

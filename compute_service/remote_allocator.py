@@ -132,9 +132,17 @@ class RemoteBlockAllocator:
             log.warning("early allocation of %d sequences failed: %s", len(asks), e)
             results = [None] * len(asks)
         with self._lock:
-            self._policy.fold_asks(asks, results)
+            send = self._policy.fold_asks(asks, results)
         for request in asks:
-            for done in self._waiters.pop(request.seq_id, []):
+            self._wake(request.seq_id)
+        if send:  # grants of requests that ended while they were asked for
+            self._send_soon()
+
+    def _wake(self, seq_id: str) -> None:
+        """The preallocations of ``seq_id`` are over (loop thread); a waiter cancelled meanwhile
+        (its request's stream closed) is passed over."""
+        for done in self._waiters.pop(seq_id, []):
+            if not done.done():
                 done.set_result(None)
 
     async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
@@ -152,7 +160,11 @@ class RemoteBlockAllocator:
             first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)))
         if first:
             self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:  # nobody will hand this request to the engine
+            self.release([seq_id])
+            raise
 
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node, as the node knows it (claimed and early)."""
@@ -217,8 +229,12 @@ class RemoteBlockAllocator:
         On the event loop (a request's stream ended): only what the engine never claimed, an
         early allocation; a claimed sequence may be in the engine's step right now, and the
         engine releases it itself when the request's abort reaches it."""
+        on_loop = self._on_loop()
         with self._lock:
-            send = self._policy.release(seq_ids, claimed=not self._on_loop())
+            send = self._policy.release(seq_ids, claimed=not on_loop)
+        if on_loop:  # a preallocation of an ended request is not waited for
+            for seq_id in seq_ids:
+                self._wake(seq_id)
         if send:  # during a step (the engine thread finishing it) end_step sends it
             self._send_soon()
 

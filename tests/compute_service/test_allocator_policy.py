@@ -7,6 +7,8 @@ block_service's answers to it.
 
 from __future__ import annotations
 
+import pytest
+
 from compute_service.allocator_policy import (
     DEFER_STEPS,
     TOPUP_MARGIN,
@@ -208,6 +210,40 @@ def test_an_extend_never_asks_to_shrink_what_a_topup_just_granted():
     policy.fold_topups(topups, block_service.extend(topups))
     assert extend_as_the_bridge_does(policy, short, block_service) == {"s": [1000]}
     assert policy.live_sequences() == [LiveSequence("s", "t", list(range(31)) + [1000], 512)]
+
+
+@pytest.mark.parametrize("moment", ["queued", "in flight", "answered", "claimed"])
+def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(moment):
+    """Issue 11: requests cancelled in their first ~100 ms kept their early allocation: the
+    request's release came while its ask was still queued or in flight, found nothing granted yet,
+    and the answer landed afterwards for nobody to claim. ``holds`` is what block_service holds."""
+    policy = AllocatorPolicy("n0", BS)
+    holds: set[str] = set()
+
+    def flush():
+        batch = policy.take()
+        holds.difference_update(batch.releases)
+
+    policy.ask(asked("a", 20, H[:1]))
+    if moment == "queued":
+        policy.release(["a"], claimed=False)
+    asks = policy.take_asks()
+    if moment == "in flight":
+        assert policy.release(["a"], claimed=False) is False  # nothing to send yet: the answer is not in
+    holds.update(r.seq_id for r in asks)
+    if policy.fold_asks(asks, [Allocation([0, 1], 0) for _ in asks]):
+        flush()
+    if moment == "claimed":
+        assert policy.allocate("a", H[:1], 20) == Allocation([0, 1], 0)
+    if moment in ("answered", "claimed"):
+        policy.release(["a"], claimed=False)              # the request's stream ended
+    if moment == "claimed":
+        flush()
+        assert holds == {"a"}                             # the engine may be mid-step on it: its own
+        policy.release(["a"])                             # the engine's release, when the abort lands
+    flush()
+    assert holds == set() and policy.live_sequences() == []
+    assert not policy.has_bookkeeping() and policy.take_asks() == []
 
 
 def _sent(policy: AllocatorPolicy, results):

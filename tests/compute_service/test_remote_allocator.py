@@ -49,15 +49,44 @@ def node():
         return server, client
 
     server, client = on_loop(start())
-    factory = RemoteAllocatorFactory(client, "n0", loop)
+    factory = RemoteAllocatorFactory(HeldAsks(client), "n0", loop)
     allocator = factory(64, BS, BYTES_PER_BLOCK)  # called off the loop, as the engine does
     try:
         yield allocator, on_loop, client
     finally:
         on_loop(factory.close())
+        table.check()
         on_loop(server.stop(None))
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+class HeldAsks:
+    """block_service's client, whose early allocations a test can hold in flight: ``hold()``,
+    then ``in_flight`` is set once an ``AllocateMany`` waits, and ``let_go()`` sends it."""
+
+    def __init__(self, client: BlockManagerClient):
+        self.client = client
+        self.gate: asyncio.Event | None = None
+        self.in_flight = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def hold(self) -> None:
+        self.gate = asyncio.Event()
+        self.in_flight.clear()
+
+    def let_go(self) -> None:
+        self.gate.set()
+        self.gate = None
+
+    async def allocate_many(self, requests):
+        gate = self.gate
+        if gate is not None:
+            self.in_flight.set()
+            await gate.wait()
+        return await self.client.allocate_many(requests)
 
 
 def hashes(ids, tenant="t"):
@@ -226,3 +255,84 @@ def test_a_tenant_at_its_quota_crossing_blocks_while_its_topups_are_queued(node)
     check_agrees(allocator, on_loop, client)
     [refused, _] = allocator.extend([("s1", 33), ("s2", 32)])  # the quota is spent: an answer, not an error
     assert isinstance(refused, Refusal) and refused.reason == "quota"
+
+
+def holds_nothing(allocator, on_loop, client) -> None:
+    """Once what the allocator queued is sent, block_service holds no sequence and no block of it."""
+    on_loop(allocator.settle())
+    on_loop(allocator.flush())
+    nodes, _ = on_loop(client.stats(["n0"]))
+    assert (nodes[0].num_sequences, nodes[0].num_used) == (0, 0)
+    assert allocator.live_sequences() == []
+
+
+@pytest.mark.parametrize("moment", ["queued", "in flight", "answered"])
+def test_a_request_ended_before_the_engine_claimed_it_leaves_nothing(node, moment):
+    """Issue 11: 19 of 80 requests cancelled 12-76 ms after sending kept their early allocation.
+    The request's stream ends (the allocator's release, on the loop) while its early allocation is
+    queued behind a flush in flight, is itself in flight, or has been answered."""
+    allocator, on_loop, client = node
+    asks = allocator.client
+    ids = list(range(40))
+
+    async def scenario():
+        asks.hold()
+        if moment == "queued":  # another request's ask is in flight: this one waits its turn
+            other = asyncio.create_task(allocator.preallocate("x", "t", list(range(20))))
+            await asks.in_flight.wait()
+        task = asyncio.create_task(allocator.preallocate("a", "t", ids))
+        if moment == "in flight":
+            await asks.in_flight.wait()
+        elif moment == "queued":
+            await asyncio.sleep(0)  # its preallocate has queued the ask
+        else:
+            asks.let_go()
+            await task
+        allocator.release(["a"])
+        if moment == "queued":
+            asks.let_go()
+            await other
+            allocator.release(["x"])
+        elif moment == "in flight":
+            asks.let_go()
+        await task
+
+    on_loop(scenario())
+    holds_nothing(allocator, on_loop, client)
+
+
+def test_a_request_ended_after_the_engine_claimed_it_is_released_by_the_engine(node):
+    allocator, on_loop, client = node
+    ids = list(range(40))
+    on_loop(allocator.preallocate("a", "t", ids))
+    assert allocator.allocate("a", "t", hashes(ids), 40).block_ids  # the engine claims it
+    on_loop(release_on_loop(allocator, "a"))  # the stream ends: the engine may be mid-step on it
+    on_loop(allocator.settle())
+    assert held(on_loop, client, "a").block_ids == allocator.live_sequences()[0].block_ids
+    allocator.release(["a"])  # the engine, when the request's abort reaches it
+    holds_nothing(allocator, on_loop, client)
+
+
+def test_a_stream_closing_during_preallocation_cancels_its_waiters_and_leaks_nothing(node):
+    """Issue 11: ``InvalidStateError: invalid state`` at ``done.set_result(None)`` when a Serve
+    stream closed during preallocation: the answer came for a waiter already cancelled, and the
+    other requests of that batch never got theirs."""
+    allocator, on_loop, client = node
+    asks = allocator.client
+
+    async def scenario():
+        asks.hold()
+        first = asyncio.create_task(allocator.preallocate("a", "t", list(range(40))))
+        second = asyncio.create_task(allocator.preallocate("b", "t", list(range(20))))
+        await asks.in_flight.wait()  # both in one AllocateMany
+        first.cancel()  # the stream closed: its starting tasks are cancelled
+        asks.let_go()
+        await second
+        await allocator.settle()
+        assert [s.seq_id for s in allocator.live_sequences()] == ["b"]
+        allocator.release(["a", "b"])  # the stream's requests end
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    on_loop(scenario())
+    holds_nothing(allocator, on_loop, client)
