@@ -5,6 +5,26 @@ step thread and the event loop and calls block_service. What it answers from the
 tables, what it sends now, what it defers and what each answer changes is decided here, so it can
 be tested without a thread, a loop or a network. The bridge calls it under one lock.
 
+Three rules keep the engine's step from waiting on the network:
+
+- **Ask early.** A request's first allocation is asked for when the request reaches the node
+  (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
+  the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
+  re-allocates after a preemption) falls back to asking then.
+- **Write-behind.** Commits, releases and reserve top-ups answer nothing the engine needs now:
+  they are queued and sent together after a step. What others wait for goes at the end of its
+  step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
+  sharing the prefix may arrive any moment). Decode-time bookkeeping rides along with those, or
+  goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
+  the block, a generated block's commit after at most ``defer_steps`` steps.
+- **One block ahead.** Every sequence holds one block more than the engine has been handed.
+  When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
+  a top-up; block_service is only on the path when no reserve covers the growth.
+
+The reserve costs at most one block per running sequence, charged to its tenant like any other.
+block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
+not token by token: its fill-level figures count a reserve block as full.
+
 A sequence's blocks, as the node sees them:
 
     asked ──take_asks──▶ in flight ──fold_asks──▶ early ──allocate──▶ claimed ──release──▶ gone
@@ -75,8 +95,7 @@ class _Table:
 
 
 class AllocatorPolicy:
-    def __init__(self, node_id: str, block_size: int, defer_steps: int = DEFER_STEPS):
-        self.node_id = node_id
+    def __init__(self, block_size: int, defer_steps: int = DEFER_STEPS):
         self.block_size = block_size
         self.defer_steps = defer_steps
         self._tables: dict[str, _Table] = {}

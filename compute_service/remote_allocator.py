@@ -13,7 +13,12 @@ write-behind, one block ahead) is ``AllocatorPolicy``'s decision (allocator_poli
   happened (commits before the allocation that reuses them, releases before the pool fills). One
   flush runs at a time (``_flush_lock``), in the order they were started.
 - **Write-behind.** ``commit``, ``release`` and ``end_step`` only queue and kick a flush: the
-  engine's step never waits on the network for them.
+  engine's step never waits on the network for them, and a flush block_service cannot take is
+  logged on the loop, never raised into the engine's thread.
+- **One place to resync.** What block_service should hold for this node is ``live_sequences()``
+  (claimed tables and early allocations not yet claimed); a node that must register again
+  (block_service restarted or dropped it) does so in ``RemoteAllocatorFactory.register`` and
+  sends those.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class RemoteBlockAllocator:
         self.trace_context_of = trace_context_of or (lambda seq_id: None)
         self.num_rpcs = 0
         self._lock = threading.Lock()               # guards the policy (engine thread and loop)
-        self._policy = AllocatorPolicy(node_id, block_size, defer_steps)
+        self._policy = AllocatorPolicy(block_size, defer_steps)
         self._waiters: dict[str, list[asyncio.Future]] = {}  # seq → preallocations awaiting (loop)
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
         self._flushes: set[asyncio.Task] = set()    # flushes kicked off and not finished (loop thread)
@@ -281,18 +286,19 @@ class RemoteAllocatorFactory:
     def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
         """Called by the engine from a worker thread (never from the loop's own thread)."""
 
-        async def register() -> None:
-            try:
-                released = await self.client.deregister_node(self.node_id)
-                log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
-            except NotFound:
-                pass
-            await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
-
-        asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.register(num_blocks, block_size, bytes_per_block), self.loop).result()
         self.allocator = RemoteBlockAllocator(self.client, self.loop, self.node_id, num_blocks, block_size,
                                               self.trace_contexts.get)
         return self.allocator
+
+    async def register(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+        """Register this node's pool, dropping a previous registration of its id first."""
+        try:
+            released = await self.client.deregister_node(self.node_id)
+            log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
+        except NotFound:
+            pass
+        await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
 
     async def close(self, deregister: bool = True) -> None:
         """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process)."""

@@ -31,7 +31,7 @@ def asked(seq_id: str, num_tokens: int, hashes=(), tenant: str = "t") -> Allocat
 
 def claimed(num_tokens: int, block_ids: list[int], seq_id: str = "s") -> AllocatorPolicy:
     """A policy whose engine holds ``seq_id`` (asked synchronously), its reserve top-up queued."""
-    policy = AllocatorPolicy("n0", BS)
+    policy = AllocatorPolicy(BS)
     policy.claim(seq_id, "t", Allocation(list(block_ids), 0), num_tokens)
     return policy
 
@@ -45,7 +45,7 @@ def steps_until_sent(policy: AllocatorPolicy, limit: int = 100) -> int:
 
 
 def test_preallocations_of_one_loop_iteration_go_together_and_the_match_is_claimed():
-    policy = AllocatorPolicy("n0", BS)
+    policy = AllocatorPolicy(BS)
     assert policy.ask(asked("a", 40, H[:2])) is True      # the first queued: the bridge kicks a send
     assert policy.ask(asked("b", 20, H[:1])) is False     # rides along
     asks = policy.take_asks()
@@ -60,7 +60,7 @@ def test_preallocations_of_one_loop_iteration_go_together_and_the_match_is_claim
 
 
 def test_an_early_allocation_asked_differently_is_given_back():
-    policy = AllocatorPolicy("n0", BS)
+    policy = AllocatorPolicy(BS)
     policy.ask(asked("a", 40, H[:2]))
     asks = policy.take_asks()
     policy.fold_asks(asks, [Allocation([0, 1, 2], 0)])
@@ -150,7 +150,7 @@ def test_a_granted_ahead_extend_leaves_a_reserve():
 
 
 def test_a_request_ending_gives_back_only_what_the_engine_never_claimed():
-    policy = AllocatorPolicy("n0", BS)
+    policy = AllocatorPolicy(BS)
     policy.ask(asked("a", 20, H[:1]))
     policy.ask(asked("b", 20, H[:1]))
     asks = policy.take_asks()
@@ -217,7 +217,7 @@ def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(mome
     """Issue 11: requests cancelled in their first ~100 ms kept their early allocation: the
     request's release came while its ask was still queued or in flight, found nothing granted yet,
     and the answer landed afterwards for nobody to claim. ``holds`` is what block_service holds."""
-    policy = AllocatorPolicy("n0", BS)
+    policy = AllocatorPolicy(BS)
     holds: set[str] = set()
 
     def flush():

@@ -27,38 +27,60 @@ from kvfleet.v1 import block_manager_pb2_grpc
 BS, BYTES_PER_BLOCK = 16, 1024
 
 
-@pytest.fixture
-def node():
-    """(allocator, run-on-loop, block_service's client) with block_service served in-process."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+class Served:
+    """block_service served in-process on a loop thread of its own, as a node's loop."""
 
-    def on_loop(coro):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.table = PageTable()
+        self.table.configure_tenants([TenantConfig("q", quota_mib=4 * BYTES_PER_BLOCK / 2**20)])
+        self.server, self.client = self.on_loop(self._start())
+        self.up = True
 
-    table = PageTable()
-    table.configure_tenants([TenantConfig("q", quota_mib=4 * BYTES_PER_BLOCK / 2**20)])
-
-    async def start():
-        server = grpc.aio.server()
-        block_manager_pb2_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(DurablePageTable(table, None)), server)
+    async def _start(self):
+        server = grpc.aio.server()  # on the loop that serves it
+        block_manager_pb2_grpc.add_BlockManagerServicer_to_server(
+            BlockManagerServicer(DurablePageTable(self.table, None)), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        client = BlockManagerClient(f"127.0.0.1:{port}")
-        return server, client
+        return server, BlockManagerClient(f"127.0.0.1:{port}")
 
-    server, client = on_loop(start())
-    factory = RemoteAllocatorFactory(HeldAsks(client), "n0", loop)
+    def on_loop(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def stop(self) -> None:
+        """block_service goes away (its state with it)."""
+        if self.up:
+            self.up = False
+            self.on_loop(self.server.stop(None))
+
+    def close(self) -> None:
+        self.table.check()
+        self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def served():
+    served = Served()
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.fixture
+def node(served):
+    """(allocator, run-on-loop, block_service's client) with block_service served in-process."""
+    factory = RemoteAllocatorFactory(HeldAsks(served.client), "n0", served.loop)
     allocator = factory(64, BS, BYTES_PER_BLOCK)  # called off the loop, as the engine does
     try:
-        yield allocator, on_loop, client
+        yield allocator, served.on_loop, served.client
     finally:
-        on_loop(factory.close())
-        table.check()
-        on_loop(server.stop(None))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        served.on_loop(factory.close(deregister=served.up))
 
 
 class HeldAsks:
@@ -336,3 +358,19 @@ def test_a_stream_closing_during_preallocation_cancels_its_waiters_and_leaks_not
 
     on_loop(scenario())
     holds_nothing(allocator, on_loop, client)
+
+
+def test_block_service_gone_never_reaches_the_engine_thread_on_write_behind_paths(node, served, caplog):
+    """Commits, releases and step ends only queue: a flush block_service cannot take is logged
+    on the loop, and the engine's step goes on."""
+    allocator, on_loop, _ = node
+    ids = list(range(40))
+    allocator.allocate("a", "t", hashes(ids), 40)
+    served.stop()
+    allocator.begin_step()
+    allocator.commit([("a", 0, block_hashes(ids, BS, tenant_extra_key("t"))[0])])
+    allocator.release(["a"])
+    allocator.end_step()
+    on_loop(allocator.settle())
+    assert "block_service flush failed (1 commits, 1 releases, 0 top-ups)" in caplog.text
+    assert allocator.live_sequences() == []
