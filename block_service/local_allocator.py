@@ -26,9 +26,6 @@ class LocalBlockAllocator:
         table.register_node(node_id, num_blocks, block_size, bytes_per_block)
         return cls(table, node_id)
 
-    def num_available(self) -> int:
-        return self.page_table.num_available(self.node_id)
-
     def allocate(
         self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
     ) -> Allocation | Refusal:

@@ -1,5 +1,5 @@
 """Per-sequence use of a node's ``BlockAllocator``: what the scheduler calls to give a sequence its
-blocks, grow it, commit its full blocks under their chained hashes, and free it. Pure Python.
+blocks, grow it, commit its full blocks under their chained hashes, and release it. Pure Python.
 
 The allocator holds the page table (here or in block_service); this class only translates a
 sequence's progress into allocator calls, batched per step.
@@ -11,7 +11,12 @@ from collections.abc import Iterable
 
 from compute_service.sequence import Sequence
 from kvfleet.allocator import BlockAllocator, Refusal
-from kvfleet.block_hash import cluster_seed, next_block_hash, tenant_extra_key
+from kvfleet.block_hash import (
+    cluster_seed,
+    next_block_hash,
+    reusable_blocks,
+    tenant_extra_key,
+)
 
 
 class KVCacheManager:
@@ -29,7 +34,7 @@ class KVCacheManager:
         ``seq.num_computed`` starts past them. At least one token is always left to compute (its
         logits are needed), so a fully cached prompt recomputes its last block."""
         self._extend_hashes(seq, seq.num_tokens // self.block_size)
-        reusable = (seq.num_tokens - 1) // self.block_size
+        reusable = reusable_blocks(seq.num_tokens, self.block_size)
         result = self.allocator.allocate(seq.seq_id, seq.tenant, seq.block_hashes[:reusable], seq.num_tokens)
         if isinstance(result, Refusal):
             return result
@@ -70,7 +75,7 @@ class KVCacheManager:
         if commits:
             self.allocator.commit(commits)
 
-    def free(self, seqs: Iterable[Sequence]) -> None:
+    def release(self, seqs: Iterable[Sequence]) -> None:
         seqs = list(seqs)
         ids = [seq.seq_id for seq in seqs]
         if ids:

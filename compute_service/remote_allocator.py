@@ -1,34 +1,24 @@
 """``BlockAllocator`` served by block_service over gRPC, kept off the engine's critical path.
 
 The engine calls the allocator synchronously from its step thread; the block_service client is
-asyncio, on the node's event loop. Three rules keep the step from waiting on the network:
-
-- **Ask early.** A request's first allocation is asked for when the request reaches the node
-  (``preallocate``, on the event loop, batched with other arrivals), so when the scheduler admits
-  it the answer is already here. A mismatch (the engine hashed differently, or re-allocates after
-  a preemption) falls back to asking then.
-- **Write-behind.** ``commit``, ``release`` and reserve top-ups answer nothing the engine needs
-  now, so they are queued and sent together after a step (``end_step``), in one ``ApplyMany``.
-  What others wait for goes at the end of its step: releases (free blocks, the tenant's quota)
-  and commits of prompt blocks (a request sharing the prefix may arrive any moment). Decode-time
-  bookkeeping rides along with those, or goes on its own once it is due: a top-up a couple of
-  steps before its sequence could need the block, a generated block's commit after at most
-  ``defer_steps`` steps. A batch of decoding requests then costs block_service a call every few
-  steps instead of one per step that crossed a block boundary.
-- **One block ahead.** Every sequence holds one block more than the engine has been handed. When
-  the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues a
-  top-up, sent before the sequence can fill the block it just got; the network is only on the
-  path when no reserve was granted.
-- **Order.** A call that needs an answer (``allocate``, an ``extend`` without reserve) first sends
-  everything queued and waits for it, so block_service sees a node's changes in the order they
-  happened (commits before the allocation that reuses them, releases before the pool fills).
+asyncio, on the node's event loop. This module is the bridge between the two: it holds the lock,
+the futures and the flush order, and calls the client. What is sent when (early allocation,
+write-behind, one block ahead) is ``AllocatorPolicy``'s decision (allocator_policy.py):
 
     event loop:    preallocate ─queue─┐            flush: ApplyMany (top-ups, commits, releases), AllocateMany
     engine thread: allocate (answered) │ extend (reserve) │ commit, release ─queue─▶ end_step ─kick─┘
 
-The reserve costs at most one block per running sequence, charged to its tenant like any other.
-block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
-not token by token: its fill-level figures count a reserve block as full.
+- **Order.** A call that needs an answer (``allocate``, an ``extend`` without reserve) first sends
+  everything queued and waits for it, so block_service sees a node's changes in the order they
+  happened (commits before the allocation that reuses them, releases before the pool fills). One
+  flush runs at a time (``_flush_lock``), in the order they were started.
+- **Write-behind.** ``commit``, ``release`` and ``end_step`` only queue and kick a flush: the
+  engine's step never waits on the network for them, and a flush block_service cannot take is
+  logged on the loop, never raised into the engine's thread.
+- **One place to resync.** What block_service should hold for this node is ``live_sequences()``
+  (claimed tables and early allocations not yet claimed); a node that must register again
+  (block_service restarted or dropped it) does so in ``RemoteAllocatorFactory.register`` and
+  sends those.
 """
 
 from __future__ import annotations
@@ -38,14 +28,17 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from compute_service.allocator_policy import (
+    DEFER_STEPS,
+    AllocatorPolicy,
+    Bookkeeping,
+    LiveSequence,
+)
 from kvfleet import block_hash
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
 from kvfleet.errors import NotFound
 
 log = logging.getLogger(__name__)
-
-DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
-TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
 
 TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
 
@@ -66,26 +59,17 @@ class RemoteBlockAllocator:
         self.block_size = block_size
         self.trace_context_of = trace_context_of or (lambda seq_id: None)
         self.num_rpcs = 0
-        self._lock = threading.Lock()               # guards everything below
-        self._tables: dict[str, list[int]] = {}     # seq → block ids block_service gave (handed + reserve)
-        self._handed: dict[str, int] = {}           # seq → blocks the engine has been given
-        self._commits: list[tuple[str, int, bytes]] = []
-        self._releases: list[str] = []
-        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
-        self._asks: list[tuple[AllocateRequest, asyncio.Future]] = []  # preallocations to send (loop)
-        self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
+        self._lock = threading.Lock()               # guards the policy (engine thread and loop)
+        self._policy = AllocatorPolicy(block_size, defer_steps)
+        self._waiters: dict[str, list[asyncio.Future]] = {}  # seq → preallocations awaiting (loop)
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
-        self._in_step = False                       # between begin_step and end_step (engine thread)
-        self.defer_steps = defer_steps
-        self._step = 0                              # end_step calls so far
-        self._urgent = False                        # a release or a prompt block's commit is queued
-        self._due: int | None = None                # the step by which deferred bookkeeping must go
-        self._prompt_blocks: dict[str, int] = {}    # seq → full blocks of its prompt (urgent commits)
+        self._flushes: set[asyncio.Task] = set()    # flushes kicked off and not finished (loop thread)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
     def _call(self, coro_fn, seq_id: str | None = None):
-        """Run ``coro_fn()`` on the loop under ``seq_id``'s trace context; wait (engine thread)."""
+        """Run ``coro_fn()`` on the loop under ``seq_id``'s trace context, after everything queued
+        before it was sent; wait for its result (engine thread)."""
         context = self.trace_context_of(seq_id) if seq_id else None
 
         async def traced():
@@ -93,8 +77,7 @@ class RemoteBlockAllocator:
 
             token = otel_context.attach(context) if context is not None else None
             try:
-                await self._flush()  # everything queued before this call goes first
-                self.num_rpcs += 1
+                await self.flush()
                 return await coro_fn()
             finally:
                 if token is not None:
@@ -102,202 +85,176 @@ class RemoteBlockAllocator:
 
         return asyncio.run_coroutine_threadsafe(traced(), self.loop).result()
 
-    def begin_step(self) -> None:
-        self._in_step = True
-
-    def end_step(self) -> None:
-        """The engine finished a step: send what is queued if it is urgent or due (returns at once)."""
-        self._in_step = False
-        self._step += 1
-        with self._lock:
-            send = self._urgent or (self._due is not None and self._step >= self._due)
-        if send:
-            self._send_soon()
-
-    def _defer(self, steps: int) -> None:
-        """What was just queued must be sent within ``steps`` more steps (lock held)."""
-        due = self._step + max(steps, 0) + 1  # end_step counts this step first
-        self._due = due if self._due is None else min(self._due, due)
-
-    def _topup(self, seq_id: str, held: int, num_tokens: int) -> None:
-        """Queue the reserve block past ``held`` blocks for a sequence now ``num_tokens`` long
-        (lock held): due a little before decoding (a token a step) fills the blocks it has."""
-        self._topups[seq_id] = (held + 1) * self.block_size
-        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)
-
     def _send_soon(self) -> None:
         """Have the loop flush what is queued, if anything (any thread; returns at once)."""
         with self._lock:
-            if not (self._commits or self._releases or self._topups):
+            if not self._policy.has_bookkeeping():
                 return
         self.loop.call_soon_threadsafe(self._kick)
 
     def _kick(self) -> None:
-        self.loop.create_task(self._flush())
+        task = self.loop.create_task(self.flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
         """Send what is queued, after any flush in flight (loop thread)."""
         async with self._flush_lock:
             await self._send()
 
+    async def settle(self) -> None:
+        """Return once the flushes kicked off so far have finished (loop thread): what the engine
+        queued before is then applied at block_service, and what was deferred is still queued."""
+        while self._flushes:
+            await asyncio.gather(*self._flushes)
+
     async def _send(self) -> None:
         with self._lock:
-            self._urgent, self._due = False, None
-            commits, self._commits = self._commits, []
-            releases, self._releases = self._releases, []
-            released = set(releases)
-            topups = [(s, n) for s, n in self._topups.items() if s not in released]
-            self._topups = {}
-        asks, self._asks = self._asks, []
+            batch = self._policy.take()
+            asks = self._policy.take_asks()
         try:
             with _untraced():  # bookkeeping of many requests at once: no request's trace
-                await self._send_bookkeeping(commits, releases, topups)
+                await self._send_bookkeeping(batch)
         except Exception:  # block_service down or state lost: the node keeps serving from its KV
             log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
-                          len(commits), len(releases), len(topups))
+                          len(batch.commits), len(batch.releases), len(batch.topups))
         if asks:
             await self._send_asks(asks)
 
-    async def _send_bookkeeping(self, commits, releases, topups) -> None:
-        if not (commits or releases or topups):
+    async def _send_bookkeeping(self, batch: Bookkeeping) -> None:
+        if not batch:
             return
-        # one call, applied in order: top-ups (they bring block_service's length of a sequence up to
-        # the blocks the engine filled, so its commits below are of full blocks), commits (a block is
-        # committed by its live sequence), releases
         self.num_rpcs += 1
-        _, results = await self.client.apply(commits, releases, topups)
+        _, results = await self.client.apply(batch.commits, batch.releases, batch.topups)
         with self._lock:
-            for (seq_id, _), new in zip(topups, results):
-                if isinstance(new, list) and seq_id in self._tables:
-                    self._tables[seq_id].extend(new)
+            self._policy.fold_topups(batch.topups, results)
 
-    async def _send_asks(self, asks: list[tuple[AllocateRequest, asyncio.Future]]) -> None:
+    async def _send_asks(self, asks: list[AllocateRequest]) -> None:
         try:
             self.num_rpcs += 1
-            results = await self.client.allocate_many([request for request, _ in asks])
+            results = await self.client.allocate_many(asks)
         except Exception as e:  # e.g. one id already live: each asks again when admitted
             log.warning("early allocation of %d sequences failed: %s", len(asks), e)
             results = [None] * len(asks)
-        for (request, done), result in zip(asks, results):
-            if isinstance(result, Allocation):
-                with self._lock:
-                    self._early[request.seq_id] = (request, result)
-            done.set_result(None)
+        with self._lock:
+            send = self._policy.fold_asks(asks, results)
+        for request in asks:
+            self._wake(request.seq_id)
+        if send:  # grants of requests that ended while they were asked for
+            self._send_soon()
+
+    def _wake(self, seq_id: str) -> None:
+        """The preallocations of ``seq_id`` are over (loop thread); a waiter cancelled meanwhile
+        (its request's stream closed) is passed over."""
+        for done in self._waiters.pop(seq_id, []):
+            if not done.done():
+                done.set_result(None)
 
     async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
                           share_across_tenants: bool = False) -> None:
         """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
         the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
         compute). A refusal is not kept: the scheduler asks again when it admits the request."""
-        reusable = (len(token_ids) - 1) // self.block_size
+        reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
         hashes = block_hash.block_hashes(token_ids, self.block_size,
                                          block_hash.tenant_extra_key(tenant, share_across_tenants),
                                          max_blocks=reusable)
         done = self.loop.create_future()
-        self._asks.append((AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)), done))
-        if len(self._asks) == 1:
-            self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
-        await done
-
-    def forget(self, seq_id: str) -> None:
-        """The request ended; if the scheduler never claimed its early allocation, give it back."""
+        self._waiters.setdefault(seq_id, []).append(done)
         with self._lock:
-            if self._early.pop(seq_id, None) is None:
-                return
-            self._releases.append(seq_id)
-            self._urgent = True
-        if not self._in_step:  # during a step (the engine thread finishing it) end_step sends it
-            self._send_soon()
+            first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)))
+        if first:
+            self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
+        try:
+            await done
+        except asyncio.CancelledError:  # nobody will hand this request to the engine
+            self.release([seq_id])
+            raise
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """What block_service holds for this node, as the node knows it (claimed and early)."""
+        with self._lock:
+            return self._policy.live_sequences()
 
     # -- BlockAllocator ---------------------------------------------------------------------------
 
-    def num_available(self) -> int:
-        stats = self.stats()
-        return stats.num_free + stats.num_cached
+    def begin_step(self) -> None:
+        with self._lock:
+            self._policy.begin_step()
+
+    def end_step(self) -> None:
+        """The engine finished a step: send what is queued if it is urgent or due (returns at once)."""
+        with self._lock:
+            send = self._policy.end_step()
+        if send:
+            self._send_soon()
 
     def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
         with self._lock:
-            early = self._early.pop(seq_id, None)
-            if early is not None:
-                request, result = early
-                if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
-                    self._claim(seq_id, result, num_tokens)
-                    return result
-                self._releases.append(seq_id)  # asked differently: give it back, ask again below
-                self._urgent = True
-        result = self._call(lambda: self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens), seq_id)
+            early = self._policy.allocate(seq_id, block_hashes, num_tokens)
+        if early is not None:
+            return early
+
+        async def ask():
+            self.num_rpcs += 1
+            return await self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens)
+
+        result = self._call(ask, seq_id)
         if isinstance(result, Allocation):
             with self._lock:
-                self._claim(seq_id, result, num_tokens)
+                self._policy.claim(seq_id, tenant, result, num_tokens)
         return result
 
-    def _claim(self, seq_id: str, result: Allocation, num_tokens: int) -> None:
-        """Record a granted table (lock held) and queue its reserve block."""
-        self._tables[seq_id] = list(result.block_ids)
-        self._handed[seq_id] = len(result.block_ids)
-        self._prompt_blocks[seq_id] = num_tokens // self.block_size
-        self._topup(seq_id, len(result.block_ids), num_tokens)
-
     def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
-        answers: dict[str, list[int] | Refusal] = {}
-        short: list[tuple[str, int]] = []
         with self._lock:
-            for seq_id, num_tokens in growth:
-                need = -(-num_tokens // self.block_size)
-                table, handed = self._tables[seq_id], self._handed[seq_id]
-                if need <= len(table):
-                    answers[seq_id] = table[handed:need]
-                    handed = self._handed[seq_id] = max(handed, need)
-                    if len(table) <= handed:  # the reserve is used up: ask for the next one
-                        self._topup(seq_id, handed, num_tokens)
-                else:
-                    short.append((seq_id, num_tokens))
-        if short:
-            self._extend_now(short, answers)
+            grown = self._policy.extend(growth)
+        answers: dict[str, list[int] | Refusal] = dict(grown.answers)
+        if grown.short:
+            answers.update(self._call(lambda: self._extend_now(grown.short), grown.short[0][0]))
         return [answers[seq_id] for seq_id, _ in growth]
 
-    def _extend_now(self, short: list[tuple[str, int]], answers: dict) -> None:
-        """No reserve for these: ask now, one block ahead, and exactly if that is refused."""
-        ahead = [(s, (-(-n // self.block_size) + 1) * self.block_size) for s, n in short]
-        results = self._call(lambda: self.client.extend(ahead), short[0][0])
-        retry = [(s, n) for (s, n), r in zip(short, results) if isinstance(r, Refusal)]
-        exact = dict(zip((s for s, _ in retry), self._call(lambda: self.client.extend(retry)))) if retry else {}
+    async def _extend_now(self, short: list[tuple[str, int]]) -> dict[str, list[int] | Refusal]:
+        """No reserve covers these: ask block_service (after the queue before them was sent)."""
         with self._lock:
-            for (seq_id, num_tokens), result in zip(short, results):
-                result = exact.get(seq_id, result)
-                if isinstance(result, Refusal):
-                    answers[seq_id] = result
-                    continue
-                table = self._tables[seq_id]
-                table.extend(result)
-                need = -(-num_tokens // self.block_size)
-                answers[seq_id] = table[self._handed[seq_id]:need]
-                self._handed[seq_id] = need
+            asks = self._policy.extend_asks(short)
+        while asks:
+            self.num_rpcs += 1
+            results = await self.client.extend(asks)
+            with self._lock:
+                asks = self._policy.fold_extend(asks, results)
+        with self._lock:
+            return self._policy.hand_over()
 
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
-        if not commits:
-            return
         with self._lock:
-            self._commits.extend(commits)
-            if any(index < self._prompt_blocks.get(seq_id, index + 1) for seq_id, index, _ in commits):
-                self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
-            else:
-                self._defer(self.defer_steps)
+            self._policy.commit(commits)
 
     def release(self, seq_ids: Sequence[str]) -> None:
+        """Give back the sequences' blocks. From the engine (its step thread): whatever it holds.
+        On the event loop (a request's stream ended): only what the engine never claimed, an
+        early allocation; a claimed sequence may be in the engine's step right now, and the
+        engine releases it itself when the request's abort reaches it."""
+        on_loop = self._on_loop()
         with self._lock:
+            send = self._policy.release(seq_ids, claimed=not on_loop)
+        if on_loop:  # a preallocation of an ended request is not waited for
             for seq_id in seq_ids:
-                self._tables.pop(seq_id, None)
-                self._handed.pop(seq_id, None)
-                self._topups.pop(seq_id, None)
-                self._prompt_blocks.pop(seq_id, None)
-            self._releases.extend(seq_ids)
-            self._urgent = True
-        if not self._in_step:  # an abort between steps: no end_step will come to send it
+                self._wake(seq_id)
+        if send:  # during a step (the engine thread finishing it) end_step sends it
             self._send_soon()
 
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop runs in this thread: the engine's
+            return False
+
     def stats(self) -> AllocatorStats:
-        nodes, _ = self._call(lambda: self.client.stats([self.node_id]))
+        async def ask():
+            self.num_rpcs += 1
+            return await self.client.stats([self.node_id])
+
+        nodes, _ = self._call(ask)
         n = nodes[0]
         return AllocatorStats(num_blocks=n.num_blocks, num_free=n.num_free, num_cached=n.num_cached,
                               num_used=n.num_used, prefix_queries=n.counters.prefix_queries,
@@ -329,24 +286,25 @@ class RemoteAllocatorFactory:
     def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
         """Called by the engine from a worker thread (never from the loop's own thread)."""
 
-        async def register() -> None:
-            try:
-                released = await self.client.deregister_node(self.node_id)
-                log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
-            except NotFound:
-                pass
-            await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
-
-        asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.register(num_blocks, block_size, bytes_per_block), self.loop).result()
         self.allocator = RemoteBlockAllocator(self.client, self.loop, self.node_id, num_blocks, block_size,
                                               self.trace_contexts.get)
         return self.allocator
+
+    async def register(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+        """Register this node's pool, dropping a previous registration of its id first."""
+        try:
+            released = await self.client.deregister_node(self.node_id)
+            log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
+        except NotFound:
+            pass
+        await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
 
     async def close(self, deregister: bool = True) -> None:
         """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process)."""
         try:
             if self.allocator is not None:
-                await self.allocator._flush()
+                await self.allocator.flush()
             if deregister:
                 await self.client.deregister_node(self.node_id)
         finally:

@@ -174,7 +174,7 @@ class RequestStream:
         remote = self.node.remote
         if remote is not None:
             remote.trace_contexts.pop(self.request_id, None)
-            remote.allocator.forget(self.request_id)
+            remote.allocator.release([self.request_id])
         self.phase.set_attribute("kvfleet.completion_tokens", self.completion_tokens)
         self.phase.end()
         self.span.set_attribute("kvfleet.completion_tokens", self.completion_tokens)

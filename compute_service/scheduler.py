@@ -137,7 +137,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        self.kv.free([seq])
+        self.kv.release([seq])
         seq.reset_for_recompute()
         self.waiting.append(seq)
         self.num_preemptions += 1
@@ -148,7 +148,7 @@ class Scheduler:
         log.warning("request %s cannot be served: %s", seq.seq_id, refusal.message())
         if seq in self.running:
             self.running.remove(seq)
-            self.kv.free([seq])
+            self.kv.release([seq])
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
         batch.refused.append((seq, refusal))
@@ -161,4 +161,4 @@ class Scheduler:
             elif seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status = Status.FINISHED
-        self.kv.free([s for s in seqs if s.block_table])
+        self.kv.release([s for s in seqs if s.block_table])

@@ -73,9 +73,6 @@ class BlockAllocator(Protocol):
     block_size: int
     num_blocks: int
 
-    def num_available(self) -> int:
-        """Blocks that an allocation could take now: free plus evictable cached."""
-
     def allocate(
         self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int
     ) -> Allocation | Refusal:

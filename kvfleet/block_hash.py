@@ -55,6 +55,23 @@ def block_hashes(
     return hashes
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a ``num_tokens``-long sequence may come from the prefix cache.
+
+    The last token is always computed (its logits give the next token), so a prompt that fills
+    its blocks exactly recomputes its last block:
+
+        bs=4, n=8:  [t0 t1 t2 t3][t4 t5 t6 t7]   reusable 1 (t7 must be computed)
+        bs=4, n=9:  [t0 t1 t2 t3][t4 t5 t6 t7][t8]   reusable 2
+
+    Every allocator that names a sequence's reusable prefix (the engine's and the node's early
+    allocation) asks with this many hashes, so an early allocation matches the engine's ask.
+    """
+    if num_tokens < 1 or block_size < 1:
+        raise ValueError(f"num_tokens and block_size must be positive, got {num_tokens} and {block_size}")
+    return (num_tokens - 1) // block_size
+
+
 def tenant_extra_key(tenant: str, share_across_tenants: bool = False) -> bytes:
     """The extra key of a sequence's first block: its tenant, unless prefixes are shared by config."""
     return b"" if share_across_tenants else tenant.encode()

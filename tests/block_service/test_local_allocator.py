@@ -9,14 +9,17 @@ from kvfleet.block_hash import block_hashes
 
 def test_standalone_allocator_round_trip() -> None:
     alloc: BlockAllocator = LocalBlockAllocator.standalone(num_blocks=4, block_size=16, bytes_per_block=1)
-    assert (alloc.block_size, alloc.num_blocks, alloc.num_available()) == (16, 4, 4)
+    assert (alloc.block_size, alloc.num_blocks, alloc.stats().num_free) == (16, 4, 4)
     hs = block_hashes(list(range(40)), 16, extra=b"default")
     a = alloc.allocate("r1", "default", hs, 40)
     assert a == Allocation([0, 1, 2], 0)
     alloc.commit([("r1", 0, hs[0]), ("r1", 1, hs[1])])
     a.block_ids.append(99)  # the engine's copy is its own
     assert alloc.page_table.sequence("r1").block_ids == [0, 1, 2]
-    assert alloc.extend([("r1", 48), ("r1", 49)][:1]) == [[]]
+    assert alloc.extend([("r1", 48)]) == [[]]  # 48 tokens fit the 3 blocks it holds
+    assert alloc.extend([("r1", 49)]) == [[3]]  # 49 need the last free block
+    assert alloc.page_table.sequence("r1").block_ids == [0, 1, 2, 3]
+    assert alloc.stats().num_free == 0
     assert isinstance(alloc.extend([("r1", 80)])[0], Refusal)
     alloc.release(["r1"])
     s = alloc.stats()

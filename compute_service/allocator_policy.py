@@ -1,0 +1,327 @@
+"""What a compute node tells block_service about its blocks, and when. Pure: plain lists and dicts.
+
+``RemoteBlockAllocator`` (remote_allocator.py) is the bridge: it moves work between the engine's
+step thread and the event loop and calls block_service. What it answers from the node's own
+tables, what it sends now, what it defers and what each answer changes is decided here, so it can
+be tested without a thread, a loop or a network. The bridge calls it under one lock.
+
+Three rules keep the engine's step from waiting on the network:
+
+- **Ask early.** A request's first allocation is asked for when the request reaches the node
+  (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
+  the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
+  re-allocates after a preemption) falls back to asking then.
+- **Write-behind.** Commits, releases and reserve top-ups answer nothing the engine needs now:
+  they are queued and sent together after a step. What others wait for goes at the end of its
+  step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
+  sharing the prefix may arrive any moment). Decode-time bookkeeping rides along with those, or
+  goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
+  the block, a generated block's commit after at most ``defer_steps`` steps.
+- **One block ahead.** Every sequence holds one block more than the engine has been handed.
+  When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
+  a top-up; block_service is only on the path when no reserve covers the growth.
+
+The reserve costs at most one block per running sequence, charged to its tenant like any other.
+block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
+not token by token: its fill-level figures count a reserve block as full.
+
+A sequence's blocks, as the node sees them:
+
+    asked ──take_asks──▶ in flight ──fold_asks──▶ early ──allocate──▶ claimed ──release──▶ gone
+                                                                        ▲
+                                               claim (the engine asked itself, no early) ┘
+
+A request may end at any of these moments, and its release must leave block_service holding
+nothing for it: queued, its ask is dropped (never sent); in flight, it is marked and its grant
+given back when the answer lands; early, the grant is given back; claimed, the table is the
+engine's, which releases it itself (a request's stream ending passes ``claimed=False``).
+
+A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
+the reserve, one block ahead. ``num_tokens`` is the sequence's length at block_service (what was
+asked and granted). Bookkeeping waits in three queues (top-ups, commits, releases) until
+``take`` empties them into one ``ApplyMany``; ``end_step`` says when that is due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+
+DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
+TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
+
+
+@dataclass(slots=True)
+class Bookkeeping:
+    """One ``ApplyMany``, applied in this order: top-ups (they bring block_service's length of a
+    sequence up to the blocks the engine fills, so the commits after them are of full blocks),
+    commits (a block is committed by its live sequence), releases."""
+
+    topups: list[tuple[str, int]] = field(default_factory=list)       # (seq, tokens to extend to)
+    commits: list[tuple[str, int, bytes]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.topups or self.commits or self.releases)
+
+
+@dataclass(slots=True)
+class Growth:
+    """``extend``'s first pass: what the node's tables answered, and what needs block_service."""
+
+    answers: dict[str, list[int]]
+    short: list[tuple[str, int]]  # (seq, tokens) with no reserve left to cover them
+
+
+@dataclass(slots=True, frozen=True)
+class LiveSequence:
+    """A sequence block_service holds for this node (claimed by the engine or granted early)."""
+
+    seq_id: str
+    tenant: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Table:
+    tenant: str
+    block_ids: list[int]     # what block_service gave: handed + reserve
+    handed: int              # blocks the engine has been given
+    num_tokens: int          # the sequence's length at block_service
+    prompt_blocks: int       # full blocks of its prompt: their commits are urgent
+
+
+class AllocatorPolicy:
+    def __init__(self, block_size: int, defer_steps: int = DEFER_STEPS):
+        self.block_size = block_size
+        self.defer_steps = defer_steps
+        self._tables: dict[str, _Table] = {}
+        self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
+        self._asks: list[AllocateRequest] = []      # preallocations to send
+        self._in_flight: dict[str, bool] = {}       # preallocations sent → released before their answer
+        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
+        self._commits: list[tuple[str, int, bytes]] = []
+        self._releases: list[str] = []
+        self._growing: dict[str, int] = {}          # the short sequences of the extend under way
+        self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
+        self._in_step = False
+        self._step = 0                              # end_step calls so far
+        self._urgent = False                        # a release or a prompt block's commit is queued
+        self._due: int | None = None                # the step by which deferred bookkeeping must go
+
+    # -- early allocation -------------------------------------------------------------------------
+
+    def ask(self, request: AllocateRequest) -> bool:
+        """Queue a preallocation; True when it is the first queued (the bridge sends them soon,
+        together with the other arrivals of its loop iteration)."""
+        self._asks.append(request)
+        return len(self._asks) == 1
+
+    def take_asks(self) -> list[AllocateRequest]:
+        """The preallocations to send now."""
+        asks, self._asks = self._asks, []
+        self._in_flight.update((r.seq_id, False) for r in asks)
+        return asks
+
+    def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
+        """block_service's answers (``None``: the call failed). A grant waits for the engine to
+        claim it; a refusal is not kept (the engine asks again when it admits the sequence).
+        A grant for a sequence released while its ask was in flight is given back at once.
+        True when a release was queued that the bridge should send soon."""
+        queued = False
+        for request, result in zip(asks, results):
+            released = self._in_flight.pop(request.seq_id, False)
+            if not isinstance(result, Allocation):
+                continue
+            if released:
+                self._release_now(request.seq_id)
+                queued = True
+            else:
+                self._early[request.seq_id] = (request, result)
+        return queued and not self._in_step
+
+    # -- the engine's calls -----------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | None:
+        """The early allocation if it was asked as the engine asks now (then it is claimed), else
+        None: the engine's ask goes to block_service (an early one asked differently is given back)."""
+        early = self._early.pop(seq_id, None)
+        if early is None:
+            return None
+        request, result = early
+        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
+            self.claim(seq_id, request.tenant, result, num_tokens)
+            return result
+        self._release_now(seq_id)
+        return None
+
+    def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
+        """The engine now holds ``result``; queue its reserve block."""
+        blocks = len(result.block_ids)
+        self._tables[seq_id] = _Table(tenant, list(result.block_ids), blocks, num_tokens,
+                                      num_tokens // self.block_size)
+        self._topup(seq_id, num_tokens)
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> Growth:
+        """Hand over reserve blocks where they cover the growth (queueing the next reserve);
+        the rest is ``short``: the bridge asks block_service (``extend_asks``) and hands over."""
+        answers: dict[str, list[int]] = {}
+        short: list[tuple[str, int]] = []
+        for seq_id, num_tokens in growth:
+            if self._covers(seq_id, num_tokens):
+                answers[seq_id] = self._hand(seq_id, num_tokens)
+            else:
+                short.append((seq_id, num_tokens))
+        return Growth(answers, short)
+
+    def extend_asks(self, short: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """What to ask block_service for the short sequences, once the queue before them was sent:
+        one block ahead each (a new reserve); ``fold_extend`` says what to ask next.
+
+        Only those the table still does not cover are asked: a top-up sent with that queue may
+        have brought the reserve, and block_service's length then is past the growth. Asking for
+        less than it holds is an error, not a refusal (a sequence cannot shrink), so every ask
+        here is past the table's end and therefore past block_service's length."""
+        self._growing, self._refused = dict(short), {}
+        return [(s, (self._blocks(n) + 1) * self.block_size) for s, n in short if not self._covers(s, n)]
+
+    def fold_extend(self, asks: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> list[tuple[str, int]]:
+        """block_service's answers to ``asks``; returns what to ask next: exactly the growth of
+        each sequence whose one-block-ahead ask was refused (empty when done)."""
+        retry: list[tuple[str, int]] = []
+        for (seq_id, tokens), result in zip(asks, results):
+            wanted = self._growing[seq_id]
+            if isinstance(result, Refusal):
+                if tokens > wanted:
+                    retry.append((seq_id, wanted))
+                self._refused[seq_id] = result
+                continue
+            self._refused.pop(seq_id, None)
+            table = self._tables[seq_id]
+            table.block_ids.extend(result)
+            table.num_tokens = max(table.num_tokens, tokens)
+        return retry
+
+    def hand_over(self) -> dict[str, list[int] | Refusal]:
+        """The answers of the extend under way: the new blocks of each short sequence, or why not."""
+        answers: dict[str, list[int] | Refusal] = {}
+        for seq_id, num_tokens in self._growing.items():
+            refusal = self._refused.get(seq_id)
+            if refusal is not None:
+                answers[seq_id] = refusal
+                continue
+            answers[seq_id] = self._hand(seq_id, num_tokens)
+        self._growing, self._refused = {}, {}
+        return answers
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        if not commits:
+            return
+        self._commits.extend(commits)
+        if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
+            self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
+        else:
+            self._defer(self.defer_steps)
+
+    def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
+        """Give back what block_service holds or will hold for these sequences: a table the
+        engine claimed (unless ``claimed`` is False: the engine may still be using it and
+        releases it itself), an early allocation it never claimed, one in flight (when its
+        answer lands); a queued ask is dropped. A sequence unknown or already released sends
+        nothing. True when the bridge should send soon (between steps: after an abort no
+        ``end_step`` comes to send it)."""
+        queued = False
+        for seq_id in seq_ids:
+            if seq_id in self._tables:
+                if not claimed:
+                    continue
+                del self._tables[seq_id]
+                self._topups.pop(seq_id, None)
+            elif seq_id in self._in_flight:
+                self._in_flight[seq_id] = True
+                continue
+            elif self._early.pop(seq_id, None) is None:
+                self._asks = [r for r in self._asks if r.seq_id != seq_id]
+                continue
+            self._release_now(seq_id)
+            queued = True
+        return queued and not self._in_step
+
+    # -- steps and sending ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self._in_step = True
+
+    def end_step(self) -> bool:
+        """The engine finished a step: True when what is queued is urgent or due."""
+        self._in_step = False
+        self._step += 1
+        return self._urgent or (self._due is not None and self._step >= self._due)
+
+    def has_bookkeeping(self) -> bool:
+        return bool(self._commits or self._releases or self._topups)
+
+    def take(self) -> Bookkeeping:
+        """Everything queued, to send now in one call."""
+        self._urgent, self._due = False, None
+        released = set(self._releases)
+        batch = Bookkeeping([(s, n) for s, n in self._topups.items() if s not in released],
+                            self._commits, self._releases)
+        self._topups, self._commits, self._releases = {}, [], []
+        return batch
+
+    def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
+        """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
+        for (seq_id, tokens), new in zip(topups, results):
+            table = self._tables.get(seq_id)
+            if isinstance(new, list) and table is not None:
+                table.block_ids.extend(new)
+                table.num_tokens = max(table.num_tokens, tokens)
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """What block_service holds for this node as far as the node knows: claimed tables (reserve
+        included) and early allocations not yet claimed. A node re-registering sends these."""
+        live = [LiveSequence(s, t.tenant, list(t.block_ids), t.num_tokens) for s, t in self._tables.items()]
+        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a) in self._early.items()]
+        return live
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _covers(self, seq_id: str, num_tokens: int) -> bool:
+        return self._blocks(num_tokens) <= len(self._tables[seq_id].block_ids)
+
+    def _hand(self, seq_id: str, num_tokens: int) -> list[int]:
+        """The blocks a sequence growing to ``num_tokens`` gets from its table (covered); when that
+        uses up the reserve, queue the next one."""
+        table, need = self._tables[seq_id], self._blocks(num_tokens)
+        new = table.block_ids[table.handed:need]
+        table.handed = max(table.handed, need)
+        if len(table.block_ids) <= table.handed:
+            self._topup(seq_id, num_tokens)
+        return new
+
+    def _prompt_blocks(self, seq_id: str, index: int) -> int:
+        table = self._tables.get(seq_id)
+        return table.prompt_blocks if table is not None else index + 1
+
+    def _release_now(self, seq_id: str) -> None:
+        self._releases.append(seq_id)
+        self._urgent = True
+
+    def _defer(self, steps: int) -> None:
+        """What was just queued must be sent within ``steps`` more steps."""
+        due = self._step + max(steps, 0) + 1  # end_step counts this step first
+        self._due = due if self._due is None else min(self._due, due)
+
+    def _topup(self, seq_id: str, num_tokens: int) -> None:
+        """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
+        a little before decoding (a token a step) fills the blocks it has."""
+        held = self._tables[seq_id].handed
+        self._topups[seq_id] = (held + 1) * self.block_size
+        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)

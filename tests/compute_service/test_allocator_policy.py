@@ -1,0 +1,251 @@
+"""The remote allocator's policy, without a thread, a loop or a network: what it answers from the
+node's tables, what it sends, when, and what block_service's answers change.
+
+Each test plays the bridge's part by hand: ``take``/``take_asks`` stand for a flush, ``fold_*`` for
+block_service's answers to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from compute_service.allocator_policy import (
+    DEFER_STEPS,
+    TOPUP_MARGIN,
+    AllocatorPolicy,
+    LiveSequence,
+)
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+
+BS = 16
+H = [bytes([i]) * 16 for i in range(8)]  # stand-ins for block hashes
+
+
+def refusal(reason: str = "quota") -> Refusal:
+    return Refusal(reason, "n0", "t", 1, 4, 4)
+
+
+def asked(seq_id: str, num_tokens: int, hashes=(), tenant: str = "t") -> AllocateRequest:
+    return AllocateRequest("n0", seq_id, tenant, list(hashes), num_tokens)
+
+
+def claimed(num_tokens: int, block_ids: list[int], seq_id: str = "s") -> AllocatorPolicy:
+    """A policy whose engine holds ``seq_id`` (asked synchronously), its reserve top-up queued."""
+    policy = AllocatorPolicy(BS)
+    policy.claim(seq_id, "t", Allocation(list(block_ids), 0), num_tokens)
+    return policy
+
+
+def steps_until_sent(policy: AllocatorPolicy, limit: int = 100) -> int:
+    """End steps until the policy says what is queued must go; how many it took."""
+    for n in range(1, limit + 1):
+        if policy.end_step():
+            return n
+    raise AssertionError(f"nothing became due within {limit} steps")
+
+
+def test_preallocations_of_one_loop_iteration_go_together_and_the_match_is_claimed():
+    policy = AllocatorPolicy(BS)
+    assert policy.ask(asked("a", 40, H[:2])) is True      # the first queued: the bridge kicks a send
+    assert policy.ask(asked("b", 20, H[:1])) is False     # rides along
+    asks = policy.take_asks()
+    assert [r.seq_id for r in asks] == ["a", "b"] and policy.take_asks() == []
+    policy.fold_asks(asks, [Allocation([0, 1, 2], 0), refusal()])
+    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2], 40)]
+    assert policy.allocate("b", H[:1], 20) is None        # refused early: the engine asks itself
+    got = policy.allocate("a", H[:2], 40)
+    assert got == Allocation([0, 1, 2], 0)
+    assert policy.take().topups == [("a", 4 * BS)]        # its reserve: one block past the handed ones
+    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2], 40)]
+
+
+def test_an_early_allocation_asked_differently_is_given_back():
+    policy = AllocatorPolicy(BS)
+    policy.ask(asked("a", 40, H[:2]))
+    asks = policy.take_asks()
+    policy.fold_asks(asks, [Allocation([0, 1, 2], 0)])
+    assert policy.allocate("a", H[:1], 30) is None        # the engine hashed differently
+    assert policy.live_sequences() == []
+    assert policy.end_step() is True                      # a release is urgent
+    assert policy.take().releases == ["a"]
+
+
+def test_the_reserve_is_handed_over_and_topped_up_one_block_ahead():
+    policy = claimed(40, [0, 1, 2])
+    batch = policy.take()
+    assert batch.topups == [("s", 64)]
+    policy.fold_topups(batch.topups, [[3]])
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2, 3], 64)]
+    grown = policy.extend([("s", 48)])
+    assert grown.answers == {"s": []} and grown.short == []
+    assert not policy.has_bookkeeping()                   # the reserve is still there
+    grown = policy.extend([("s", 49)])
+    assert grown.answers == {"s": [3]} and grown.short == []  # the reserve, no call
+    assert policy.take().topups == [("s", 80)]            # and the next one is asked for
+
+
+def test_a_topup_is_due_a_margin_before_decoding_could_need_it():
+    policy = claimed(20, [0, 1])                          # 12 free slots in its 2 blocks
+    assert steps_until_sent(policy) == 32 - 20 - TOPUP_MARGIN + 1
+    policy = claimed(32, [0, 1])                          # full: the reserve goes with this step
+    assert steps_until_sent(policy) == 1
+
+
+def test_a_prompt_blocks_commit_is_urgent_a_generated_blocks_waits_for_company():
+    policy = claimed(40, [0, 1, 2])                       # prompt: 2 full blocks
+    policy.fold_topups(*_sent(policy, [[3]]))
+    policy.commit([("s", 0, H[0]), ("s", 1, H[1])])
+    assert policy.end_step() is True
+    assert policy.take().commits == [("s", 0, H[0]), ("s", 1, H[1])]
+    policy.commit([("s", 2, H[2])])                       # a generated block
+    assert steps_until_sent(policy) == DEFER_STEPS + 1
+    assert policy.take().commits == [("s", 2, H[2])]
+    policy.commit([])
+    assert not policy.has_bookkeeping()
+
+
+def test_a_release_is_urgent_and_drops_the_sequences_queued_topup():
+    policy = claimed(40, [0, 1, 2])
+    policy.begin_step()
+    assert policy.release(["s"]) is False                 # during a step: end_step sends it
+    assert policy.end_step() is True
+    batch = policy.take()
+    assert (batch.releases, batch.topups) == (["s"], [])
+    assert policy.live_sequences() == []
+    assert claimed(40, [0, 1, 2]).release(["s"]) is True  # between steps (an abort): send now
+
+
+def test_without_a_reserve_extend_asks_one_block_ahead_then_exactly():
+    policy = claimed(32, [0, 1])
+    policy.fold_topups(*_sent(policy, [refusal()]))      # the reserve was refused
+    grown = policy.extend([("s", 33)])
+    assert grown.answers == {} and grown.short == [("s", 33)]
+    asks = policy.extend_asks(grown.short)
+    assert asks == [("s", 64)]                            # one block ahead of the 3 it needs
+    retry = policy.fold_extend(asks, [refusal()])
+    assert retry == [("s", 33)]                           # refused: exactly what the engine needs
+    assert policy.fold_extend(retry, [[2]]) == []
+    assert policy.hand_over() == {"s": [2]}
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 33)]
+
+
+def test_a_refused_exact_extend_is_the_engines_answer():
+    policy = claimed(32, [0, 1])
+    policy.fold_topups(*_sent(policy, [refusal()]))
+    short = policy.extend([("s", 33)]).short
+    retry = policy.fold_extend(policy.extend_asks(short), [refusal()])
+    assert policy.fold_extend(retry, [refusal("pool")]) == []
+    assert policy.hand_over() == {"s": refusal("pool")}
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1], 32)]  # unchanged
+
+
+def test_a_granted_ahead_extend_leaves_a_reserve():
+    policy = claimed(32, [0, 1])
+    policy.fold_topups(*_sent(policy, [refusal()]))
+    short = policy.extend([("s", 33)]).short
+    asks = policy.extend_asks(short)
+    assert policy.fold_extend(asks, [[2, 3]]) == []
+    assert policy.hand_over() == {"s": [2]}
+    assert policy.extend([("s", 49)]).answers == {"s": [3]}  # the block ahead
+
+
+def test_a_request_ending_gives_back_only_what_the_engine_never_claimed():
+    policy = AllocatorPolicy(BS)
+    policy.ask(asked("a", 20, H[:1]))
+    policy.ask(asked("b", 20, H[:1]))
+    asks = policy.take_asks()
+    policy.fold_asks(asks, [Allocation([0, 1], 0), Allocation([2, 3], 0)])
+    policy.allocate("a", H[:1], 20)
+    policy.take()
+    assert policy.release(["a", "b"], claimed=False) is True  # the engine holds a: its release is the engine's
+    assert policy.take().releases == ["b"]
+    assert [s.seq_id for s in policy.live_sequences()] == ["a"]
+    assert policy.release(["b", "unknown"]) is False      # already released, never known: nothing to send
+    assert not policy.has_bookkeeping()
+    assert policy.release(["a"]) is True                  # the engine's own release
+    assert policy.take().releases == ["a"] and policy.live_sequences() == []
+
+
+class QuotaBlockService:
+    """block_service's extend, for one tenant: each sequence's length and blocks, a block quota,
+    and its refusal to shrink a sequence (an error, which killed the node's step thread)."""
+
+    def __init__(self, quota: int, held: dict[str, tuple[int, int]]):
+        self.quota = quota
+        self.held = dict(held)  # seq → (tokens, blocks)
+        self.next_block = 1000
+
+    def extend(self, asks: list[tuple[str, int]]) -> list[list[int] | Refusal]:
+        results: list[list[int] | Refusal] = []
+        for seq_id, tokens in asks:
+            length, blocks = self.held[seq_id]
+            assert tokens >= length, f"sequence {seq_id!r} holds {length} tokens; extend cannot shrink it to {tokens}"
+            more = max(-(-tokens // BS) - blocks, 0)
+            if sum(b for _, b in self.held.values()) + more > self.quota:
+                results.append(refusal())
+                continue
+            self.held[seq_id] = (tokens, blocks + more)
+            results.append(list(range(self.next_block, self.next_block + more)))
+            self.next_block += more
+        return results
+
+
+def extend_as_the_bridge_does(policy: AllocatorPolicy, short, block_service: QuotaBlockService):
+    asks = policy.extend_asks(short)
+    while asks:
+        asks = policy.fold_extend(asks, block_service.extend(asks))
+    return policy.hand_over()
+
+
+def test_an_extend_never_asks_to_shrink_what_a_topup_just_granted():
+    """Issue 11: a tenant near its quota killed nodes with "holds 512 tokens; extend cannot shrink
+    it to 497". The engine crossed into block 32 while the reserve's top-up (to 512 tokens) was
+    still queued; the bridge sent the queue first (granted), then asked one block ahead (refused:
+    the quota), then exactly 497 tokens: less than block_service had just granted."""
+    policy = claimed(496, list(range(31)))                # its top-up to 512 tokens is queued
+    short = policy.extend([("s", 497)]).short
+    assert short == [("s", 497)]
+    block_service = QuotaBlockService(quota=32, held={"s": (496, 31)})
+    topups, _ = _sent(policy, [])                         # the queue goes first: the top-up is granted
+    policy.fold_topups(topups, block_service.extend(topups))
+    assert extend_as_the_bridge_does(policy, short, block_service) == {"s": [1000]}
+    assert policy.live_sequences() == [LiveSequence("s", "t", list(range(31)) + [1000], 512)]
+
+
+@pytest.mark.parametrize("moment", ["queued", "in flight", "answered", "claimed"])
+def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(moment):
+    """Issue 11: requests cancelled in their first ~100 ms kept their early allocation: the
+    request's release came while its ask was still queued or in flight, found nothing granted yet,
+    and the answer landed afterwards for nobody to claim. ``holds`` is what block_service holds."""
+    policy = AllocatorPolicy(BS)
+    holds: set[str] = set()
+
+    def flush():
+        batch = policy.take()
+        holds.difference_update(batch.releases)
+
+    policy.ask(asked("a", 20, H[:1]))
+    if moment == "queued":
+        policy.release(["a"], claimed=False)
+    asks = policy.take_asks()
+    if moment == "in flight":
+        assert policy.release(["a"], claimed=False) is False  # nothing to send yet: the answer is not in
+    holds.update(r.seq_id for r in asks)
+    if policy.fold_asks(asks, [Allocation([0, 1], 0) for _ in asks]):
+        flush()
+    if moment == "claimed":
+        assert policy.allocate("a", H[:1], 20) == Allocation([0, 1], 0)
+    if moment in ("answered", "claimed"):
+        policy.release(["a"], claimed=False)              # the request's stream ended
+    if moment == "claimed":
+        flush()
+        assert holds == {"a"}                             # the engine may be mid-step on it: its own
+        policy.release(["a"])                             # the engine's release, when the abort lands
+    flush()
+    assert holds == set() and policy.live_sequences() == []
+    assert not policy.has_bookkeeping() and policy.take_asks() == []
+
+
+def _sent(policy: AllocatorPolicy, results):
+    """Take what is queued as a flush would; (the batch's top-ups, ``results``) to fold."""
+    return policy.take().topups, results
