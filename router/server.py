@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
+from kvfleet import rpc
 from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.admission import Admission, Shed
 from router.node_stream import NodeStream
@@ -27,18 +28,11 @@ from router.tenants import AuthError, TenantDirectory
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# Pings find a node whose host vanished without closing its sockets; the Compute server allows
-# them this often (compute_service.server.SERVER_OPTIONS), or it would answer GOAWAY "too_many_pings".
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
-
 
 def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
-    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first use."""
-    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first
+    use. Keepalive pings find a node whose host vanished without closing its sockets."""
+    channel = rpc.channel(address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES)
     return channel, NodeStream(compute_pb2_grpc.ComputeStub(channel), address)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -132,7 +126,7 @@ async def build_server(
 ) -> RouterServer:
     """Bind the router's services on ``listen`` (``host:port``; port 0 picks one) and, when given,
     on the Unix domain socket ``unix_socket`` too; not started."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = rpc.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(tenants, admission, relay, tokenizers), server
     )
