@@ -41,7 +41,7 @@ PURE = [
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
     "compute_service.scheduler", "compute_service.kv_cache_manager",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
-    "router.admission", "router.resume", "router.recent_routes",
+    "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 

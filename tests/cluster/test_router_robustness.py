@@ -1,6 +1,6 @@
 """Careless or hostile callers and idle links, against real processes: every service answers
-undecodable bytes with INVALID_ARGUMENT and no traceback in its log, and idle streams outlive
-keepalive pings.
+undecodable bytes with INVALID_ARGUMENT and no traceback in its log, the router takes one API key
+per call and runs a request id once at a time per tenant, and idle streams outlive keepalive pings.
 """
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from cluster_helpers import random_prompt, request, stream, tokens_of
 
 from kvfleet import keepalive
+from kvfleet.v1 import inference_pb2_grpc
 
 GARBAGE = b"\xff\xff\xff\xff"  # not a protobuf message of any type: the varint never ends
 
@@ -48,6 +50,44 @@ def test_undecodable_messages_get_invalid_argument_and_no_traceback(start_cluste
     for child, *_ in calls:
         log = child.log_path.read_text(errors="replace")
         assert "Traceback" not in log and "Unexpected" not in log, f"{child.name}:\n{child.log_tail()}"
+
+
+# A client that reads slowly: without BDP probing its stream window stays this small, so the
+# router cannot write a long answer ahead of the reader and the call stays running until it reads.
+SLOW_READER = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+
+
+def test_one_api_key_per_call_and_one_running_call_per_request_id(start_cluster):
+    cluster = start_cluster(1)
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for keys in (["sk-nope", "sk-gold"], ["sk-gold", "sk-gold"]):  # not the last one, nor a repeated one
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request(text="x"), metadata=[("authorization", f"Bearer {k}") for k in keys],
+                                   timeout=60))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "exactly one authorization header" in info.value.details()
+
+    prompt = random_prompt(20, seed=5)
+    first_req = request(tokens=prompt, max_tokens=300, ignore_eos=True, request_id="dup-1")
+    with grpc.insecure_channel(cluster.router_address, options=SLOW_READER) as channel:
+        first = inference_pb2_grpc.InferenceStub(channel).Generate(
+            first_req, metadata=[("authorization", "Bearer sk-gold")], timeout=120)
+        head = next(first)  # running now, and held running by the unread rest of its answer
+
+        with pytest.raises(grpc.RpcError) as info:
+            stream(cluster.router_address, request(tokens=prompt, max_tokens=4, request_id="dup-1"))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "request_id dup-1 is already running" in info.value.details()
+        # ids are per tenant: another tenant's dup-1 is another request
+        other = stream(cluster.router_address, request(tokens=prompt, max_tokens=4, request_id="dup-1"),
+                       api_key="sk-free")
+        assert len(tokens_of(other)) == 4
+
+        rest = list(first)
+    assert len(tokens_of([head, *rest])) == 300
+    again = stream(cluster.router_address, request(tokens=prompt, max_tokens=4, request_id="dup-1"))
+    assert len(tokens_of(again)) == 4
 
 
 def test_idle_streams_outlive_keepalive_pings(start_cluster):
