@@ -17,6 +17,7 @@ from block_service import wire
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from block_service.tenants import TenantConfig
+from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import ERRORS_BY_CODE
 from kvfleet.v1 import block_manager_pb2 as pb
@@ -27,7 +28,7 @@ class BlockManagerClient:
     def __init__(self, target: str, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or rpc.channel(target)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
 
     async def __aenter__(self) -> BlockManagerClient:

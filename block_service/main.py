@@ -40,13 +40,13 @@ async def serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from block_service.durable import DurablePageTable
     from block_service.page_table import PageTable
     from block_service.server import BlockManagerServicer
     from block_service.tenants import load_tenant_configs
+    from kvfleet import rpc
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if args.durability == "off":
@@ -64,8 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
         store.sync()
         log.info("configured %d tenants from %s", len(tenants), args.tenants)
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES)
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(store), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -65,16 +65,11 @@ def _build_engine(args: argparse.Namespace, remote):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    import grpc  # noqa: PLC0415
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
 
     from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
-    from compute_service.server import (  # noqa: PLC0415
-        SERVER_OPTIONS,
-        ComputeServicer,
-        NodeStatus,
-        warm_up,
-    )
+    from compute_service.server import ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
+    from kvfleet import rpc  # noqa: PLC0415
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
     from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
 
@@ -103,7 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = rpc.server()
     servicer = ComputeServicer(async_engine, status, remote, args.stream_interval)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY

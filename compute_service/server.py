@@ -21,13 +21,6 @@ from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # the router pings every 20 s
-    ("grpc.keepalive_permit_without_calls", 1),
-]
-
-
 @dataclass(slots=True)
 class NodeStatus:
     """What the servicer shares with the node's lifecycle (main.py)."""

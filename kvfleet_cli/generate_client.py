@@ -45,10 +45,11 @@ def request_message(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
 
+    from kvfleet import rpc  # noqa: PLC0415
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: PLC0415
 
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-    with grpc.insecure_channel(args.router) as channel:
+    with rpc.sync_channel(args.router) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for chunk in stub.Generate(request_message(args), metadata=metadata, timeout=args.timeout):
@@ -87,12 +88,11 @@ async def demo_requests(router: str, max_tokens: int = 24, out=sys.stdout, strea
     chunk as it arrives when ``stream``), and return those figures in finishing order."""
     import asyncio  # noqa: PLC0415
 
-    import grpc  # noqa: PLC0415
-
+    from kvfleet import rpc  # noqa: PLC0415
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: PLC0415
 
     finished: list[dict] = []
-    async with grpc.aio.insecure_channel(router) as channel:
+    async with rpc.channel(router) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(tag: str, key: str, prompt: str, first_token: asyncio.Event | None = None) -> None:

@@ -18,7 +18,7 @@ Pure logic: loads and clocks are passed in.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _EPS = 1e-9
@@ -78,16 +78,9 @@ class NodePicker:
         uncached = max(num_prompt_blocks - node.cached_prefix_blocks, 0)
         return self.config.prefix_weight * uncached + node.active_blocks
 
-    def choose(
-        self,
-        nodes: Sequence[NodeLoad],
-        num_prompt_blocks: int,
-        now: float,
-        exclude: Collection[str] = (),
-    ) -> RouteDecision | None:
-        """The node for a prompt of ``num_prompt_blocks`` full blocks; None when no node is left
-        after ``exclude`` (nodes that already failed this request)."""
-        nodes = [n for n in nodes if n.node_id not in exclude]
+    def choose(self, nodes: Sequence[NodeLoad], num_prompt_blocks: int, now: float) -> RouteDecision | None:
+        """The node for a prompt of ``num_prompt_blocks`` full blocks; None when ``nodes`` is empty.
+        The caller leaves out the nodes that already failed this request."""
         if not nodes:
             return None
         candidates = [n for n in nodes if self._rng.random() < self.share(n, now)] or nodes

@@ -1,8 +1,8 @@
 """The router's gRPC surface: ``kvfleet.v1.Inference`` plus health and reflection.
 
 The servicer is glue: authenticate (``TenantDirectory``), check and tokenize (``parse_request``),
-wait for a turn (``Admission``), relay (``Relay``). Every refusal is mapped to its status in
-``_STATUS``, in one place.
+refuse a request id already running (``RunningIds``), wait for a turn (``Admission``), relay
+(``Relay``). Every refusal is mapped to its status in ``_STATUS``, in one place.
 """
 
 from __future__ import annotations
@@ -16,29 +16,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
+from kvfleet import rpc
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.admission import Admission, Shed
 from router.node_stream import NodeStream
 from router.nodes import NodeTable
 from router.relay import Relay, RelayError
-from router.request import InvalidRequest, parse_request
+from router.request import InvalidRequest, ParsedRequest, parse_request
+from router.running_ids import AlreadyRunning, RunningIds
 from router.tenants import AuthError, TenantDirectory
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# Pings find a node whose host vanished without closing its sockets; the Compute server allows
-# them this often (compute_service.server.SERVER_OPTIONS), or it would answer GOAWAY "too_many_pings".
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
-
 
 def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
-    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first use."""
-    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first
+    use. Keepalive pings find a node whose host vanished without closing its sockets."""
+    channel = rpc.channel(address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES)
     return channel, NodeStream(compute_pb2_grpc.ComputeStub(channel), address)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -52,6 +48,7 @@ _STATUS: dict[type[Exception], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Shed: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,
     NoTokenizer: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -86,17 +83,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.admission = admission
         self.relay = relay
         self.tokenizers = tokenizers
+        self.running = RunningIds()
 
     async def Generate(self, request, context):
-        span = trace.get_current_span()
         try:
-            metadata = dict(context.invocation_metadata() or ())
-            tenant = self.tenants.authenticate(metadata.get("authorization"))
-            span.set_attribute("kvfleet.tenant", tenant.name)
-            parsed = parse_request(request, await self.tokenizers.get())
-            span.set_attribute("kvfleet.request_id", parsed.request_id)
-            with tracer.start_as_current_span("queue", attributes={"kvfleet.tenant": tenant.name}):
-                await self.admission.wait(parsed.seq_id, tenant.name, self.tenants.normalised_paid_level(tenant))
+            tenant, parsed = await self._admit(request, context)
         except tuple(_STATUS) as e:
             await context.abort(_STATUS[type(e)], str(e))
         try:
@@ -106,6 +97,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.abort(e.code, str(e))
         finally:
             self.admission.finish(tenant.name)
+            self.running.release(tenant.name, parsed.request_id)
+
+    async def _admit(self, request, context) -> tuple[Tenant, ParsedRequest]:
+        """Who calls and what, its request id marked running, and its turn; the caller must
+        ``admission.finish`` and ``running.release`` once the request is over."""
+        span = trace.get_current_span()
+        tenant = self.tenants.authenticate_metadata(context.invocation_metadata() or ())
+        span.set_attribute("kvfleet.tenant", tenant.name)
+        parsed = parse_request(request, await self.tokenizers.get())
+        span.set_attribute("kvfleet.request_id", parsed.request_id)
+        self.running.claim(tenant.name, parsed.request_id)
+        try:
+            with tracer.start_as_current_span("queue", attributes={"kvfleet.tenant": tenant.name}):
+                await self.admission.wait(parsed.seq_id, tenant.name, self.tenants.normalised_paid_level(tenant))
+        except BaseException:  # shed, or the caller left while it waited
+            self.running.release(tenant.name, parsed.request_id)
+            raise
+        return tenant, parsed
 
 
 @dataclass(slots=True)
@@ -134,7 +143,7 @@ async def build_server(
 ) -> RouterServer:
     """Bind the router's services on ``listen`` (``host:port``; port 0 picks one) and, when given,
     on the Unix domain socket ``unix_socket`` too; not started."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = rpc.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(tenants, admission, relay, tokenizers), server
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvfleet.tenants import Tenant, load_tenants
 
+AUTHORIZATION = "authorization"  # gRPC hands metadata keys over in lower case
 BEARER = "bearer "
 
 
@@ -43,6 +44,14 @@ class TenantDirectory:
             if hmac.compare_digest(key.encode(), api_key.encode()):
                 return tenant
         return None
+
+    def authenticate_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
+        """The tenant named by a call's metadata: two ``authorization`` entries are refused, not
+        resolved by picking one (a proxy that adds its own would otherwise decide who calls)."""
+        values = [value for key, value in metadata if key == AUTHORIZATION]
+        if len(values) > 1:
+            raise AuthError(f"exactly one authorization header may be sent, got {len(values)}")
+        return self.authenticate(values[0] if values else None)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant named by an ``authorization: Bearer <key>`` header value."""

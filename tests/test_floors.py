@@ -36,12 +36,12 @@ FLOORS = {
 # pure logic: neither these modules nor anything they import (inside the project) imports torch or grpc
 PURE = [
     "kvfleet.allocator", "kvfleet.block_hash", "kvfleet.errors", "kvfleet.sampling", "kvfleet.tenants",
-    "kvfleet.wire", "kvfleet.ids",
+    "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive",
     "block_service.page_table", "block_service.block_pool", "block_service.local_allocator",
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
-    "router.admission", "router.resume", "router.recent_routes",
+    "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "kvfleet_cli.supervisor",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")

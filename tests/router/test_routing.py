@@ -50,11 +50,9 @@ def test_hot_spot_guard_falls_back_to_least_loaded():
     assert p.choose(nodes, 10, 0).node_id == "hot"
 
 
-def test_exclude_and_empty():
+def test_no_node_no_decision():
     p = picker()
     assert p.choose([], 1, 0) is None
-    assert p.choose([node("a")], 1, 0, exclude={"a"}) is None
-    assert p.choose([node("a"), node("b", active=50)], 1, 0, exclude={"a"}).node_id == "b"
 
 
 def test_cold_start_share_ramps_over_the_window():

@@ -82,6 +82,12 @@ def test_authenticate(tmp_path):
                           ("Bearer ", "unknown"), ("Bearer sk-nope", "unknown")]:
         with pytest.raises(AuthError, match=words):
             directory.authenticate(header)
+    assert directory.authenticate_metadata([("x-trace", "1"), ("authorization", "Bearer sk-acme")]).name == "acme"
+    with pytest.raises(AuthError, match="missing"):
+        directory.authenticate_metadata([("x-trace", "1")])
+    for values in (["Bearer sk-nope", "Bearer sk-acme"], ["Bearer sk-acme", "Bearer sk-acme"]):
+        with pytest.raises(AuthError, match="exactly one authorization header"):
+            directory.authenticate_metadata([("authorization", v) for v in values])
     assert directory.normalised_paid_level(directory.by_name("acme")) == 1.0
     assert directory.normalised_paid_level(directory.by_name("hobby")) == 0.0
     assert directory.concurrency_limits() == {"acme": 8, "hobby": 1}
