@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from block_service import wire
+from block_service.bookkeeping import ApplyResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from block_service.tenants import TenantConfig
@@ -74,14 +75,14 @@ class BlockManagerClient:
         await self._call("ReleaseMany", pb.ReleaseManyRequest(seq_ids=seq_ids, tenant=tenant or ""))
 
     async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
-                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> tuple[int, list[list[int] | Refusal]]:
-        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order: (blocks
-        newly committed, the growth's results)."""
+                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> ApplyResult:
+        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order, item by
+        item: a bad item is refused alone and listed in ``ApplyResult.errors``, the rest applied."""
         resp = await self._call("ApplyMany", pb.ApplyManyRequest(
             commits=wire.commit_request_to_pb(commits, tenant),
             releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),
             growth=wire.extend_request_to_pb(growth, tenant)))
-        return resp.num_committed, wire.extend_results_from_pb(resp.growth)
+        return wire.apply_result_from_pb(resp)
 
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
+from block_service.bookkeeping import ApplyResult, apply_bookkeeping
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
 from block_service.tenants import TenantConfig
@@ -189,6 +190,19 @@ class DurablePageTable:
         self.table.release(seq_ids, tenant)
         if seq_ids:
             self._log(rec.encode_release(seq_ids))
+
+    def apply(self, growth: Sequence[tuple[str, int]], commits: Sequence[tuple[str, int, bytes]],
+              releases: Sequence[str], tenant: str | None = None) -> ApplyResult:
+        """A node's bookkeeping item by item (``bookkeeping``); the log gets what was applied."""
+        self._check_writable()
+        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant)
+        if applied.growth:
+            self._log(rec.encode_extend(applied.growth))
+        if applied.commits:
+            self._log(rec.encode_commit(applied.commits))
+        if applied.releases:
+            self._log(rec.encode_release(applied.releases))
+        return result
 
     # ---- the log -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
 from block_service.page_table import SeqState
 from block_service.stats import Counters, NodeStats, TenantStats
 from block_service.tenants import TenantConfig
@@ -89,6 +90,36 @@ def extend_results_to_pb(results: Sequence[list[int] | Refusal]) -> pb.ExtendMan
 def extend_results_from_pb(m: pb.ExtendManyResponse) -> list[list[int] | Refusal]:
     return [list(r.new_block_ids.ids) if r.HasField("new_block_ids") else refusal_from_pb(r.refusal)
             for r in m.results]
+
+
+# ---- bookkeeping (ApplyMany) -------------------------------------------------------------------
+
+def _item_error_to_pb(e: ItemError) -> pb.ItemError:
+    return pb.ItemError(kind=e.kind, index=e.index, seq_id=e.seq_id, code=e.code, message=e.message)
+
+
+def apply_result_to_pb(r: ApplyResult) -> pb.ApplyManyResponse:
+    out = pb.ApplyManyResponse(num_committed=r.num_committed, errors=[_item_error_to_pb(e) for e in r.errors])
+    for g in r.growth:
+        if isinstance(g, Refusal):
+            out.growth.results.add(refusal=refusal_to_pb(g))
+        elif isinstance(g, ItemError):
+            out.growth.results.add()
+        else:
+            out.growth.results.add(new_block_ids=pb.BlockIds(ids=g))
+    return out
+
+
+def apply_result_from_pb(m: pb.ApplyManyResponse) -> ApplyResult:
+    errors = [ItemError(e.kind, e.index, e.seq_id, e.code, e.message) for e in m.errors]
+    growth_errors = {e.index: e for e in errors if e.kind == GROWTH}
+    growth: list[list[int] | Refusal | ItemError] = [
+        list(r.new_block_ids.ids) if r.HasField("new_block_ids")
+        else refusal_from_pb(r.refusal) if r.HasField("refusal")
+        else growth_errors[i]
+        for i, r in enumerate(m.growth.results)
+    ]
+    return ApplyResult(m.num_committed, growth, errors)
 
 
 # ---- commit -------------------------------------------------------------------------------------
