@@ -43,7 +43,7 @@ async def serve(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from block_service.durable import DurablePageTable
+    from block_service.durable import DurablePageTable, RecoveryError
     from block_service.page_table import PageTable
     from block_service.server import BlockManagerServicer
     from block_service.tenants import load_tenant_configs
@@ -52,7 +52,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.durability == "off":
         store = DurablePageTable(PageTable(), None)
     else:
-        store, report = DurablePageTable.open(args.state_dir, fsync=args.durability == "fsync")
+        try:
+            store, report = DurablePageTable.open(args.state_dir, fsync=args.durability == "fsync")
+        except RecoveryError as err:  # never start from a stale state: say why, exit non-zero
+            log.error("cannot start: %s", err)
+            return 2
         (log.warning if report.stop_reason or report.skipped else log.info)("%s", report.summary())
     if args.tenants:
         try:
