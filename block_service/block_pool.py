@@ -135,7 +135,7 @@ class BlockPool:
             taken.append(b)
         return taken
 
-    def drop(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
+    def release(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
         """Unreference ``blocks`` in the order given; blocks reaching zero go to the cache's
         most-recently-used end if indexed, else to the free list. Adds, per tenant, the blocks
         that stopped being charged to ``uncharged``."""

@@ -17,9 +17,9 @@ from block_service import wire
 from block_service.bookkeeping import ApplyResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
-from block_service.tenants import TenantConfig
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import ERRORS_BY_CODE
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -98,7 +98,7 @@ class BlockManagerClient:
         resp = await self._call("DeregisterNode", pb.DeregisterNodeRequest(node_id=node_id))
         return list(resp.released_seq_ids)
 
-    async def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+    async def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         req = pb.ConfigureTenantsRequest(tenants=[wire.tenant_to_pb(c) for c in configs], replace_all=replace_all)
         await self._call("ConfigureTenants", req)
 

@@ -32,10 +32,10 @@ from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, apply_bookkeeping
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
-from block_service.tenants import TenantConfig
 from block_service.wal import LogWriter, frame, log_name, scan_log
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import Unavailable
+from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class DurablePageTable:
         self._log(rec.encode_deregister(node_id))
         return released
 
-    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+    def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         self._check_writable()
         configs = list(configs)
         self.table.configure_tenants(configs, replace_all)

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from block_service.block_pool import BlockPool
 from block_service.stats import Counters, NodeStats, TenantStats
-from block_service.tenants import QuotaLedger, TenantConfig
-from kvfleet.ids import check_id
+from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import (
@@ -28,6 +27,8 @@ from kvfleet.errors import (
     NotFound,
     PermissionDenied,
 )
+from kvfleet.ids import check_id
+from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class PageTable:
     def __init__(self) -> None:
         self._nodes: dict[str, _Node] = {}
         self._seqs: dict[str, SeqState] = {}
-        self._tenants: dict[str, TenantConfig] = {}
+        self._tenants: dict[str, Tenant] = {}
 
     # ---- nodes and tenants ---------------------------------------------------------------------
 
@@ -115,9 +116,10 @@ class PageTable:
         del self._nodes[node_id]
         return released
 
-    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
-        """Add or update tenants (``replace_all``: the given list is the whole set)."""
-        configs = list(configs)
+    def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
+        """Add or update tenants (``replace_all``: the given list is the whole set); API keys are
+        dropped: block_service never holds them."""
+        configs = [c.without_key() for c in configs]
         names = [c.name for c in configs]
         if len(set(names)) != len(names):
             raise InvalidArgument("a tenant appears twice in one configuration")
@@ -130,7 +132,7 @@ class PageTable:
     def node_ids(self) -> list[str]:
         return list(self._nodes)
 
-    def tenants(self) -> list[TenantConfig]:
+    def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
     def block_size(self, node_id: str) -> int:
@@ -251,7 +253,7 @@ class PageTable:
             node = self._nodes[seq.node_id]
             del node.seq_ids[seq_id]
             uncharged: dict[str, int] = {}
-            node.pool.drop(seq.block_ids[::-1], uncharged)
+            node.pool.release(seq.block_ids[::-1], uncharged)
             for t, n in uncharged.items():
                 node.ledger.uncharge(t, n)
 
@@ -322,9 +324,10 @@ class PageTable:
         bs = pool.block_size
         tail_waste = sum(len(s.block_ids) * bs - s.num_tokens for s in map(self._seqs.get, node.seq_ids))
         return NodeStats(
-            node_id, pool.num_blocks, bs, pool.bytes_per_block, pool.num_free, pool.num_cached,
-            pool.num_used, len(node.seq_ids), pool.num_used * bs - tail_waste, pool.num_used * bs,
-            replace(node.counters),
+            node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
+            num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
+            num_sequences=len(node.seq_ids), tokens_stored=pool.num_used * bs - tail_waste,
+            token_capacity=pool.num_used * bs, counters=replace(node.counters),
         )
 
     def tenant_stats(self, node_id: str) -> list[TenantStats]:
@@ -341,8 +344,10 @@ class PageTable:
             acc[2] += len(seq.block_ids) * bs
         return [
             TenantStats(
-                t, node_id, ledger.charged.get(t, 0), ledger.allowed.get(t), ledger.reserved.get(t, 0),
-                n_seqs, tokens, capacity, replace(node.tenant_counters.get(t) or Counters()),
+                tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
+                blocks_allowed=ledger.allowed.get(t), blocks_reserved=ledger.reserved.get(t, 0),
+                num_sequences=n_seqs, tokens_stored=tokens, token_capacity=capacity,
+                counters=replace(node.tenant_counters.get(t) or Counters()),
             )
             for t, (n_seqs, tokens, capacity) in per.items()
         ]
@@ -357,7 +362,7 @@ class PageTable:
     def to_dict(self) -> dict:
         """The whole state (not the counters), in a form ``from_dict`` restores exactly."""
         return {
-            "tenants": [t.to_dict() for t in self._tenants.values()],
+            "tenants": [tenant_to_record(t) for t in self._tenants.values()],
             "nodes": {n: {"pool": node.pool.to_dict(), "ledger": node.ledger.to_dict()}
                       for n, node in self._nodes.items()},
             "sequences": [
@@ -369,7 +374,7 @@ class PageTable:
     @classmethod
     def from_dict(cls, d: dict) -> PageTable:
         table = cls()
-        table._tenants = {t["name"]: TenantConfig(**t) for t in d["tenants"]}
+        table._tenants = {t["name"]: tenant_from_record(t) for t in d["tenants"]}
         for node_id, nd in d["nodes"].items():
             pool = BlockPool.from_dict(nd["pool"])
             ledger = QuotaLedger(pool.bytes_per_block)

@@ -19,7 +19,7 @@ class Counters:
     refusals_quota: int = 0
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class NodeStats:
     node_id: str
     num_blocks: int
@@ -43,7 +43,7 @@ class NodeStats:
         return 1 - self.tokens_stored / self.token_capacity if self.token_capacity else 0.0
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class TenantStats:
     tenant: str
     node_id: str

@@ -20,9 +20,10 @@ import struct
 from collections.abc import Sequence
 
 from block_service.page_table import PageTable
-from block_service.tenants import TenantConfig
+from block_service.tenants import tenant_from_record, tenant_to_record
 from kvfleet.allocator import AllocateRequest, Refusal
 from kvfleet.block_hash import HASH_BYTES
+from kvfleet.tenants import Tenant
 
 ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS = range(1, 8)
 OP_NAMES = {ALLOCATE: "allocate", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
@@ -74,8 +75,8 @@ def encode_deregister(node_id: str) -> bytes:
     return bytes([DEREGISTER]) + _s(node_id)
 
 
-def encode_tenants(configs: Sequence[TenantConfig], replace_all: bool) -> bytes:
-    return bytes([TENANTS, replace_all]) + json.dumps([c.to_dict() for c in configs]).encode()
+def encode_tenants(configs: Sequence[Tenant], replace_all: bool) -> bytes:
+    return bytes([TENANTS, replace_all]) + json.dumps([tenant_to_record(c) for c in configs]).encode()
 
 
 class _Reader:
@@ -128,7 +129,7 @@ def decode(payload: bytes) -> tuple[int, tuple]:
         r.pos = 1
         args = (r.str(),)
     elif op == TENANTS:
-        args = ([TenantConfig(**c) for c in json.loads(payload[2:])], bool(payload[1]))
+        args = ([tenant_from_record(c) for c in json.loads(payload[2:])], bool(payload[1]))
     else:
         raise ValueError(f"unknown log record type {op}")
     if op != TENANTS and r.pos != len(payload):

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
 from block_service.page_table import SeqState
 from block_service.stats import Counters, NodeStats, TenantStats
-from block_service.tenants import TenantConfig
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import InvalidArgument
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 
 
@@ -147,14 +147,14 @@ def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, byte
 
 # ---- tenants ------------------------------------------------------------------------------------
 
-def tenant_to_pb(t: TenantConfig) -> pb.TenantQuota:
+def tenant_to_pb(t: Tenant) -> pb.TenantQuota:
     return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
                           paid_level=t.paid_level, max_concurrent=t.max_concurrent)
 
 
-def tenant_from_pb(m: pb.TenantQuota) -> TenantConfig:
-    return TenantConfig(m.name, m.quota_mib if m.HasField("quota_mib") else None, m.reserved_mib,
-                        m.paid_level, m.max_concurrent)
+def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
+    return Tenant(name=m.name, quota_mib=m.quota_mib if m.HasField("quota_mib") else None,
+                  reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent)
 
 
 # ---- figures and tables -------------------------------------------------------------------------
@@ -165,7 +165,8 @@ def _counters_to_pb(c: Counters) -> pb.BlockCounters:
 
 
 def _counters_from_pb(m: pb.BlockCounters) -> Counters:
-    return Counters(m.prefix_queries, m.prefix_hits, m.refusals_pool, m.refusals_quota)
+    return Counters(prefix_queries=m.prefix_queries, prefix_hits=m.prefix_hits,
+                    refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota)
 
 
 def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
@@ -177,8 +178,11 @@ def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
 
 
 def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
-    return NodeStats(m.node_id, m.num_blocks, m.block_size, m.bytes_per_block, m.num_free, m.num_cached,
-                     m.num_used, m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+    return NodeStats(
+        node_id=m.node_id, num_blocks=m.num_blocks, block_size=m.block_size, bytes_per_block=m.bytes_per_block,
+        num_free=m.num_free, num_cached=m.num_cached, num_used=m.num_used, num_sequences=m.num_sequences,
+        tokens_stored=m.tokens_stored, token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+    )
 
 
 def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
@@ -190,9 +194,12 @@ def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
 
 
 def tenant_stats_from_pb(m: pb.TenantBlockStats) -> TenantStats:
-    return TenantStats(m.tenant, m.node_id, m.blocks_charged,
-                       m.blocks_allowed if m.HasField("blocks_allowed") else None, m.blocks_reserved,
-                       m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+    return TenantStats(
+        tenant=m.tenant, node_id=m.node_id, blocks_charged=m.blocks_charged,
+        blocks_allowed=m.blocks_allowed if m.HasField("blocks_allowed") else None,
+        blocks_reserved=m.blocks_reserved, num_sequences=m.num_sequences, tokens_stored=m.tokens_stored,
+        token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+    )
 
 
 def sequence_to_pb(s: SeqState) -> pb.SequenceBlocks:

@@ -13,10 +13,10 @@ from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable, recover
 from block_service.page_table import PageTable
 from block_service.server import BlockManagerServicer
-from block_service.tenants import TenantConfig
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import NotFound
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -72,7 +72,7 @@ def test_refusals_are_answers_not_errors(tmp_path, caplog) -> None:
 
     async def body(client: BlockManagerClient) -> None:
         await client.register_node("n0", 4, 16, 1 << 20)
-        await client.configure_tenants([TenantConfig("a", quota_mib=2)])
+        await client.configure_tenants([Tenant("a", quota_mib=2)])
         with caplog.at_level(logging.WARNING):
             ok, quota, pool = await client.allocate_many([
                 AllocateRequest("n0", "s1", "a", [], 32), AllocateRequest("n0", "s2", "a", [], 1),

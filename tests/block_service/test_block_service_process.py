@@ -17,7 +17,6 @@ import yaml
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable
-from block_service.tenants import tenant_configs
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.tenants import parse_tenants
@@ -101,7 +100,7 @@ async def _assert_same_state(client: BlockManagerClient, mirror: PageTable, live
 
 def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     mirror = PageTable()  # the same calls in-process: what the service must hold
-    mirror.configure_tenants(tenant_configs(parse_tenants(yaml.safe_load(TENANTS_YAML))))
+    mirror.configure_tenants(parse_tenants(yaml.safe_load(TENANTS_YAML)))
     trace, mirror_trace = (Trace(seed=11, node_ids=["n0", "n1"], tenants=["a", "b"]) for _ in range(2))
 
     async def first_life() -> dict[str, list[int]]:

@@ -18,9 +18,9 @@ from hypothesis.stateful import (
 )
 
 from block_service.durable import DurablePageTable, recover
-from block_service.tenants import TenantConfig
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import BlockServiceError
+from kvfleet.tenants import Tenant
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
 TENANTS = ["a", "b", "c"]
@@ -40,8 +40,8 @@ class PageTableMachine(RuleBasedStateMachine):
         self.table = self.store.table
         for node, (n, bs) in NODES.items():
             self.store.register_node(node, n, bs, BPB)
-        self.store.configure_tenants([TenantConfig("a", quota_mib=1.5, reserved_mib=0.5),
-                                      TenantConfig("b", quota_mib=2)])
+        self.store.configure_tenants([Tenant("a", quota_mib=1.5, reserved_mib=0.5),
+                                      Tenant("b", quota_mib=2)])
         self.family: dict[str, int] = {}
         self.count = 0
 
@@ -114,7 +114,7 @@ class PageTableMachine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(TENANTS[:2]), quota=st.sampled_from([0.25, 1, 3, None]))
     def configure(self, tenant: str, quota: float | None) -> None:
-        self.store.configure_tenants([TenantConfig(tenant, quota_mib=quota)])
+        self.store.configure_tenants([Tenant(tenant, quota_mib=quota)])
 
     @rule(family=st.integers(0, 2), bad=st.sampled_from(["dup", "short", "unknown"]))
     def bad_calls_change_nothing(self, family: int, bad: str) -> None:
