@@ -7,6 +7,7 @@ import hashlib
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -19,7 +20,7 @@ from hypothesis.stateful import (
 
 from block_service.durable import DurablePageTable, recover
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import BlockServiceError
+from kvfleet.errors import InvalidArgument, NotFound
 from kvfleet.tenants import Tenant
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
@@ -55,11 +56,7 @@ class PageTableMachine(RuleBasedStateMachine):
 
     def _unchanged_on_refusal(self, call, is_refusal) -> object:
         before = self.table.to_dict()
-        try:
-            result = call()
-        except BlockServiceError:
-            assert self.table.to_dict() == before
-            return None
+        result = call()
         if is_refusal(result):
             assert self.table.to_dict() == before
         return result
@@ -116,14 +113,39 @@ class PageTableMachine(RuleBasedStateMachine):
     def configure(self, tenant: str, quota: float | None) -> None:
         self.store.configure_tenants([Tenant(tenant, quota_mib=quota)])
 
-    @rule(family=st.integers(0, 2), bad=st.sampled_from(["dup", "short", "unknown"]))
-    def bad_calls_change_nothing(self, family: int, bad: str) -> None:
+    @rule(data=st.data(), family=st.integers(0, 2),
+          bad=st.sampled_from(["dup", "short", "no node", "unknown", "shrink", "half block"]))
+    def bad_calls_are_rejected_and_change_nothing(self, data: st.DataObject, family: int, bad: str) -> None:
+        """Each bad call raises its own error, with its own words, and leaves state and log as they were."""
+        nodes = sorted(self.table.node_ids())
+        node = nodes[0] if nodes else "n0"
+        if bad in ("dup", "short") and not nodes:
+            bad = "no node"
+        if bad in ("shrink", "half block"):
+            grown = [s for s in sorted(self.family) if self.table.sequence(s).num_tokens % 16]
+            if not grown:
+                bad = "unknown"
+            else:
+                seq = self.table.sequence(data.draw(st.sampled_from(grown)))
+        h = family_hash(family, 0)
         calls = {
-            "dup": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [family_hash(family, 0)] * 2, 40)]),
-            "short": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [b"x"], 40)]),
-            "unknown": lambda: self.store.release(["nope"]),
+            "dup": (lambda: self.store.allocate_many([AllocateRequest(node, "x", "a", [h, h], 40)]),
+                    InvalidArgument, "block hashes repeat"),
+            "short": (lambda: self.store.allocate_many([AllocateRequest(node, "x", "a", [b"x"], 40)]),
+                      InvalidArgument, "a block hash must be 16 bytes"),
+            "no node": (lambda: self.store.allocate_many([AllocateRequest("nX", "x", "a", [], 40)]),
+                        NotFound, "unknown node 'nX'"),
+            "unknown": (lambda: self.store.release(["nope"]), NotFound, "unknown sequence 'nope'"),
+            "shrink": (lambda: self.store.extend([(seq.seq_id, seq.num_tokens - 1)]),
+                       InvalidArgument, "extend cannot shrink"),
+            "half block": (lambda: self.store.commit([(seq.seq_id, len(seq.block_ids) - 1, h)]),
+                           InvalidArgument, "is not a full block"),
         }
-        self._unchanged_on_refusal(calls[bad], lambda r: False)
+        call, error, words = calls[bad]
+        before, lsn = self.table.to_dict(), self.store.lsn
+        with pytest.raises(error, match=words):
+            call()
+        assert self.table.to_dict() == before and self.store.lsn == lsn
 
     @invariant()
     def invariants_hold(self) -> None:
