@@ -15,6 +15,7 @@ import grpc
 
 from block_service import wire
 from block_service.bookkeeping import ApplyResult
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
@@ -93,6 +94,13 @@ class BlockManagerClient:
         req = pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
                                      bytes_per_block=bytes_per_block)
         return (await self._call("RegisterNode", req)).created
+
+    async def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                        listed: Sequence[LiveSequence]) -> SyncResult:
+        """Make block_service's view of this node equal to ``listed`` (every live sequence of the
+        node) and the pool's shape; the answer says what was released, adopted, updated, refused."""
+        req = wire.sync_request_to_pb(node_id, num_blocks, block_size, bytes_per_block, listed)
+        return wire.sync_result_from_pb(await self._call("SyncNode", req))
 
     async def deregister_node(self, node_id: str) -> list[str]:
         resp = await self._call("DeregisterNode", pb.DeregisterNodeRequest(node_id=node_id))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, apply_bookkeeping
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
 from block_service.wal import LogWriter, frame, log_name, scan_log
@@ -192,6 +193,16 @@ class DurablePageTable:
         released = self.table.deregister_node(node_id)
         self._log(rec.encode_deregister(node_id))
         return released
+
+    def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                  listed: Sequence[LiveSequence]) -> SyncResult:
+        """``PageTable.sync_node``; logged only when it changed something (a periodic
+        reconciliation that finds agreement writes nothing)."""
+        self._check_writable()
+        result = self.table.sync_node(node_id, num_blocks, block_size, bytes_per_block, listed)
+        if result.changed:
+            self._log(rec.encode_sync(node_id, num_blocks, block_size, bytes_per_block, result.listed))
+        return result
 
     def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         self._check_writable()

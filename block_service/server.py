@@ -99,6 +99,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         return pb.RegisterNodeResponse(created=created)
 
     @_answers
+    async def SyncNode(self, request, context):
+        result = self.store.sync_node(*wire.sync_request_from_pb(request))
+        await self.store.flush()
+        if result.refused:
+            log.warning("sync of node %s refused %d sequences: %s", request.node_id, len(result.refused),
+                        "; ".join(f"{s!r}: {why}" for s, why in result.refused[:5]))
+        return wire.sync_result_to_pb(result)
+
+    @_answers
     async def DeregisterNode(self, request, context):
         released = self.store.deregister_node(request.node_id)
         await self.store.flush()

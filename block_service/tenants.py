@@ -91,6 +91,15 @@ class QuotaLedger:
         self.charged[tenant] = self.charged.get(tenant, 0) + n
         self._reserved_unused += self._unused(tenant) - before
 
+    def charge_granted(self, tenant: str, n: int) -> None:
+        """Charge blocks a node already holds (adopted by ``sync_node``): never refused, so beyond
+        the quota the excess becomes grace, as for a quota cut (nothing new is granted meanwhile)."""
+        self.charge(tenant, n)
+        allowed = self.allowed.get(tenant)
+        over = self.charged.get(tenant, 0) - allowed if allowed is not None else 0
+        if over > self.grace.get(tenant, 0):
+            self.grace[tenant] = over
+
     def uncharge(self, tenant: str, n: int) -> None:
         before = self._unused(tenant)
         left = self.charged[tenant] - n

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import Counters, NodeStats, TenantStats
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
@@ -161,12 +162,14 @@ def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
 
 def _counters_to_pb(c: Counters) -> pb.BlockCounters:
     return pb.BlockCounters(prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
-                            refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota)
+                            refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota,
+                            reconciled_releases=c.reconciled_releases)
 
 
 def _counters_from_pb(m: pb.BlockCounters) -> Counters:
     return Counters(prefix_queries=m.prefix_queries, prefix_hits=m.prefix_hits,
-                    refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota)
+                    refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota,
+                    reconciled_releases=m.reconciled_releases)
 
 
 def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
@@ -210,3 +213,31 @@ def sequence_to_pb(s: SeqState) -> pb.SequenceBlocks:
 
 def sequence_from_pb(m: pb.SequenceBlocks) -> SeqState:
     return SeqState(m.seq_id, m.node_id, m.tenant, list(m.block_ids.ids), m.num_tokens, m.num_committed)
+
+
+# ---- node sync ----------------------------------------------------------------------------------
+
+def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                       listed: Sequence[LiveSequence]) -> pb.SyncNodeRequest:
+    return pb.SyncNodeRequest(
+        node_id=node_id, num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
+        sequences=[pb.LiveSequence(seq_id=s.seq_id, tenant=s.tenant, block_ids=pb.BlockIds(ids=s.block_ids),
+                                   num_tokens=s.num_tokens) for s in listed],
+    )
+
+
+def sync_request_from_pb(m: pb.SyncNodeRequest) -> tuple[str, int, int, int, list[LiveSequence]]:
+    listed = [LiveSequence(s.seq_id, s.tenant, tuple(s.block_ids.ids), s.num_tokens) for s in m.sequences]
+    return m.node_id, m.num_blocks, m.block_size, m.bytes_per_block, listed
+
+
+def sync_result_to_pb(r: SyncResult) -> pb.SyncNodeResponse:
+    return pb.SyncNodeResponse(
+        registered=r.registered, released_seq_ids=r.released, adopted_seq_ids=r.adopted,
+        updated_seq_ids=r.updated, refused=[pb.SequenceRefusal(seq_id=s, reason=why) for s, why in r.refused],
+    )
+
+
+def sync_result_from_pb(m: pb.SyncNodeResponse) -> SyncResult:
+    return SyncResult(registered=m.registered, released=list(m.released_seq_ids), adopted=list(m.adopted_seq_ids),
+                      updated=list(m.updated_seq_ids), refused=[(r.seq_id, r.reason) for r in m.refused])

@@ -11,6 +11,7 @@ import pytest
 
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable, recover
+from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
 from block_service.server import BlockManagerServicer
 from block_service.trace import Trace, drive, drive_async
@@ -153,6 +154,10 @@ def _bad_requests() -> list[tuple[str, object, Code]]:
         ("RegisterNode", pb.RegisterNodeRequest(node_id="n0", num_blocks=9, block_size=16, bytes_per_block=1 << 16),
          Code.ALREADY_EXISTS),
         ("DeregisterNode", pb.DeregisterNodeRequest(node_id="nX"), Code.NOT_FOUND),
+        ("SyncNode", pb.SyncNodeRequest(node_id="n1", num_blocks=8, block_size=24, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
+        ("SyncNode", pb.SyncNodeRequest(node_id="", num_blocks=8, block_size=16, bytes_per_block=1),
+         Code.INVALID_ARGUMENT),
         ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="")]), Code.INVALID_ARGUMENT),
         ("ConfigureTenants", pb.ConfigureTenantsRequest(tenants=[pb.TenantQuota(name="a", quota_mib=-1)]),
          Code.INVALID_ARGUMENT),
@@ -254,3 +259,34 @@ def test_apply_many_refuses_a_bad_item_alone(tmp_path) -> None:
     store.sync()  # crash: the log alone must give the same state
     replayed, report = recover(str(tmp_path))
     assert report.stop_reason is None and replayed.to_dict() == table.to_dict()
+
+
+def test_sync_node_over_the_wire(tmp_path, caplog) -> None:
+    """A node re-registers after block_service lost its registration, then reconciles: its view and
+    block_service's agree afterwards (the invariant check holds), durably."""
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+
+    async def body(client: BlockManagerClient) -> None:
+        await client.register_node("n0", 16, 16, 1 << 16)
+        [gone] = await client.allocate_many([AllocateRequest("n0", "gone", "t", [], 20)])
+        assert isinstance(gone, Allocation)
+        with caplog.at_level(logging.WARNING):
+            result = await client.sync_node("n0", 16, 16, 1 << 16, [
+                LiveSequence("a", "t", (5, 6), 30), LiveSequence("b", "u", (5,), 16),
+                LiveSequence("bad", "u", (77,), 3)])
+        assert not result.registered and result.released == ["gone"] and result.adopted == ["a", "b"]
+        assert result.refused == [("bad", "block ids [77] are outside the pool of 16 blocks")]
+        assert "sync of node n0 refused 1 sequences: 'bad': block ids [77]" in caplog.text
+        [a, b] = await client.sequences(["a", "b"])
+        assert (a.block_ids, a.num_tokens, b.block_ids) == ([5, 6], 30, [5])
+        [node], _ = await client.stats()
+        assert node.num_used == 2 and node.num_sequences == 2 and node.counters.reconciled_releases == 1
+        await client.deregister_node("n0")  # lost registration: the next sync brings it back
+        again = await client.sync_node("n0", 16, 16, 1 << 16, [LiveSequence("a", "t", (5, 6), 30)])
+        assert again.registered and again.adopted == ["a"]
+
+    serve_and_run(store, body)
+    store.table.check()
+    store.sync()
+    replayed, report = recover(str(tmp_path))
+    assert report.stop_reason is None and replayed.to_dict() == store.table.to_dict()
