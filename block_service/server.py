@@ -103,7 +103,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         result = self.store.sync_node(*wire.sync_request_from_pb(request))
         await self.store.flush()
         if result.refused:
-            log.warning("sync of node %s refused %d sequences: %s", request.node_id, len(result.refused),
+            log.warning("sync of node %s refused %d sequences: %s", request.pool.node_id, len(result.refused),
                         "; ".join(f"{s!r}: {why}" for s, why in result.refused[:5]))
         return wire.sync_result_to_pb(result)
 

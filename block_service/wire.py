@@ -220,7 +220,8 @@ def sequence_from_pb(m: pb.SequenceBlocks) -> SeqState:
 def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
                        listed: Sequence[LiveSequence]) -> pb.SyncNodeRequest:
     return pb.SyncNodeRequest(
-        node_id=node_id, num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
+        pool=pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
+                                    bytes_per_block=bytes_per_block),
         sequences=[pb.LiveSequence(seq_id=s.seq_id, tenant=s.tenant, block_ids=pb.BlockIds(ids=s.block_ids),
                                    num_tokens=s.num_tokens) for s in listed],
     )
@@ -228,7 +229,8 @@ def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per
 
 def sync_request_from_pb(m: pb.SyncNodeRequest) -> tuple[str, int, int, int, list[LiveSequence]]:
     listed = [LiveSequence(s.seq_id, s.tenant, tuple(s.block_ids.ids), s.num_tokens) for s in m.sequences]
-    return m.node_id, m.num_blocks, m.block_size, m.bytes_per_block, listed
+    p = m.pool
+    return p.node_id, p.num_blocks, p.block_size, p.bytes_per_block, listed
 
 
 def sync_result_to_pb(r: SyncResult) -> pb.SyncNodeResponse:
