@@ -135,7 +135,7 @@ class BlockPool:
             taken.append(b)
         return taken
 
-    def drop(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
+    def release(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
         """Unreference ``blocks`` in the order given; blocks reaching zero go to the cache's
         most-recently-used end if indexed, else to the free list. Adds, per tenant, the blocks
         that stopped being charged to ``uncharged``."""
@@ -157,6 +157,31 @@ class BlockPool:
             t = owners[b]
             owners[b] = None
             uncharged[t] = uncharged.get(t, 0) + 1
+
+    def claim(self, tables: Sequence[tuple[Sequence[int], str]]) -> dict[str, int]:
+        """Reference the blocks a node says its sequences hold (``PageTable.sync_node``), each
+        ``(block_ids, owner)`` in order: a free or cached block comes into use charged to ``owner`` —
+        a cached one loses its hash, since nobody knows what the node wrote in it since — and a used
+        one (shared with another of the node's sequences) gains a reference. Returns, per owner, the
+        blocks that came into use. One pass over the free list for all the tables."""
+        ref, owners, cached, hashes = self.ref, self.owner, self._cached, self.hash
+        taken_free: set[int] = set()
+        charged: dict[str, int] = {}
+        for blocks, owner in tables:
+            for b in blocks:
+                if ref[b] == 0:
+                    if b in cached:
+                        del cached[b]
+                        del self._index[hashes[b]]
+                        hashes[b] = None
+                    else:
+                        taken_free.add(b)
+                    owners[b] = owner
+                    charged[owner] = charged.get(owner, 0) + 1
+                ref[b] += 1
+        if taken_free:
+            self._free = [b for b in self._free if b not in taken_free]
+        return charged
 
     def commit(self, block: int, block_hash: bytes) -> bool:
         """Name a used block's content; returns False when it already had that name."""

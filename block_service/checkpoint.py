@@ -3,7 +3,9 @@
     kvfleet checkpoint verify PATH
     python -m block_service.checkpoint --verify PATH
 
-Prints one line per file (records counted, first bad offset) and exits 0 only when all verify.
+Prints one line per file (records counted, first bad offset), then for a state directory what
+block_service would recover from it — or why it would refuse to start, in the same words — and exits
+0 only when every file verifies and the state recovers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from block_service import wal_records
+from block_service.durable import RecoveryError, recover
 from block_service.snapshot import MAGIC as SNAPSHOT_MAGIC
 from block_service.snapshot import SnapshotError, read_snapshot
 from block_service.wal import scan_log
@@ -36,10 +39,12 @@ class FileCheck:
 @dataclass(slots=True)
 class VerifyReport:
     files: list[FileCheck] = field(default_factory=list)
+    recovery: str | None = None         # a state directory: what recovery would give
+    unrecoverable: str | None = None    # or why block_service would refuse to start
 
     @property
     def ok(self) -> bool:
-        return bool(self.files) and all(f.error is None for f in self.files)
+        return bool(self.files) and all(f.error is None for f in self.files) and self.unrecoverable is None
 
     @property
     def first_bad(self) -> FileCheck | None:
@@ -82,6 +87,11 @@ def verify(path: str) -> VerifyReport:
         with open(p, "rb") as f:
             is_snapshot = f.read(len(SNAPSHOT_MAGIC)) == SNAPSHOT_MAGIC or p.endswith(".snap")
         report.files.append(check_snapshot(p) if is_snapshot else check_log(p))
+    if os.path.isdir(path) and report.files:
+        try:
+            report.recovery = recover(path)[1].summary()
+        except RecoveryError as err:
+            report.unrecoverable = str(err)
     return report
 
 
@@ -90,11 +100,16 @@ def print_report(report: VerifyReport, path: str) -> int:
         print(f.line())
     if not report.files:
         print(f"{path}: no snapshot or log files found")
+    if report.recovery is not None:
+        print(f"recovers: {report.recovery}")
+    if report.unrecoverable is not None:
+        print(f"cannot recover: {report.unrecoverable}")
     bad = report.first_bad
     records = sum(f.num_records for f in report.files if f.kind == "log")
     snapshots = sum(f.num_records for f in report.files if f.kind == "snapshot")
     verdict = "all verify" if report.ok else (
-        f"first bad: {bad.path} offset {bad.bad_offset}" if bad else "nothing to verify"
+        f"first bad: {bad.path} offset {bad.bad_offset}" if bad
+        else "records are missing" if report.unrecoverable else "nothing to verify"
     )
     print(f"{snapshots} snapshots, {records} log records; {verdict}")
     return 0 if report.ok else 1

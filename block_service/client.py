@@ -14,12 +14,14 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from block_service import wire
+from block_service.bookkeeping import ApplyResult
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
-from block_service.tenants import TenantConfig
 from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import ERRORS_BY_CODE
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -75,14 +77,14 @@ class BlockManagerClient:
         await self._call("ReleaseMany", pb.ReleaseManyRequest(seq_ids=seq_ids, tenant=tenant or ""))
 
     async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
-                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> tuple[int, list[list[int] | Refusal]]:
-        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order: (blocks
-        newly committed, the growth's results)."""
+                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> ApplyResult:
+        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order, item by
+        item: a bad item is refused alone and listed in ``ApplyResult.errors``, the rest applied."""
         resp = await self._call("ApplyMany", pb.ApplyManyRequest(
             commits=wire.commit_request_to_pb(commits, tenant),
             releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),
             growth=wire.extend_request_to_pb(growth, tenant)))
-        return resp.num_committed, wire.extend_results_from_pb(resp.growth)
+        return wire.apply_result_from_pb(resp)
 
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])
@@ -94,11 +96,18 @@ class BlockManagerClient:
                                      bytes_per_block=bytes_per_block)
         return (await self._call("RegisterNode", req)).created
 
+    async def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                        listed: Sequence[LiveSequence]) -> SyncResult:
+        """Make block_service's view of this node equal to ``listed`` (every live sequence of the
+        node) and the pool's shape; the answer says what was released, adopted, updated, refused."""
+        req = wire.sync_request_to_pb(node_id, num_blocks, block_size, bytes_per_block, listed)
+        return wire.sync_result_from_pb(await self._call("SyncNode", req))
+
     async def deregister_node(self, node_id: str) -> list[str]:
         resp = await self._call("DeregisterNode", pb.DeregisterNodeRequest(node_id=node_id))
         return list(resp.released_seq_ids)
 
-    async def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+    async def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         req = pb.ConfigureTenantsRequest(tenants=[wire.tenant_to_pb(c) for c in configs], replace_all=replace_all)
         await self._call("ConfigureTenants", req)
 

@@ -6,11 +6,15 @@ A snapshot (on an interval, on clean shutdown, after recovery) lets older logs b
 directory holds::
 
     snapshot-<lsn>.snap   the whole state after <lsn> records; the newest two are kept
-    wal-<lsn>.log         records <lsn>, <lsn>+1, ...; deleted once a newer snapshot is durable
+    wal-<lsn>.log         records <lsn>, <lsn>+1, ...; kept from the older kept snapshot on
     wal-<lsn>.log.bad     a log that stopped recovery early, kept for inspection
+    snapshot-<lsn>.snap.bad  a corrupt snapshot that recovery replaced, kept for inspection
 
 Recovery loads the newest snapshot that verifies, replays the logs that follow it in order, and stops
 at the first torn or corrupt record: the state is then exactly the state after the last good record.
+When records are missing instead (a corrupt newest snapshot whose records no log holds, a log that
+does not follow on), it refuses to start, saying which file and which records (``RecoveryError``):
+never from a stale state.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
+from block_service.bookkeeping import ApplyResult, apply_bookkeeping
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
-from block_service.tenants import TenantConfig
 from block_service.wal import LogWriter, frame, log_name, scan_log
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import Unavailable
+from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,11 @@ def _numbered(state_dir: str, pattern: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+class RecoveryError(Exception):
+    """The state directory cannot be brought to its last good record: the message (one line) names
+    the corrupt or missing file and the records that are gone. block_service refuses to start."""
+
+
 @dataclass(slots=True)
 class RecoveryReport:
     snapshot_path: str | None = None
@@ -57,6 +68,7 @@ class RecoveryReport:
     stop_path: str | None = None    # where replay stopped early, if it did
     stop_offset: int | None = None
     stop_reason: str | None = None
+    corrupt_snapshots: list[str] = field(default_factory=list)  # newer than the one used, not used
     skipped: list[str] = field(default_factory=list)  # files not used, with why
 
     def summary(self) -> str:
@@ -68,9 +80,16 @@ class RecoveryReport:
 
 
 def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
-    """Rebuild the page table from ``state_dir`` without writing anything."""
+    """Rebuild the page table from ``state_dir`` without writing anything.
+
+    The newest snapshot that verifies is the base; the logs from its record on are replayed. A
+    corrupt newer snapshot is skipped only if the logs reach past it (they are kept from the older
+    snapshot on for that reason). Raises ``RecoveryError`` when records are missing: a log that
+    starts later than the state before it ends, or a corrupt snapshot whose records no log holds.
+    """
     report = RecoveryReport()
     table = PageTable()
+    corrupt: list[tuple[int, str, str]] = []  # (lsn, path, why), newest first
     for lsn, path in reversed(_numbered(state_dir, "snapshot-*.snap")):
         try:
             report.snapshot_lsn, state = read_snapshot(path)
@@ -78,6 +97,8 @@ def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
             report.snapshot_path = path
             break
         except SnapshotError as err:
+            corrupt.append((lsn, path, str(err).removeprefix(f"{path}: ")))
+            report.corrupt_snapshots.append(path)
             report.skipped.append(str(err))
     expected = report.snapshot_lsn
     for start, path in _numbered(state_dir, "wal-*.log"):
@@ -87,10 +108,12 @@ def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
             report.skipped.append(f"{path}: after the stop")
             continue
         scan, records = scan_log(path)
-        if scan.start_lsn not in (-1, expected) or (scan.start_lsn == -1 and start != expected):
-            report.stop_path, report.stop_offset = path, 0
-            report.stop_reason = f"log starts at record {start}, expected {expected} (a log is missing)"
-            continue
+        first = scan.start_lsn if scan.start_lsn != -1 else start
+        if first != expected:
+            raise RecoveryError(_missing(report, corrupt, expected, first,
+                                         f"{path} starts at record {first}, the state from "
+                                         f"{os.path.basename(report.snapshot_path or 'no snapshot')} "
+                                         f"and the logs before it ends at record {expected}"))
         for offset, payload in records:
             try:
                 rec.apply(table, payload)
@@ -103,7 +126,20 @@ def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
         if scan.error:
             report.stop_path, report.stop_offset, report.stop_reason = path, scan.end_offset, scan.error
     report.lsn = expected
+    if corrupt and corrupt[0][0] > expected:
+        where = f"{report.stop_path}: {report.stop_reason}" if report.stop_reason else "no later log"
+        raise RecoveryError(_missing(report, corrupt, expected, corrupt[0][0], f"the logs end there ({where})"))
     return table, report
+
+
+def _missing(report: RecoveryReport, corrupt: list[tuple[int, str, str]], first: int, end: int, why: str) -> str:
+    """One line for a person: which file is bad, which records are gone, and what to do."""
+    text = f"records {first}..{end - 1} are missing: {why}"
+    if corrupt:
+        lsn, path, reason = corrupt[0]
+        text = (f"the newest snapshot {path} is corrupt ({reason}) and records {first}..{max(end, lsn) - 1} "
+                f"are missing to rebuild it from {report.snapshot_path or 'an empty state'}: {why}")
+    return text + "; restore the state directory from a backup, or move it aside to start empty"
 
 
 class DurablePageTable:
@@ -127,17 +163,20 @@ class DurablePageTable:
 
     @classmethod
     def open(cls, state_dir: str, fsync: bool = True) -> tuple[DurablePageTable, RecoveryReport]:
-        """Recover from ``state_dir`` (created if missing), then start a clean snapshot and log."""
+        """Recover from ``state_dir`` (created if missing), then start a clean snapshot and log.
+        Raises ``RecoveryError`` (having written nothing) when the state cannot be recovered."""
         os.makedirs(state_dir, exist_ok=True)
         table, report = recover(state_dir)
         store = cls(table, state_dir, report.lsn, fsync)
+        for path in report.corrupt_snapshots:  # kept for inspection, never read again
+            os.replace(path, path + ".bad")
         write_snapshot(state_dir, report.lsn, table.to_dict(), fsync)
         if report.stop_path:  # only now that the snapshot holds everything before the stop
             for lsn, path in _numbered(state_dir, "wal-*.log"):
                 if lsn >= report.snapshot_lsn and path >= report.stop_path:
                     os.replace(path, path + ".bad")
         store._writer = LogWriter(os.path.join(state_dir, log_name(report.lsn)), report.lsn, fsync)
-        store._cleanup(report.lsn)
+        store._cleanup()
         return store, report
 
     # ---- mutators: call the core, log what changed ---------------------------------------------
@@ -155,7 +194,17 @@ class DurablePageTable:
         self._log(rec.encode_deregister(node_id))
         return released
 
-    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
+    def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                  listed: Sequence[LiveSequence]) -> SyncResult:
+        """``PageTable.sync_node``; logged only when it changed something (a periodic
+        reconciliation that finds agreement writes nothing)."""
+        self._check_writable()
+        result = self.table.sync_node(node_id, num_blocks, block_size, bytes_per_block, listed)
+        if result.changed:
+            self._log(rec.encode_sync(node_id, num_blocks, block_size, bytes_per_block, result.listed))
+        return result
+
+    def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         self._check_writable()
         configs = list(configs)
         self.table.configure_tenants(configs, replace_all)
@@ -189,6 +238,19 @@ class DurablePageTable:
         self.table.release(seq_ids, tenant)
         if seq_ids:
             self._log(rec.encode_release(seq_ids))
+
+    def apply(self, growth: Sequence[tuple[str, int]], commits: Sequence[tuple[str, int, bytes]],
+              releases: Sequence[str], tenant: str | None = None) -> ApplyResult:
+        """A node's bookkeeping item by item (``bookkeeping``); the log gets what was applied."""
+        self._check_writable()
+        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant)
+        if applied.growth:
+            self._log(rec.encode_extend(applied.growth))
+        if applied.commits:
+            self._log(rec.encode_commit(applied.commits))
+        if applied.releases:
+            self._log(rec.encode_release(applied.releases))
+        return result
 
     # ---- the log -------------------------------------------------------------------------------
 
@@ -274,16 +336,19 @@ class DurablePageTable:
 
     def _finish_snapshot(self, lsn: int, state: dict) -> str:
         path = write_snapshot(self.state_dir, lsn, state, self.fsync)
-        self._cleanup(lsn)
+        self._cleanup()
         return path
 
-    def _cleanup(self, lsn: int) -> None:
-        """Delete logs that the snapshot at ``lsn`` covers and all but the newest snapshots."""
-        for start, path in _numbered(self.state_dir, "wal-*.log"):
-            if start < lsn:
-                os.remove(path)
-        for _, path in _numbered(self.state_dir, "snapshot-*.snap")[:-KEEP_SNAPSHOTS]:
+    def _cleanup(self) -> None:
+        """Keep the newest snapshots and the logs from the oldest of them on, so that a newest
+        snapshot found corrupt at the next start is replaced by the older one and its logs."""
+        snapshots = _numbered(self.state_dir, "snapshot-*.snap")
+        for _, path in snapshots[:-KEEP_SNAPSHOTS]:
             os.remove(path)
+        oldest = snapshots[-KEEP_SNAPSHOTS:][0][0] if snapshots else 0
+        for start, path in _numbered(self.state_dir, "wal-*.log"):
+            if start < oldest:
+                os.remove(path)
         for path in glob.glob(os.path.join(self.state_dir, "*.tmp")):
             os.remove(path)
 

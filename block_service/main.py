@@ -42,21 +42,25 @@ async def serve(args: argparse.Namespace) -> int:
 
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from block_service.durable import DurablePageTable
+    from block_service.durable import DurablePageTable, RecoveryError
     from block_service.page_table import PageTable
     from block_service.server import BlockManagerServicer
-    from block_service.tenants import load_tenant_configs
+    from block_service.tenants import load_tenants_without_keys
     from kvfleet import rpc
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if args.durability == "off":
         store = DurablePageTable(PageTable(), None)
     else:
-        store, report = DurablePageTable.open(args.state_dir, fsync=args.durability == "fsync")
+        try:
+            store, report = DurablePageTable.open(args.state_dir, fsync=args.durability == "fsync")
+        except RecoveryError as err:  # never start from a stale state: say why, exit non-zero
+            log.error("cannot start: %s", err)
+            return 2
         (log.warning if report.stop_reason or report.skipped else log.info)("%s", report.summary())
     if args.tenants:
         try:
-            tenants = load_tenant_configs(args.tenants)  # without API keys: none reach the disk
+            tenants = load_tenants_without_keys(args.tenants)  # none of the keys reach the disk
         except ValueError as err:  # TenantsFileError: unreadable or invalid, with where and why
             log.error("cannot load tenants from %s: %s", args.tenants, err)
             return 2

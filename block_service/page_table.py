@@ -11,16 +11,16 @@ replaying the same calls on the same state gives the same block ids.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from block_service.block_pool import BlockPool
+from block_service.block_pool import BlockPool, validate_shape
+from block_service.node_state import NodeState
+from block_service.node_sync import LiveSequence, SyncResult, plan_sync
 from block_service.stats import Counters, NodeStats, TenantStats
-from block_service.tenants import QuotaLedger, TenantConfig
-from kvfleet.ids import check_id
+from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
+from block_service.validation import validate_hashes, validate_tokens
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
-from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -28,11 +28,11 @@ from kvfleet.errors import (
     NotFound,
     PermissionDenied,
 )
+from kvfleet.ids import check_id
+from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = (1 << 31) - 1      # more is an absurd count, not a refusal
-WARN_INTERVAL_S = 1.0           # pool-exhausted warnings per node, at most one per interval
 
 
 @dataclass(slots=True)
@@ -47,45 +47,11 @@ class SeqState:
     num_committed: int  # blocks of this table committed (prefix hits included)
 
 
-@dataclass(slots=True)
-class _Node:
-    pool: BlockPool
-    ledger: QuotaLedger
-    seq_ids: dict[str, None] = field(default_factory=dict)  # insertion order: deterministic
-    counters: Counters = field(default_factory=Counters)
-    tenant_counters: dict[str, Counters] = field(default_factory=dict)
-    last_warning: float = float("-inf")
-
-    def tenant_counter(self, tenant: str) -> Counters:
-        c = self.tenant_counters.get(tenant)
-        if c is None:
-            c = self.tenant_counters[tenant] = Counters()
-        return c
-
-
-def _validate_tokens(n: object) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_TOKENS:
-        raise InvalidArgument(f"num_tokens must be an integer in 0..{MAX_TOKENS}, got {n!r}")
-    return n
-
-
-def validate_hashes(hashes: Sequence[bytes]) -> None:
-    for h in hashes:
-        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            raise InvalidArgument(f"a block hash must be {HASH_BYTES} bytes, got {h!r:.60}")
-    if len(set(hashes)) != len(hashes):
-        raise InvalidArgument("block hashes repeat: a chained hash names one block of a prompt")
-
-
-def _validate_seq_id(seq_id: object) -> str:
-    return check_id("seq_id", seq_id)
-
-
 class PageTable:
     def __init__(self) -> None:
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, NodeState] = {}
         self._seqs: dict[str, SeqState] = {}
-        self._tenants: dict[str, TenantConfig] = {}
+        self._tenants: dict[str, Tenant] = {}
 
     # ---- nodes and tenants ---------------------------------------------------------------------
 
@@ -102,7 +68,7 @@ class PageTable:
                 f"{p.bytes_per_block} bytes; deregister it first to change its pool"
             )
         ledger = QuotaLedger(bytes_per_block)
-        node = _Node(BlockPool(num_blocks, block_size, bytes_per_block), ledger)
+        node = NodeState(BlockPool(num_blocks, block_size, bytes_per_block), ledger)
         ledger.configure(self._tenants.values())
         self._nodes[node_id] = node
         return True
@@ -115,9 +81,59 @@ class PageTable:
         del self._nodes[node_id]
         return released
 
-    def configure_tenants(self, configs: Iterable[TenantConfig], replace_all: bool = False) -> None:
-        """Add or update tenants (``replace_all``: the given list is the whole set)."""
-        configs = list(configs)
+    def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                  listed: Sequence[LiveSequence]) -> SyncResult:
+        """Make this table's view of a node equal to the node's own account (``node_sync``): register
+        its pool (a new shape replaces the old one, releasing everything on it), release what it no
+        longer holds, take the tables of the sequences it lists; refuse what cannot be true."""
+        check_id("node_id", node_id)
+        validate_shape(num_blocks, block_size, bytes_per_block)
+        result = SyncResult()
+        node = self._nodes.get(node_id)
+        if node is not None and (node.pool.num_blocks, node.pool.block_size, node.pool.bytes_per_block) != (
+            num_blocks, block_size, bytes_per_block
+        ):
+            result.released = self.deregister_node(node_id)
+        result.registered = self.register_node(node_id, num_blocks, block_size, bytes_per_block)
+        node = self._nodes[node_id]
+        plan = plan_sync(node_id, num_blocks, block_size, listed, node.seq_ids, self._live)
+        self._release(plan.release)
+        result.released += plan.release
+        result.refused, result.listed = plan.refused, plan.listed
+        owners = node.pool.claim([(s.block_ids, s.tenant) for s in plan.take])
+        for t, n in owners.items():
+            node.ledger.charge_granted(t, n)
+        for s in plan.take:
+            old = self._seqs.get(s.seq_id)
+            (result.adopted if old is None else result.updated).append(s.seq_id)
+            if old is not None:
+                self._unreference(node, old.block_ids)
+            num_committed = sum(1 for b in s.block_ids if node.pool.hash[b] is not None)
+            self._seqs[s.seq_id] = SeqState(s.seq_id, node_id, s.tenant, list(s.block_ids), s.num_tokens,
+                                            num_committed)
+            node.seq_ids[s.seq_id] = None
+        if result.released:
+            node.counters.reconciled_releases += len(result.released)
+            log.info("sync of node %s: released %d sequences the node no longer holds", node_id,
+                     len(result.released))
+        return result
+
+    def _tenant_seqs(self, node: NodeState) -> dict[str, int]:
+        """Live sequences per tenant on ``node`` (for the pool-exhausted warning)."""
+        per: dict[str, int] = {}
+        for seq_id in node.seq_ids:
+            t = self._seqs[seq_id].tenant
+            per[t] = per.get(t, 0) + 1
+        return per
+
+    def _live(self, seq_id: str) -> tuple[str, LiveSequence] | None:
+        s = self._seqs.get(seq_id)
+        return None if s is None else (s.node_id, LiveSequence(s.seq_id, s.tenant, s.block_ids, s.num_tokens))
+
+    def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
+        """Add or update tenants (``replace_all``: the given list is the whole set); API keys are
+        dropped: block_service never holds them."""
+        configs = [c.without_key() for c in configs]
         names = [c.name for c in configs]
         if len(set(names)) != len(names):
             raise InvalidArgument("a tenant appears twice in one configuration")
@@ -130,7 +146,7 @@ class PageTable:
     def node_ids(self) -> list[str]:
         return list(self._nodes)
 
-    def tenants(self) -> list[TenantConfig]:
+    def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
     def block_size(self, node_id: str) -> int:
@@ -160,12 +176,12 @@ class PageTable:
         seen: set[str] = set()
         for r in requests:
             self._node(r.node_id)
-            _validate_seq_id(r.seq_id)
+            check_id("seq_id", r.seq_id)
             if r.seq_id in self._seqs or r.seq_id in seen:
                 raise AlreadyExists(f"sequence {r.seq_id!r} is already live")
             seen.add(r.seq_id)
             check_id("tenant", r.tenant)
-            _validate_tokens(r.num_tokens)
+            validate_tokens(r.num_tokens)
             validate_hashes(r.block_hashes)
         return [self._allocate(r) for r in requests]
 
@@ -176,7 +192,7 @@ class PageTable:
         hashes = r.block_hashes[: r.num_tokens // bs]  # only full blocks are shared
         hits = pool.lookup(hashes)
         num_fresh = -(-r.num_tokens // bs) - len(hits)
-        refusal = self._refuse(r.node_id, node, tenant, pool.num_revivable(hits) + num_fresh)
+        refusal = node.refusal(r.node_id, tenant, pool.num_revivable(hits) + num_fresh, self._tenant_seqs)
         if refusal is not None:
             return refusal
         revived = pool.acquire(hits, tenant)
@@ -193,7 +209,7 @@ class PageTable:
         """Grow each ``(seq_id, num_tokens)``; per sequence the new block ids or a refusal."""
         seqs = self._lookup([s for s, _ in growth], tenant)
         for seq, (_, n) in zip(seqs, growth):
-            if _validate_tokens(n) < seq.num_tokens:
+            if validate_tokens(n) < seq.num_tokens:
                 raise InvalidArgument(
                     f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens; extend cannot shrink it to {n}"
                 )
@@ -201,7 +217,7 @@ class PageTable:
         for seq, (_, n) in zip(seqs, growth):
             node = self._nodes[seq.node_id]
             need = -(-n // node.pool.block_size) - len(seq.block_ids)
-            refusal = self._refuse(seq.node_id, node, seq.tenant, need) if need else None
+            refusal = node.refusal(seq.node_id, seq.tenant, need, self._tenant_seqs) if need else None
             if refusal is not None:
                 results.append(refusal)
                 continue
@@ -250,10 +266,15 @@ class PageTable:
             seq = self._seqs.pop(seq_id)
             node = self._nodes[seq.node_id]
             del node.seq_ids[seq_id]
-            uncharged: dict[str, int] = {}
-            node.pool.drop(seq.block_ids[::-1], uncharged)
-            for t, n in uncharged.items():
-                node.ledger.uncharge(t, n)
+            self._unreference(node, seq.block_ids)
+
+    @staticmethod
+    def _unreference(node: NodeState, block_ids: list[int]) -> None:
+        """Give a table's blocks back, deepest first, and uncharge those no table holds any more."""
+        uncharged: dict[str, int] = {}
+        node.pool.release(block_ids[::-1], uncharged)
+        for t, n in uncharged.items():
+            node.ledger.uncharge(t, n)
 
     def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Per node, how many leading blocks of the prompt are committed there. Changes nothing."""
@@ -263,7 +284,7 @@ class PageTable:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _node(self, node_id: str) -> _Node:
+    def _node(self, node_id: str) -> NodeState:
         node = self._nodes.get(node_id)
         if node is None:
             raise NotFound(f"unknown node {node_id!r}")
@@ -282,38 +303,6 @@ class PageTable:
             raise InvalidArgument("a sequence appears twice in one batch")
         return seqs
 
-    def _refuse(self, node_id: str, node: _Node, tenant: str, n: int) -> Refusal | None:
-        """None if ``tenant`` may be charged ``n`` more blocks on ``node`` now, else why not."""
-        ledger, pool = node.ledger, node.pool
-        allowed = ledger.quota_shortfall(tenant, n)
-        if allowed is not None:
-            for c in (node.counters, node.tenant_counter(tenant)):
-                c.refusals_quota += 1
-            return Refusal("quota", node_id, tenant, n, ledger.charged.get(tenant, 0), allowed)
-        if n <= pool.num_available() - ledger.reserved_for_others(tenant):
-            return None
-        for c in (node.counters, node.tenant_counter(tenant)):
-            c.refusals_pool += 1
-        now = time.monotonic()
-        if now - node.last_warning >= WARN_INTERVAL_S:
-            node.last_warning = now
-            log.warning(
-                "block_pool exhausted (alloc=%d/%d) node=%s tenant=%s asked=%d available=%d "
-                "reserved_for_others=%d top holders: %s",
-                pool.num_used, pool.num_blocks, node_id, tenant, n, pool.num_available(),
-                ledger.reserved_for_others(tenant), self._top_holders(node),
-            )
-        return Refusal("pool", node_id, tenant, n, pool.num_used, pool.num_blocks)
-
-    def _top_holders(self, node: _Node, top: int = 3) -> str:
-        seqs: dict[str, int] = {}
-        for seq_id in node.seq_ids:
-            t = self._seqs[seq_id].tenant
-            seqs[t] = seqs.get(t, 0) + 1
-        charged = node.ledger.charged
-        ranked = sorted(charged, key=lambda t: -charged[t])[:top]
-        return ", ".join(f"tenant={t} sequences={seqs.get(t, 0)} blocks={charged[t]}" for t in ranked) or "none"
-
     # ---- figures -------------------------------------------------------------------------------
 
     def node_stats(self, node_id: str) -> NodeStats:
@@ -322,9 +311,10 @@ class PageTable:
         bs = pool.block_size
         tail_waste = sum(len(s.block_ids) * bs - s.num_tokens for s in map(self._seqs.get, node.seq_ids))
         return NodeStats(
-            node_id, pool.num_blocks, bs, pool.bytes_per_block, pool.num_free, pool.num_cached,
-            pool.num_used, len(node.seq_ids), pool.num_used * bs - tail_waste, pool.num_used * bs,
-            replace(node.counters),
+            node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
+            num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
+            num_sequences=len(node.seq_ids), tokens_stored=pool.num_used * bs - tail_waste,
+            token_capacity=pool.num_used * bs, counters=replace(node.counters),
         )
 
     def tenant_stats(self, node_id: str) -> list[TenantStats]:
@@ -341,8 +331,10 @@ class PageTable:
             acc[2] += len(seq.block_ids) * bs
         return [
             TenantStats(
-                t, node_id, ledger.charged.get(t, 0), ledger.allowed.get(t), ledger.reserved.get(t, 0),
-                n_seqs, tokens, capacity, replace(node.tenant_counters.get(t) or Counters()),
+                tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
+                blocks_allowed=ledger.allowed.get(t), blocks_reserved=ledger.reserved.get(t, 0),
+                num_sequences=n_seqs, tokens_stored=tokens, token_capacity=capacity,
+                counters=replace(node.tenant_counters.get(t) or Counters()),
             )
             for t, (n_seqs, tokens, capacity) in per.items()
         ]
@@ -357,7 +349,7 @@ class PageTable:
     def to_dict(self) -> dict:
         """The whole state (not the counters), in a form ``from_dict`` restores exactly."""
         return {
-            "tenants": [t.to_dict() for t in self._tenants.values()],
+            "tenants": [tenant_to_record(t) for t in self._tenants.values()],
             "nodes": {n: {"pool": node.pool.to_dict(), "ledger": node.ledger.to_dict()}
                       for n, node in self._nodes.items()},
             "sequences": [
@@ -369,12 +361,12 @@ class PageTable:
     @classmethod
     def from_dict(cls, d: dict) -> PageTable:
         table = cls()
-        table._tenants = {t["name"]: TenantConfig(**t) for t in d["tenants"]}
+        table._tenants = {t["name"]: tenant_from_record(t) for t in d["tenants"]}
         for node_id, nd in d["nodes"].items():
             pool = BlockPool.from_dict(nd["pool"])
             ledger = QuotaLedger(pool.bytes_per_block)
             ledger.restore(nd["ledger"], table._tenants.values())
-            table._nodes[node_id] = _Node(pool, ledger)
+            table._nodes[node_id] = NodeState(pool, ledger)
         for seq_id, node_id, tenant, block_ids, num_tokens, num_committed in d["sequences"]:
             table._seqs[seq_id] = SeqState(seq_id, node_id, tenant, list(block_ids), num_tokens, num_committed)
             table._nodes[node_id].seq_ids[seq_id] = None

@@ -2,8 +2,9 @@
 
 Each handler converts (``wire``), calls the durable page table, waits for its log record to be
 fsynced (group commit: concurrent calls share one fsync), and answers. Errors become status codes in
-one place, ``_answers``; a rejected call has changed nothing (``ApplyMany``: a rejected part, the
-parts before it stay applied).
+one place, ``_answers``; a rejected call has changed nothing. ``ApplyMany`` is the exception by
+design: it applies item by item and answers each refused item in its response (``bookkeeping``);
+only a message that does not decode (a hash of the wrong length) rejects it whole.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import grpc
 
 from block_service import wire
 from block_service.durable import DurablePageTable
-from kvfleet.errors import BlockServiceError, PermissionDenied
+from kvfleet.errors import BlockServiceError, InvalidArgument, PermissionDenied
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -72,16 +73,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     @_answers
     async def ApplyMany(self, request, context):
-        results = []
-        if request.growth.sequences:
-            results = self.store.extend(wire.extend_request_from_pb(request.growth), _tenant(request.growth))
-        num_new = 0
-        if request.commits.runs:
-            num_new = self.store.commit(wire.commit_request_from_pb(request.commits), _tenant(request.commits))
-        if request.releases.seq_ids:
-            self.store.release(list(request.releases.seq_ids), _tenant(request.releases))
+        growth = wire.extend_request_from_pb(request.growth)
+        commits = wire.commit_request_from_pb(request.commits)
+        tenants = {_tenant(part) for part in (request.growth, request.commits, request.releases)} - {None}
+        if len(tenants) > 1:
+            raise InvalidArgument(f"the parts of one ApplyMany name different tenants: {sorted(tenants)}")
+        tenant = tenants.pop() if tenants else None
+        result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant)
         await self.store.flush()
-        return pb.ApplyManyResponse(num_committed=num_new, growth=wire.extend_results_to_pb(results))
+        return wire.apply_result_to_pb(result)
 
     @_answers
     async def MatchPrefix(self, request, context):
@@ -97,6 +97,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                                            request.bytes_per_block)
         await self.store.flush()
         return pb.RegisterNodeResponse(created=created)
+
+    @_answers
+    async def SyncNode(self, request, context):
+        result = self.store.sync_node(*wire.sync_request_from_pb(request))
+        await self.store.flush()
+        if result.refused:
+            log.warning("sync of node %s refused %d sequences: %s", request.pool.node_id, len(result.refused),
+                        "; ".join(f"{s!r}: {why}" for s, why in result.refused[:5]))
+        return wire.sync_result_to_pb(result)
 
     @_answers
     async def DeregisterNode(self, request, context):

@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Counters:
-    """Events since start (not durable): prefix lookups and refusals."""
+    """Events since start (not durable): prefix lookups, refusals, reconciliations."""
 
     prefix_queries: int = 0  # block hashes looked up by allocations
     prefix_hits: int = 0     # of those, found committed
     refusals_pool: int = 0
     refusals_quota: int = 0
+    reconciled_releases: int = 0  # sequences released because their node no longer listed them
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class NodeStats:
     node_id: str
     num_blocks: int
@@ -43,7 +44,7 @@ class NodeStats:
         return 1 - self.tokens_stored / self.token_capacity if self.token_capacity else 0.0
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class TenantStats:
     tenant: str
     node_id: str

@@ -1,70 +1,41 @@
-"""Tenants and their KV quotas: the configuration, and one node's ledger of charged blocks.
+"""Tenants' KV quotas on the page table: one node's ledger of charged blocks, and the tenants'
+record form in the log and snapshots.
 
-A quota is configured in MiB and becomes ``quota_bytes // bytes_per_block`` blocks on each node.
-A block is charged to the tenant that brought it into use (fresh, or revived from the cache) for
-as long as any sequence holds it, so a shared prefix block is charged once (DESIGN.md invariant 3).
-A reserved share is guaranteed: other tenants may not take the blocks a tenant has reserved and
-not yet used. A tenant without a configured quota is unlimited (the engine's in-process tenant).
+The tenant itself is ``kvfleet.tenants.Tenant`` (one type, one validation, shared with the router);
+block_service keeps it without its API key. A quota is configured in MiB and becomes
+``quota_bytes // bytes_per_block`` blocks on each node. A block is charged to the tenant that
+brought it into use (fresh, or revived from the cache) for as long as any sequence holds it, so a
+shared prefix block is charged once (DESIGN.md invariant 3). A reserved share is guaranteed: other
+tenants may not take the blocks a tenant has reserved and not yet used. A tenant without a
+configured quota is unlimited (the engine's in-process tenant).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
 
-from kvfleet.errors import InvalidArgument
-from kvfleet.ids import check_id
 from kvfleet.tenants import Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
+_RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent")
 
 
-@dataclass(slots=True, frozen=True)
-class TenantConfig:
-    """One tenant as the tenants file describes it (format shared with the router)."""
-
-    name: str
-    quota_mib: float | None = None  # None: unlimited
-    reserved_mib: float = 0.0       # guaranteed share, at most the quota
-    paid_level: int = 0
-    max_concurrent: int = 0         # 0: unlimited; enforced by the router's queue
-    api_key: str = ""
-
-    def __post_init__(self) -> None:
-        check_id("tenant name", self.name)
-        if self.quota_mib is not None and not (0 <= self.quota_mib < 1 << 40):
-            raise InvalidArgument(f"tenant {self.name!r}: quota_mib must be >= 0, got {self.quota_mib}")
-        if not 0 <= self.reserved_mib <= (self.quota_mib if self.quota_mib is not None else 1 << 40):
-            raise InvalidArgument(
-                f"tenant {self.name!r}: reserved_mib must be in 0..quota_mib, got {self.reserved_mib}"
-            )
-        if self.paid_level < 0 or self.max_concurrent < 0:
-            raise InvalidArgument(f"tenant {self.name!r}: paid_level and max_concurrent must be >= 0")
-
-    def quota_blocks(self, bytes_per_block: int) -> int | None:
-        if self.quota_mib is None:
-            return None
-        return int(self.quota_mib * MIB) // bytes_per_block
-
-    def reserved_blocks(self, bytes_per_block: int) -> int:
-        return int(self.reserved_mib * MIB) // bytes_per_block
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def tenant_to_record(t: Tenant) -> dict:
+    """The form a tenant takes in the log and in snapshots: never with its API key."""
+    return {f: getattr(t, f) for f in _RECORD_FIELDS}
 
 
-def tenant_configs(tenants: Iterable[Tenant]) -> list[TenantConfig]:
-    """The page table's view of the tenants file's entries (``kvfleet.tenants``, the one parser
-    the router shares), without API keys: keys never reach the log or snapshots."""
-    return [TenantConfig(t.name, t.quota_mib, t.reserved_mib, t.paid_level, t.max_concurrent) for t in tenants]
+def tenant_from_record(d: Mapping) -> Tenant:
+    """Reads the record form, and the older one too (``TenantConfig``'s, with an empty ``api_key``)."""
+    return Tenant(**{f: d[f] for f in _RECORD_FIELDS if f in d})
 
 
-def load_tenant_configs(path: str) -> list[TenantConfig]:
-    """Read the tenants file; a bad file raises ``kvfleet.tenants.TenantsFileError``."""
-    return tenant_configs(load_tenants(path))
+def load_tenants_without_keys(path: str) -> list[Tenant]:
+    """The tenants file as block_service keeps it: keys never reach its log or snapshots. A bad
+    file raises ``kvfleet.tenants.TenantsFileError``."""
+    return [t.without_key() for t in load_tenants(path)]
 
 
 class QuotaLedger:
@@ -84,7 +55,7 @@ class QuotaLedger:
         self.grace: dict[str, int] = {}
         self._reserved_unused = 0           # sum over tenants of max(0, reserved - charged)
 
-    def configure(self, tenants: Iterable[TenantConfig]) -> None:
+    def configure(self, tenants: Iterable[Tenant]) -> None:
         self.allowed, self.reserved = {}, {}
         for t in tenants:
             quota = t.quota_blocks(self.bytes_per_block)
@@ -120,6 +91,15 @@ class QuotaLedger:
         self.charged[tenant] = self.charged.get(tenant, 0) + n
         self._reserved_unused += self._unused(tenant) - before
 
+    def charge_granted(self, tenant: str, n: int) -> None:
+        """Charge blocks a node already holds (adopted by ``sync_node``): never refused, so beyond
+        the quota the excess becomes grace, as for a quota cut (nothing new is granted meanwhile)."""
+        self.charge(tenant, n)
+        allowed = self.allowed.get(tenant)
+        over = self.charged.get(tenant, 0) - allowed if allowed is not None else 0
+        if over > self.grace.get(tenant, 0):
+            self.grace[tenant] = over
+
     def uncharge(self, tenant: str, n: int) -> None:
         before = self._unused(tenant)
         left = self.charged[tenant] - n
@@ -140,7 +120,7 @@ class QuotaLedger:
     def to_dict(self) -> dict:
         return {"charged": dict(self.charged), "grace": dict(self.grace)}
 
-    def restore(self, d: dict, tenants: Iterable[TenantConfig]) -> None:
+    def restore(self, d: dict, tenants: Iterable[Tenant]) -> None:
         self.charged = dict(d["charged"])
         self.configure(tenants)
         self.grace = dict(d["grace"])

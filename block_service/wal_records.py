@@ -11,6 +11,11 @@ the calls on the state they were made on gives the same block ids. Calls that ch
     REGISTER   op node:str num_blocks:u32 block_size:u32 bytes_per_block:u64
     DEREGISTER op node:str
     TENANTS    op replace_all:u8 json-list-of-tenant-configs
+    SYNC       op node:str num_blocks:u32 block_size:u32 bytes_per_block:u64 count:u32
+               (seq:str tenant:str num_tokens:u32 n:u32 block:u32*n)*count
+
+A SYNC record holds the node's list as the page table took it (``SyncResult.listed``: refused
+sequences left out, or as they were), so that its replay refuses nothing.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import json
 import struct
 from collections.abc import Sequence
 
+from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
-from block_service.tenants import TenantConfig
+from block_service.tenants import tenant_from_record, tenant_to_record
 from kvfleet.allocator import AllocateRequest, Refusal
 from kvfleet.block_hash import HASH_BYTES
+from kvfleet.tenants import Tenant
 
-ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS = range(1, 8)
+ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC = range(1, 9)
 OP_NAMES = {ALLOCATE: "allocate", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
-            REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants"}
+            REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
+            SYNC: "sync_node"}
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -74,8 +82,28 @@ def encode_deregister(node_id: str) -> bytes:
     return bytes([DEREGISTER]) + _s(node_id)
 
 
-def encode_tenants(configs: Sequence[TenantConfig], replace_all: bool) -> bytes:
-    return bytes([TENANTS, replace_all]) + json.dumps([c.to_dict() for c in configs]).encode()
+def encode_tenants(configs: Sequence[Tenant], replace_all: bool) -> bytes:
+    return bytes([TENANTS, replace_all]) + json.dumps([tenant_to_record(c) for c in configs]).encode()
+
+
+def encode_sync(node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                listed: Sequence[LiveSequence]) -> bytes:
+    parts = [bytes([SYNC]), _s(node_id), _REGISTER.pack(num_blocks, block_size, bytes_per_block), _U32.pack(len(listed))]
+    for s in listed:
+        parts += (_s(s.seq_id), _s(s.tenant), _TOKENS_NHASH.pack(s.num_tokens, len(s.block_ids)),
+                  struct.pack(f"<{len(s.block_ids)}I", *s.block_ids))
+    return b"".join(parts)
+
+
+def _decode_sync(r: _Reader) -> tuple:
+    r.pos = 1
+    node, shape, (count,) = r.str(), r.unpack(_REGISTER), r.unpack(_U32)
+    listed = []
+    for _ in range(count):
+        seq, tenant = r.str(), r.str()
+        n, nb = r.unpack(_TOKENS_NHASH)
+        listed.append(LiveSequence(seq, tenant, struct.unpack(f"<{nb}I", r.raw(4 * nb)), n))
+    return (node, *shape, listed)
 
 
 class _Reader:
@@ -127,8 +155,10 @@ def decode(payload: bytes) -> tuple[int, tuple]:
     elif op == DEREGISTER:
         r.pos = 1
         args = (r.str(),)
+    elif op == SYNC:
+        args = _decode_sync(r)
     elif op == TENANTS:
-        args = ([TenantConfig(**c) for c in json.loads(payload[2:])], bool(payload[1]))
+        args = ([tenant_from_record(c) for c in json.loads(payload[2:])], bool(payload[1]))
     else:
         raise ValueError(f"unknown log record type {op}")
     if op != TENANTS and r.pos != len(payload):
@@ -140,10 +170,11 @@ def apply(table: PageTable, payload: bytes) -> int:
     """Replay one record on ``table``; returns its op. Raises if the record does not apply."""
     op, args = decode(payload)
     result = getattr(table, _METHODS[op])(*args)
-    if op in (ALLOCATE, EXTEND) and any(isinstance(x, Refusal) for x in result):
+    if op in (ALLOCATE, EXTEND) and any(isinstance(x, Refusal) for x in result) or op == SYNC and result.refused:
         raise ValueError(f"replayed {OP_NAMES[op]} was refused: the log does not fit this state")
     return op
 
 
 _METHODS = {ALLOCATE: "allocate_many", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
-            REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants"}
+            REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
+            SYNC: "sync_node"}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
+from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import Counters, NodeStats, TenantStats
-from block_service.tenants import TenantConfig
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import InvalidArgument
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 
 
@@ -91,6 +93,36 @@ def extend_results_from_pb(m: pb.ExtendManyResponse) -> list[list[int] | Refusal
             for r in m.results]
 
 
+# ---- bookkeeping (ApplyMany) -------------------------------------------------------------------
+
+def _item_error_to_pb(e: ItemError) -> pb.ItemError:
+    return pb.ItemError(kind=e.kind, index=e.index, seq_id=e.seq_id, code=e.code, message=e.message)
+
+
+def apply_result_to_pb(r: ApplyResult) -> pb.ApplyManyResponse:
+    out = pb.ApplyManyResponse(num_committed=r.num_committed, errors=[_item_error_to_pb(e) for e in r.errors])
+    for g in r.growth:
+        if isinstance(g, Refusal):
+            out.growth.results.add(refusal=refusal_to_pb(g))
+        elif isinstance(g, ItemError):
+            out.growth.results.add()
+        else:
+            out.growth.results.add(new_block_ids=pb.BlockIds(ids=g))
+    return out
+
+
+def apply_result_from_pb(m: pb.ApplyManyResponse) -> ApplyResult:
+    errors = [ItemError(e.kind, e.index, e.seq_id, e.code, e.message) for e in m.errors]
+    growth_errors = {e.index: e for e in errors if e.kind == GROWTH}
+    growth: list[list[int] | Refusal | ItemError] = [
+        list(r.new_block_ids.ids) if r.HasField("new_block_ids")
+        else refusal_from_pb(r.refusal) if r.HasField("refusal")
+        else growth_errors[i]
+        for i, r in enumerate(m.growth.results)
+    ]
+    return ApplyResult(m.num_committed, growth, errors)
+
+
 # ---- commit -------------------------------------------------------------------------------------
 
 def commit_request_to_pb(commits: Sequence[tuple[str, int, bytes]], tenant: str | None) -> pb.CommitManyRequest:
@@ -116,25 +148,28 @@ def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, byte
 
 # ---- tenants ------------------------------------------------------------------------------------
 
-def tenant_to_pb(t: TenantConfig) -> pb.TenantQuota:
+def tenant_to_pb(t: Tenant) -> pb.TenantQuota:
     return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
                           paid_level=t.paid_level, max_concurrent=t.max_concurrent)
 
 
-def tenant_from_pb(m: pb.TenantQuota) -> TenantConfig:
-    return TenantConfig(m.name, m.quota_mib if m.HasField("quota_mib") else None, m.reserved_mib,
-                        m.paid_level, m.max_concurrent)
+def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
+    return Tenant(name=m.name, quota_mib=m.quota_mib if m.HasField("quota_mib") else None,
+                  reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent)
 
 
 # ---- figures and tables -------------------------------------------------------------------------
 
 def _counters_to_pb(c: Counters) -> pb.BlockCounters:
     return pb.BlockCounters(prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
-                            refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota)
+                            refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota,
+                            reconciled_releases=c.reconciled_releases)
 
 
 def _counters_from_pb(m: pb.BlockCounters) -> Counters:
-    return Counters(m.prefix_queries, m.prefix_hits, m.refusals_pool, m.refusals_quota)
+    return Counters(prefix_queries=m.prefix_queries, prefix_hits=m.prefix_hits,
+                    refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota,
+                    reconciled_releases=m.reconciled_releases)
 
 
 def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
@@ -146,8 +181,11 @@ def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
 
 
 def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
-    return NodeStats(m.node_id, m.num_blocks, m.block_size, m.bytes_per_block, m.num_free, m.num_cached,
-                     m.num_used, m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+    return NodeStats(
+        node_id=m.node_id, num_blocks=m.num_blocks, block_size=m.block_size, bytes_per_block=m.bytes_per_block,
+        num_free=m.num_free, num_cached=m.num_cached, num_used=m.num_used, num_sequences=m.num_sequences,
+        tokens_stored=m.tokens_stored, token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+    )
 
 
 def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
@@ -159,9 +197,12 @@ def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
 
 
 def tenant_stats_from_pb(m: pb.TenantBlockStats) -> TenantStats:
-    return TenantStats(m.tenant, m.node_id, m.blocks_charged,
-                       m.blocks_allowed if m.HasField("blocks_allowed") else None, m.blocks_reserved,
-                       m.num_sequences, m.tokens_stored, m.token_capacity, _counters_from_pb(m.counters))
+    return TenantStats(
+        tenant=m.tenant, node_id=m.node_id, blocks_charged=m.blocks_charged,
+        blocks_allowed=m.blocks_allowed if m.HasField("blocks_allowed") else None,
+        blocks_reserved=m.blocks_reserved, num_sequences=m.num_sequences, tokens_stored=m.tokens_stored,
+        token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+    )
 
 
 def sequence_to_pb(s: SeqState) -> pb.SequenceBlocks:
@@ -172,3 +213,33 @@ def sequence_to_pb(s: SeqState) -> pb.SequenceBlocks:
 
 def sequence_from_pb(m: pb.SequenceBlocks) -> SeqState:
     return SeqState(m.seq_id, m.node_id, m.tenant, list(m.block_ids.ids), m.num_tokens, m.num_committed)
+
+
+# ---- node sync ----------------------------------------------------------------------------------
+
+def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
+                       listed: Sequence[LiveSequence]) -> pb.SyncNodeRequest:
+    return pb.SyncNodeRequest(
+        pool=pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
+                                    bytes_per_block=bytes_per_block),
+        sequences=[pb.LiveSequence(seq_id=s.seq_id, tenant=s.tenant, block_ids=pb.BlockIds(ids=s.block_ids),
+                                   num_tokens=s.num_tokens) for s in listed],
+    )
+
+
+def sync_request_from_pb(m: pb.SyncNodeRequest) -> tuple[str, int, int, int, list[LiveSequence]]:
+    listed = [LiveSequence(s.seq_id, s.tenant, tuple(s.block_ids.ids), s.num_tokens) for s in m.sequences]
+    p = m.pool
+    return p.node_id, p.num_blocks, p.block_size, p.bytes_per_block, listed
+
+
+def sync_result_to_pb(r: SyncResult) -> pb.SyncNodeResponse:
+    return pb.SyncNodeResponse(
+        registered=r.registered, released_seq_ids=r.released, adopted_seq_ids=r.adopted,
+        updated_seq_ids=r.updated, refused=[pb.SequenceRefusal(seq_id=s, reason=why) for s, why in r.refused],
+    )
+
+
+def sync_result_from_pb(m: pb.SyncNodeResponse) -> SyncResult:
+    return SyncResult(registered=m.registered, released=list(m.released_seq_ids), adopted=list(m.adopted_seq_ids),
+                      updated=list(m.updated_seq_ids), refused=[(r.seq_id, r.reason) for r in m.refused])

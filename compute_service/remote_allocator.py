@@ -125,9 +125,11 @@ class RemoteBlockAllocator:
         if not batch:
             return
         self.num_rpcs += 1
-        _, results = await self.client.apply(batch.commits, batch.releases, batch.topups)
+        result = await self.client.apply(batch.commits, batch.releases, batch.topups)
+        for error in result.errors:  # refused alone: the rest of the batch was applied
+            log.warning("block_service refused %s", error.line())
         with self._lock:
-            self._policy.fold_topups(batch.topups, results)
+            self._policy.fold_topups(batch.topups, result.growth)
 
     async def _send_asks(self, asks: list[AllocateRequest]) -> None:
         try:

@@ -1,7 +1,7 @@
-"""The tenants file: who may call the cluster, and what each may hold.
+"""Tenants: who may call the cluster, and what each may hold — one type, one validation.
 
 One YAML file is read by the router (API key → tenant, paid level, concurrency limit) and by
-block_service (memory quota per tenant), so its parser lives here, shared::
+block_service (memory quota per tenant), so the type and its parser live here, shared::
 
     tenants:
       - name: acme
@@ -11,53 +11,82 @@ block_service (memory quota per tenant), so its parser lives here, shared::
         paid_level: 2           # higher is served first under contention
         max_concurrent: 8       # requests running at once (0: no limit); more wait in the queue
 
-Every mistake is reported with the tenant's position and field, so a person can fix the file.
+``Tenant`` is both the router's entry (with its key) and block_service's (``without_key()``: keys
+never reach block_service's log or snapshots). A quota of ``None`` is unlimited: block_service's
+in-process tenant, or one configured without a quota over its API; the file always gives one.
+Every mistake in the file is reported with the tenant's position and field, so a person can fix it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
+from kvfleet.errors import InvalidArgument
+from kvfleet.ids import check_id
+
 _REQUIRED = ("name", "api_key", "quota_mib", "paid_level", "max_concurrent")
 _OPTIONAL = ("reserved_mib",)
+MIB = 1 << 20
+MAX_MIB = float(1 << 40)  # more is a typo, not a quota
 
 
 class TenantsFileError(ValueError):
     """The tenants file cannot be used; the message says where and why."""
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(slots=True, frozen=True)
 class Tenant:
+    """One tenant. Invalid fields raise ``InvalidArgument`` (a ``ValueError``) naming the field."""
+
     name: str
-    api_key: str
-    quota_mib: float        # > 0
-    paid_level: int         # >= 0
-    max_concurrent: int     # >= 0; 0 = no limit
-    reserved_mib: float = 0.0  # 0 <= reserved_mib <= quota_mib
+    api_key: str = ""               # "": no key (block_service's copy)
+    quota_mib: float | None = None  # > 0; None: unlimited
+    paid_level: int = 0             # >= 0
+    max_concurrent: int = 0         # >= 0; 0 = no limit (enforced by the router's queue)
+    reserved_mib: float = 0.0       # 0 <= reserved_mib <= quota_mib: kept free for this tenant
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.strip():
-            raise ValueError("name must be a non-empty string")
-        if not self.api_key or any(c.isspace() for c in self.api_key):
-            raise ValueError("api_key must be a non-empty string without spaces")
-        if not self.quota_mib > 0:
-            raise ValueError(f"quota_mib must be > 0, got {self.quota_mib}")
-        if not 0 <= self.reserved_mib <= self.quota_mib:
-            raise ValueError(
-                f"reserved_mib must be between 0 and quota_mib ({self.quota_mib}), got {self.reserved_mib}"
+        check_id("tenant name", self.name)
+        if not self.name.strip():
+            raise InvalidArgument(f"tenant name must not be blank, got {self.name!r}")
+        if not isinstance(self.api_key, str) or any(c.isspace() for c in self.api_key):
+            raise InvalidArgument(f"tenant {self.name!r}: api_key must be a string without spaces")
+        q = self.quota_mib
+        if q is not None and not (isinstance(q, (int, float)) and 0 < q < MAX_MIB):
+            raise InvalidArgument(f"tenant {self.name!r}: quota_mib must be > 0, got {q}")
+        r, most = self.reserved_mib, MAX_MIB if q is None else q
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= most):
+            raise InvalidArgument(
+                f"tenant {self.name!r}: reserved_mib must be between 0 and quota_mib ({q}), got {r}"
             )
-        if self.paid_level < 0:
-            raise ValueError(f"paid_level must be >= 0, got {self.paid_level}")
-        if self.max_concurrent < 0:
-            raise ValueError(f"max_concurrent must be >= 0 (0: no limit), got {self.max_concurrent}")
+        if not _is_int(self.paid_level) or self.paid_level < 0:
+            raise InvalidArgument(f"tenant {self.name!r}: paid_level must be >= 0, got {self.paid_level}")
+        if not _is_int(self.max_concurrent) or self.max_concurrent < 0:
+            raise InvalidArgument(
+                f"tenant {self.name!r}: max_concurrent must be >= 0 (0: no limit), got {self.max_concurrent}"
+            )
 
-    def quota_blocks(self, bytes_per_block: int) -> int:
+    def without_key(self) -> Tenant:
+        """The copy block_service keeps: everything but the API key."""
+        return replace(self, api_key="") if self.api_key else self
+
+    def quota_blocks(self, bytes_per_block: int) -> int | None:
         """The quota as whole blocks of a pool whose blocks take ``bytes_per_block`` bytes."""
-        return int(self.quota_mib * 2**20) // bytes_per_block
+        if self.quota_mib is None:
+            return None
+        return int(self.quota_mib * MIB) // bytes_per_block
+
+    def reserved_blocks(self, bytes_per_block: int) -> int:
+        return int(self.reserved_mib * MIB) // bytes_per_block
 
 
 def _number(entry: Mapping, field: str, kind: type, where: str) -> float | int:
@@ -92,6 +121,8 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
         for field in ("name", "api_key"):
             if not isinstance(entry[field], str):
                 raise TenantsFileError(f"{where}: {field} must be a string, got {entry[field]!r}")
+        if not entry["api_key"]:
+            raise TenantsFileError(f"{where}: api_key must not be empty: the router finds tenants by key")
         try:
             tenants.append(
                 Tenant(
@@ -106,7 +137,8 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
         except ValueError as e:
             if isinstance(e, TenantsFileError):
                 raise
-            raise TenantsFileError(f"{where}: {e}") from None
+            why = str(e).removeprefix(f"tenant {entry['name']!r}: ")  # ``where`` names it already
+            raise TenantsFileError(f"{where}: {why}") from None
     _check_unique(tenants, source)
     return tenants
 

@@ -22,6 +22,10 @@ class AuthError(Exception):
 
 class TenantDirectory:
     def __init__(self, tenants: Iterable[Tenant]):
+        tenants = list(tenants)
+        keyless = [t.name for t in tenants if not t.api_key]
+        if keyless:  # block_service's copies have none; the router finds tenants by key
+            raise ValueError(f"tenants without an api_key cannot authenticate: {', '.join(keyless)}")
         self._by_key: dict[str, Tenant] = {t.api_key: t for t in tenants}
         self._by_name: dict[str, Tenant] = {t.name: t for t in self._by_key.values()}
         if not self._by_key:

@@ -39,6 +39,7 @@ PURE = [
     "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive",
     "block_service.page_table", "block_service.block_pool", "block_service.local_allocator",
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
+    "block_service.bookkeeping", "block_service.node_sync", "block_service.validation", "block_service.node_state",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",

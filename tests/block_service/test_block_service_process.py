@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from block_service.client import BlockManagerClient
+from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable
-from block_service.tenants import tenant_configs
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.tenants import parse_tenants
@@ -100,7 +100,7 @@ async def _assert_same_state(client: BlockManagerClient, mirror: PageTable, live
 
 def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     mirror = PageTable()  # the same calls in-process: what the service must hold
-    mirror.configure_tenants(tenant_configs(parse_tenants(yaml.safe_load(TENANTS_YAML))))
+    mirror.configure_tenants(parse_tenants(yaml.safe_load(TENANTS_YAML)))
     trace, mirror_trace = (Trace(seed=11, node_ids=["n0", "n1"], tenants=["a", "b"]) for _ in range(2))
 
     async def first_life() -> dict[str, list[int]]:
@@ -143,9 +143,35 @@ def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     asyncio.run(second_life())
     assert service.stop(signal.SIGTERM) == 0
     snaps = sorted(p.name for p in service.state_dir.glob("*.snap"))
-    logs = [p.stat().st_size for p in service.state_dir.glob("*.log")]
-    assert snaps and logs == [16]  # clean shutdown: snapshot, empty log
+    logs = [p.stat().st_size for p in sorted(service.state_dir.glob("*.log"))]
+    assert len(snaps) == 2 and logs[-1] == 16  # clean shutdown: snapshot, empty log (the older kept)
     out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "checkpoint", "verify", str(service.state_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all verify" in out.stdout
+
+
+def test_refuses_to_start_from_a_stale_state_in_one_line(service: Service) -> None:
+    """Issue 11 item 6: a corrupt newest snapshot whose records no log holds any more. The service
+    must not start from the older snapshot (nodes and sequences long gone would come back)."""
+    store, _ = DurablePageTable.open(str(service.state_dir), fsync=False)
+    store.register_node("n0", 64, 16, 1 << 16)
+    store.snapshot()
+    store.allocate_many([AllocateRequest("n0", "s1", "a", [], 40)])
+    newest = Path(store.snapshot())
+    store.release(["s1"])
+    store.sync()
+    data = bytearray(newest.read_bytes())
+    data[-10] ^= 1
+    newest.write_bytes(data)
+    for log in service.state_dir.glob("wal-*.log"):
+        if log.name < "wal-" + newest.name.removeprefix("snapshot-"):
+            log.unlink()
+    service.start()
+    assert service.proc.wait(timeout=60) == 2
+    service.proc = None
+    service.log.close()
+    output = (service.state_dir.parent / "service.log").read_text()
+    assert "Traceback" not in output
+    [line] = [ln for ln in output.splitlines() if "cannot start" in ln]
+    assert newest.name in line and "are missing" in line

@@ -1,5 +1,6 @@
-"""Random operation sequences over several nodes and tenants: invariants 1-3 after every step,
-refusals and rejected calls change nothing, and replaying the log rebuilds the same state."""
+"""Random operation sequences over several nodes and tenants (node syncs included): invariants 1-3
+after every step, refusals and rejected calls change nothing, and replaying the log rebuilds the
+same state."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -18,9 +20,10 @@ from hypothesis.stateful import (
 )
 
 from block_service.durable import DurablePageTable, recover
-from block_service.tenants import TenantConfig
+from block_service.node_sync import LiveSequence
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import BlockServiceError
+from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvfleet.tenants import Tenant
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
 TENANTS = ["a", "b", "c"]
@@ -40,8 +43,8 @@ class PageTableMachine(RuleBasedStateMachine):
         self.table = self.store.table
         for node, (n, bs) in NODES.items():
             self.store.register_node(node, n, bs, BPB)
-        self.store.configure_tenants([TenantConfig("a", quota_mib=1.5, reserved_mib=0.5),
-                                      TenantConfig("b", quota_mib=2)])
+        self.store.configure_tenants([Tenant("a", quota_mib=1.5, reserved_mib=0.5),
+                                      Tenant("b", quota_mib=2)])
         self.family: dict[str, int] = {}
         self.count = 0
 
@@ -55,11 +58,7 @@ class PageTableMachine(RuleBasedStateMachine):
 
     def _unchanged_on_refusal(self, call, is_refusal) -> object:
         before = self.table.to_dict()
-        try:
-            result = call()
-        except BlockServiceError:
-            assert self.table.to_dict() == before
-            return None
+        result = call()
         if is_refusal(result):
             assert self.table.to_dict() == before
         return result
@@ -94,7 +93,11 @@ class PageTableMachine(RuleBasedStateMachine):
         full = seq.num_tokens // self.table.block_size(seq.node_id)
         if full:
             i = data.draw(st.integers(0, full - 1))
-            self.store.commit([(seq_id, i, family_hash(self.family[seq_id], i))])
+            before = self.table.to_dict()
+            try:
+                self.store.commit([(seq_id, i, family_hash(self.family[seq_id], i))])
+            except FailedPrecondition:  # an adopted table shares a block committed with another hash
+                assert self.table.to_dict() == before
 
     @precondition(lambda self: self.family)
     @rule(data=st.data())
@@ -112,18 +115,79 @@ class PageTableMachine(RuleBasedStateMachine):
         else:
             self.store.register_node(node, *NODES[node], BPB)
 
+    @rule(node=st.sampled_from(sorted(NODES)), data=st.data(), bigger=st.booleans())
+    def sync_node(self, node: str, data: st.DataObject, bigger: bool) -> None:
+        """The node's own account: some of its sequences gone, some grown by a block block_service
+        never heard of, some new (valid or not); and now and then a pool of another shape."""
+        num_blocks, bs = NODES[node]
+        if bigger and data.draw(st.integers(0, 4)) == 0:
+            num_blocks *= 2
+        same_shape = node in self.table.node_ids() and self.table.node_stats(node).num_blocks == num_blocks
+        live = [s for s in sorted(self.family) if self.table.sequence(s).node_id == node]
+        keep = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
+        listed = []
+        for seq_id in keep:
+            seq = self.table.sequence(seq_id)
+            table, n = tuple(seq.block_ids), seq.num_tokens
+            if data.draw(st.booleans()):
+                table += (data.draw(st.integers(0, num_blocks - 1).filter(lambda b: b not in table)),)
+                n = (len(table) - 1) * bs + 1
+            listed.append(LiveSequence(seq_id, seq.tenant, table, n))
+        for _ in range(data.draw(st.integers(0, 2))):
+            self.count += 1
+            table = tuple(data.draw(st.lists(st.integers(0, num_blocks), max_size=3)))  # maybe invalid
+            n = data.draw(st.sampled_from([len(table) * bs, max(0, len(table) - 1) * bs + 1, 5]))
+            listed.append(LiveSequence(f"s{self.count}", data.draw(st.sampled_from(TENANTS)), table, n))
+        result = self.store.sync_node(node, num_blocks, bs, BPB, listed)
+        if same_shape:
+            assert set(result.released) == set(live) - set(keep)
+            assert not {s for s, _ in result.refused} & set(keep)
+        for seq_id in result.released:
+            del self.family[seq_id]
+        for seq_id in result.adopted:
+            self.family[seq_id] = 3  # its own family: what the node wrote is the node's
+        for s in listed:
+            if s.seq_id in result.adopted or s.seq_id in result.updated:
+                got = self.table.sequence(s.seq_id)
+                assert (tuple(got.block_ids), got.num_tokens, got.tenant) == (s.block_ids, s.num_tokens, s.tenant)
+
     @rule(tenant=st.sampled_from(TENANTS[:2]), quota=st.sampled_from([0.25, 1, 3, None]))
     def configure(self, tenant: str, quota: float | None) -> None:
-        self.store.configure_tenants([TenantConfig(tenant, quota_mib=quota)])
+        self.store.configure_tenants([Tenant(tenant, quota_mib=quota)])
 
-    @rule(family=st.integers(0, 2), bad=st.sampled_from(["dup", "short", "unknown"]))
-    def bad_calls_change_nothing(self, family: int, bad: str) -> None:
+    @rule(data=st.data(), family=st.integers(0, 2),
+          bad=st.sampled_from(["dup", "short", "no node", "unknown", "shrink", "half block"]))
+    def bad_calls_are_rejected_and_change_nothing(self, data: st.DataObject, family: int, bad: str) -> None:
+        """Each bad call raises its own error, with its own words, and leaves state and log as they were."""
+        nodes = sorted(self.table.node_ids())
+        node = nodes[0] if nodes else "n0"
+        if bad in ("dup", "short") and not nodes:
+            bad = "no node"
+        if bad in ("shrink", "half block"):
+            grown = [s for s in sorted(self.family) if self.table.sequence(s).num_tokens % 16]
+            if not grown:
+                bad = "unknown"
+            else:
+                seq = self.table.sequence(data.draw(st.sampled_from(grown)))
+        h = family_hash(family, 0)
         calls = {
-            "dup": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [family_hash(family, 0)] * 2, 40)]),
-            "short": lambda: self.store.allocate_many([AllocateRequest("n0", "x", "a", [b"x"], 40)]),
-            "unknown": lambda: self.store.release(["nope"]),
+            "dup": (lambda: self.store.allocate_many([AllocateRequest(node, "x", "a", [h, h], 40)]),
+                    InvalidArgument, "block hashes repeat"),
+            "short": (lambda: self.store.allocate_many([AllocateRequest(node, "x", "a", [b"x"], 40)]),
+                      InvalidArgument, "a block hash must be 16 bytes"),
+            "no node": (lambda: self.store.allocate_many([AllocateRequest("nX", "x", "a", [], 40)]),
+                        NotFound, "unknown node 'nX'"),
+            "unknown": (lambda: self.store.release(["nope"]), NotFound, "unknown sequence 'nope'"),
+            "shrink": (lambda: self.store.extend([(seq.seq_id, seq.num_tokens - 1)]),
+                       InvalidArgument, "extend cannot shrink"),
+            "half block": (lambda: self.store.commit([(seq.seq_id, len(seq.block_ids) - 1, h)]),
+                           InvalidArgument, "is not a full block"),
         }
-        self._unchanged_on_refusal(calls[bad], lambda r: False)
+        call, error, words = calls[bad]
+        before, lsn = self.table.to_dict(), self.store.lsn
+        with pytest.raises(error, match=words):
+            call()
+        assert self.table.to_dict() == before and self.store.lsn == lsn
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from block_service import wal_records
+from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable
-from block_service.tenants import MIB, TenantConfig, tenant_configs
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes
-from kvfleet.tenants import parse_tenants
+from kvfleet.errors import InvalidArgument
+from kvfleet.tenants import MIB, Tenant, TenantsFileError, parse_tenants
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB
@@ -19,7 +23,7 @@ def table() -> PageTable:
     t = PageTable()
     t.register_node("n0", 16, BS, BPB)
     t.register_node("n1", 16, BS, BPB // 2)
-    t.configure_tenants([TenantConfig("a", quota_mib=1), TenantConfig("b", quota_mib=2, reserved_mib=1)])
+    t.configure_tenants([Tenant("a", quota_mib=1), Tenant("b", quota_mib=2, reserved_mib=1)])
     return t
 
 
@@ -84,7 +88,7 @@ def test_live_blocks_of_another_tenant_are_never_evicted(table: PageTable) -> No
 
 def test_quota_cut_keeps_live_blocks_and_grants_nothing_new(table: PageTable) -> None:
     table.allocate("n0", "s1", "a", [], 4 * BS)
-    table.configure_tenants([TenantConfig("a", quota_mib=0.5)])
+    table.configure_tenants([Tenant("a", quota_mib=0.5)])
     table.check()  # over quota by configuration only
     assert table.allocate("n0", "s2", "a", [], 1).reason == "quota"
     table.release(["s1"])
@@ -96,6 +100,37 @@ def test_tenants_file_entries_become_configs_without_keys() -> None:
         {"name": "acme", "api_key": "k1", "quota_mib": 512, "reserved_mib": 128, "paid_level": 2, "max_concurrent": 8},
         {"name": "free", "api_key": "k2", "quota_mib": 64, "paid_level": 0, "max_concurrent": 2},
     ]}
-    acme, free = tenant_configs(parse_tenants(doc))
-    assert acme == TenantConfig("acme", 512, 128, 2, 8) and free == TenantConfig("free", 64, 0, 0, 2)
+    table = PageTable()
+    table.configure_tenants(parse_tenants(doc))
+    acme, free = table.tenants()
+    assert acme == Tenant("acme", quota_mib=512, reserved_mib=128, paid_level=2, max_concurrent=8)
+    assert free == Tenant("free", quota_mib=64, paid_level=0, max_concurrent=2)
     assert acme.api_key == free.api_key == ""
+    assert "k1" not in json.dumps(table.to_dict())
+
+
+def test_keys_never_reach_the_log_or_snapshots(tmp_path) -> None:
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    store.configure_tenants([Tenant("acme", api_key="sk-secret", quota_mib=1)])
+    store.close()
+    assert all(b"sk-secret" not in p.read_bytes() for p in tmp_path.iterdir())
+
+
+def test_old_tenant_records_still_load() -> None:
+    """Snapshots and log records written before the one tenant type hold ``TenantConfig``'s dict."""
+    old = {"name": "a", "quota_mib": 1.0, "reserved_mib": 0.5, "paid_level": 1, "max_concurrent": 2, "api_key": ""}
+    table = PageTable.from_dict({"tenants": [old], "nodes": {}, "sequences": []})
+    assert table.tenants() == [Tenant("a", quota_mib=1.0, reserved_mib=0.5, paid_level=1, max_concurrent=2)]
+    record = bytes([wal_records.TENANTS, 1]) + json.dumps([old, {**old, "name": "b", "quota_mib": None}]).encode()
+    wal_records.apply(table, record)
+    assert [t.quota_mib for t in table.tenants()] == [1.0, None]
+
+
+def test_one_validation_for_the_file_and_the_service() -> None:
+    for bad in (dict(quota_mib=0), dict(quota_mib=float("nan")), dict(quota_mib=1, reserved_mib=2),
+                dict(paid_level=-1), dict(max_concurrent=-1), dict(api_key="a b")):
+        with pytest.raises(InvalidArgument):
+            Tenant("t", **bad)
+        entry = {"name": "t", "api_key": "k", "quota_mib": 1, "paid_level": 0, "max_concurrent": 0, **bad}
+        with pytest.raises(TenantsFileError):
+            parse_tenants({"tenants": [entry]})

@@ -13,9 +13,9 @@ import pytest
 from block_service.checkpoint import main as checkpoint_main
 from block_service.checkpoint import verify
 from block_service.durable import DurablePageTable, recover
-from block_service.tenants import TenantConfig
 from block_service.trace import Trace, drive
 from block_service.wal import HEADER, scan_log
+from kvfleet.tenants import Tenant
 
 
 class _Recorder:
@@ -42,7 +42,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, d
     state_dir = tmp_path_factory.mktemp("state")
     store, _ = DurablePageTable.open(str(state_dir), fsync=False)
     rec = _Recorder(store)
-    rec.configure_tenants([TenantConfig("a", quota_mib=1)])
+    rec.configure_tenants([Tenant("a", quota_mib=1)])
     for node in ("n0", "n1"):
         rec.register_node(node, 48, 16, 1 << 16)
     trace = Trace(seed=3, node_ids=["n0", "n1"], tenants=["a", "b"], prefix_blocks=2,

@@ -17,11 +17,11 @@ from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable
 from block_service.page_table import PageTable, SeqState
 from block_service.server import BlockManagerServicer
-from block_service.tenants import TenantConfig
 from compute_service.allocator_policy import DEFER_STEPS
 from compute_service.remote_allocator import RemoteAllocatorFactory
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2_grpc
 
 BS, BYTES_PER_BLOCK = 16, 1024
@@ -35,7 +35,7 @@ class Served:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.table = PageTable()
-        self.table.configure_tenants([TenantConfig("q", quota_mib=4 * BYTES_PER_BLOCK / 2**20)])
+        self.table.configure_tenants([Tenant("q", quota_mib=4 * BYTES_PER_BLOCK / 2**20)])
         self.server, self.client = self.on_loop(self._start())
         self.up = True
 

@@ -92,11 +92,11 @@ def test_a_sequence_too_big_for_the_pool_is_refused_not_looped():
 
 
 def test_a_tenant_over_quota_does_not_hold_back_others():
-    from block_service.tenants import TenantConfig
+    from kvfleet.tenants import Tenant
 
     sched, allocator = make_scheduler(num_blocks=64, budget=512)
     # bytes_per_block is 1024: a 4 KiB quota is 4 blocks
-    allocator.page_table.configure_tenants([TenantConfig("small", quota_mib=4 / 1024)])
+    allocator.page_table.configure_tenants([Tenant("small", quota_mib=4 / 1024)])
     first = seq("s1", 60)
     first.tenant = "small"
     second = seq("s2", 60, start=100)
@@ -109,7 +109,7 @@ def test_a_tenant_over_quota_does_not_hold_back_others():
     assert [s.seq_id for s in sched.waiting] == ["s2"]      # waits for its tenant's blocks
     too_big = seq("s3", 100, start=300)
     too_big.tenant = "alone"
-    allocator.page_table.configure_tenants([TenantConfig("alone", quota_mib=2 / 1024)])
+    allocator.page_table.configure_tenants([Tenant("alone", quota_mib=2 / 1024)])
     sched.add(too_big)
     batch = sched.schedule()
     assert [(s.seq_id, r.reason) for s, r in batch.refused] == [("s3", "quota")]

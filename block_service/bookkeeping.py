@@ -1,0 +1,112 @@
+"""A node's write-behind bookkeeping, applied item by item: growth, then commits, then releases.
+
+A compute node sends what its engine did since the last step in one batch (``ApplyMany``). One item
+the page table cannot accept — a commit of a block that is not full, a release of a sequence already
+gone — must not cost the others: a rejected batch would lose its releases and leak their blocks
+until the node re-registers (issue 11). So each item is applied on its own; a bad one is refused
+alone and reported (``ItemError``: which part, which index, the status code and the message), and
+the rest is applied in the same order as a whole batch would be. The applied items are returned
+too, so that the log records exactly what changed (``DurablePageTable.apply``).
+
+Growth goes first because a node commits the reserve block it filled in the same batch as the
+top-up that tells block_service the sequence grew into it; commits come before releases so that a
+released prefix stays cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from block_service.page_table import PageTable
+from kvfleet.allocator import Refusal
+from kvfleet.errors import BlockServiceError, InvalidArgument
+
+GROWTH, COMMIT, RELEASE = "growth", "commit", "release"
+
+
+@dataclass(slots=True, frozen=True)
+class ItemError:
+    """One item of a bookkeeping batch that was refused; nothing of it was applied.
+
+    ``index`` counts within its part (``kind``): the ``index``-th growth, commit (one per block) or
+    release of the batch. ``code`` names the gRPC status the item alone would have been answered with.
+    """
+
+    kind: str
+    index: int
+    seq_id: str
+    code: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.kind} #{self.index} of sequence {self.seq_id!r} refused ({self.code}): {self.message}"
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """The answer to a bookkeeping batch.
+
+    ``growth`` has one entry per growth item, in order: the new block ids, a ``Refusal`` (pool or
+    quota full: an answer, the sequence unchanged), or the item's ``ItemError``. ``errors`` lists
+    every refused item of all three parts, in the order they were applied.
+    """
+
+    num_committed: int = 0
+    growth: list[list[int] | Refusal | ItemError] = field(default_factory=list)
+    errors: list[ItemError] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Applied:
+    """The items that changed the page table, per part, for the log."""
+
+    growth: list[tuple[str, int]] = field(default_factory=list)
+    commits: list[tuple[str, int, bytes]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+
+
+def apply_bookkeeping(
+    table: PageTable,
+    growth: Sequence[tuple[str, int]],
+    commits: Sequence[tuple[str, int, bytes]],
+    releases: Sequence[str],
+    tenant: str | None = None,
+) -> tuple[ApplyResult, Applied]:
+    """Apply each item on its own; a sequence named twice in the growth or the releases is refused
+    the second time (a batch of the page table names a sequence once, and so does its log record)."""
+    result, applied = ApplyResult(), Applied()
+
+    def each(kind: str, items: Sequence, seq_of: Callable, call: Callable, unique: bool) -> list:
+        seen: set[str] = set()
+        answers = []
+        for i, item in enumerate(items):
+            seq_id = seq_of(item)
+            try:
+                if unique and seq_id in seen:
+                    raise InvalidArgument(f"sequence {seq_id!r} appears twice in the {kind} of one batch")
+                answer = call(item)
+            except BlockServiceError as err:
+                answer = ItemError(kind, i, str(seq_id), err.code, str(err))
+                result.errors.append(answer)
+            else:
+                seen.add(seq_id)
+            answers.append(answer)
+        return answers
+
+    for item, answer in zip(growth, each(GROWTH, growth, lambda g: g[0],
+                                         lambda g: table.extend([g], tenant)[0], unique=True)):
+        result.growth.append(answer)
+        if type(answer) is list:
+            applied.growth.append(item)
+    for item, answer in zip(commits, each(COMMIT, commits, lambda c: c[0],
+                                          lambda c: table.commit([c], tenant), unique=False)):
+        if type(answer) is int:
+            result.num_committed += answer
+            if answer:
+                applied.commits.append(item)
+    for item, answer in zip(releases, each(RELEASE, releases, lambda s: s,
+                                           lambda s: table.release([s], tenant), unique=True)):
+        if not isinstance(answer, ItemError):
+            applied.releases.append(item)
+    return result, applied
