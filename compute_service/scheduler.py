@@ -5,6 +5,10 @@ prefill chunk), then waiting ones by priority (highest first, then oldest). A ru
 cannot grow takes the blocks of the lowest-priority, newest running sequence, which is preempted
 (its KV dropped, its tokens kept) and requeued to be recomputed; committed blocks stay in the
 prefix cache, so recomputation usually starts from a prefix hit.
+
+A transient refusal (block_service unreachable) is neither a full pool nor a quota: nothing is
+preempted or refused for it. A waiting sequence stays at the head of the queue; a running one
+that cannot grow sits this step out, holding its blocks, and is scheduled again once they come.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class Scheduler:
         refusals = self.kv.grow(plan)
         granted: list[tuple[Sequence, int]] = []
         for (seq, n), refusal in zip(plan, refusals):
-            while refusal is not None and seq.status is Status.RUNNING:
+            while refusal is not None and not refusal.transient and seq.status is Status.RUNNING:
                 victim = max(self.running, key=_rank)
                 if victim is seq and len(self.running) == 1:
                     # alone and still too big: it can never be served by this pool
@@ -115,6 +119,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.pop(0)
             refusal = self.kv.allocate(seq)
+            if refusal is not None and refusal.transient:
+                self.waiting.insert(0, seq)
+                break  # block_service unreachable: ask again next step
             if refusal is not None:
                 if not any(s.tenant == seq.tenant for s in self.running):
                     if refusal.reason == "quota" or not self.running:

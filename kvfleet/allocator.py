@@ -2,7 +2,9 @@
 
 The engine (compute_service) speaks only this interface. ``LocalBlockAllocator`` serves it from the
 in-process core (one node of ``block_service.page_table.PageTable``); the cluster serves it over gRPC
-from block_service. Full pools and exhausted quotas are answers (``Refusal``), never exceptions.
+from block_service. Full pools and exhausted quotas are answers (``Refusal``), never exceptions; so
+is block_service being unreachable (a transient refusal: try again later, nothing is wrong with the
+request or the pool).
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+UNAVAILABLE = "unavailable"  # a refusal's reason when block_service did not answer
+
 
 @dataclass(slots=True, frozen=True)
 class Refusal:
-    """Why blocks were not granted: ``reason`` is ``"pool"`` (node full) or ``"quota"`` (tenant)."""
+    """Why blocks were not granted: ``reason`` is ``"pool"`` (node full), ``"quota"`` (tenant) or
+    ``"unavailable"`` (block_service unreachable: transient, neither the pool's nor the tenant's
+    answer; the engine tries again later instead of preempting or refusing anything)."""
 
     reason: str
     node_id: str
@@ -23,7 +29,18 @@ class Refusal:
     blocks_charged: int
     blocks_allowed: int
 
+    @classmethod
+    def unavailable(cls, node_id: str, tenant: str = "", blocks_asked: int = 0) -> Refusal:
+        return cls(UNAVAILABLE, node_id, tenant, blocks_asked, 0, 0)
+
+    @property
+    def transient(self) -> bool:
+        """True when asking again later may succeed with nothing else changed."""
+        return self.reason == UNAVAILABLE
+
     def message(self) -> str:
+        if self.transient:
+            return f"block_service is unreachable from node {self.node_id}; blocks cannot be granted until it answers"
         if self.reason == "quota":
             return (
                 f"tenant {self.tenant!r} KV quota exhausted on node {self.node_id}: asked "

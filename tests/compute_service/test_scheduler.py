@@ -6,6 +6,7 @@ from block_service.local_allocator import LocalBlockAllocator
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence, Status
+from kvfleet.allocator import Refusal
 from kvfleet.sampling import SamplingParams
 
 
@@ -113,3 +114,68 @@ def test_a_tenant_over_quota_does_not_hold_back_others():
     sched.add(too_big)
     batch = sched.schedule()
     assert [(s.seq_id, r.reason) for s, r in batch.refused] == [("s3", "quota")]
+
+
+class Unreachable:
+    """The in-process allocator behind a switch: while ``down``, every call that needs an answer
+    gets the transient refusal a node gets when block_service does not answer."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.block_size, self.num_blocks = allocator.block_size, allocator.num_blocks
+        self.down = False
+
+    def allocate(self, seq_id, tenant, block_hashes, num_tokens):
+        if self.down:
+            return Refusal.unavailable("n0", tenant)
+        return self.allocator.allocate(seq_id, tenant, block_hashes, num_tokens)
+
+    def extend(self, growth):
+        if self.down:
+            return [Refusal.unavailable("n0") for _ in growth]
+        return self.allocator.extend(growth)
+
+    def commit(self, commits):
+        self.allocator.commit(commits)
+
+    def release(self, seq_ids):
+        self.allocator.release(seq_ids)
+
+
+def make_unreachable(num_blocks=64, budget=256):
+    local = LocalBlockAllocator.standalone(num_blocks, 16, bytes_per_block=1024)
+    allocator = Unreachable(local)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=4096),
+                      KVCacheManager(allocator))
+    return sched, allocator, local
+
+
+def test_an_unreachable_block_service_makes_admission_wait_without_refusing():
+    sched, allocator, local = make_unreachable()
+    allocator.down = True
+    sched.add(seq("a", 20))
+    for _ in range(3):
+        batch = sched.schedule()
+        assert batch.is_empty and not batch.refused and not batch.preempted
+    assert [s.seq_id for s in sched.waiting] == ["a"] and not sched.running
+    allocator.down = False
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("a", 20)]
+    local.page_table.check()
+
+
+def test_a_running_sequence_that_cannot_grow_sits_out_without_preempting_others():
+    sched, allocator, local = make_unreachable()
+    low, high = seq("low", 16), seq("high", 16, priority=5, start=100)
+    for s in (low, high):
+        sched.add(s)
+    advance(sched.schedule())                   # one full block each, a token sampled: both must grow
+    allocator.down = True
+    batch = sched.schedule()
+    assert batch.is_empty and not batch.preempted and not batch.refused
+    assert {s.seq_id for s in sched.running} == {"low", "high"}
+    assert all(s.status is Status.RUNNING and s.num_computed == 16 for s in (low, high))
+    allocator.down = False
+    batch = sched.schedule()
+    assert {s.seq_id for s in batch.decodes} == {"low", "high"} and not batch.preempted
+    local.page_table.check()
