@@ -1,6 +1,10 @@
 """An asyncio face for ``LLMEngine``: the step loop runs in one background thread (the engine is
 not thread-safe, so only that thread touches it); requests and aborts reach it through an inbox,
-each step's outputs come back to the event loop in one wake-up, to each request's callback."""
+each step's outputs come back to the event loop in one wake-up, to each request's callback.
+
+A step that raises fails its own requests (``LLMEngine.step``) and the loop goes on. A step that
+scheduled nothing (every sequence waits for blocks block_service cannot grant now) is followed by a
+short wait, so a node whose block_service is down does not spin a core asking."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from kvfleet.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_BURST_WAITS = 10  # an idle engine holds its first step at most this many batch waits
+STALL_WAIT_S = 0.05   # after a step that scheduled nothing, before asking for blocks again
 
 
 class AsyncEngine:
@@ -81,6 +86,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail(self, request_id: str, reason: str) -> None:
+        """End a request with a failure (``RequestOutput.failure``): its router moves it to
+        another node. A no-op once it finished."""
+        self._submit(lambda: self.engine.fail_request(request_id, reason))
+
     def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
         """Run ``fn(engine)`` on the engine thread (for stats and the like); await the result."""
         loop = asyncio.get_running_loop()
@@ -140,7 +150,10 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self.engine.step()
             self._flush_outbox()
-            if not self.engine.has_unfinished_requests():
+            if self.engine.stalled and self.engine.has_unfinished_requests():
+                self._wake.wait(STALL_WAIT_S)  # an arrival or an abort cuts it short
+                self._wake.clear()
+            elif not self.engine.has_unfinished_requests():
                 self._wake.wait()
                 self._wake.clear()
                 self._gather_burst()

@@ -109,6 +109,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
+        self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
         log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d",
                  mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len)
 
@@ -153,15 +154,39 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; the outputs of every request that progressed."""
+        """Schedule, run the model once, sample; the outputs of every request that progressed.
+
+        A step that raises fails the requests it concerns (``_fail_step``), not the engine: the
+        next step runs the others."""
         self.allocator.begin_step()
         try:
             return self._step()
+        except Exception:
+            return self._fail_step()
         finally:
             self.allocator.end_step()
 
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """End a request with a failure another node may recover from (a no-op once it finished)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, "abort", [], failure=reason)
+
+    def _fail_step(self) -> list[RequestOutput]:
+        """A step raised part-way: the sequences it touched (every one not waiting: running, or
+        taken from the queue when it failed) may hold half-updated state, so they are finished
+        with a failure (their blocks released) and the router moves them to another node. The
+        waiting ones never ran this step and stay."""
+        waiting = {seq.seq_id for seq in self.scheduler.waiting}
+        failed = [r for r in self.requests.values() if r.seq.seq_id not in waiting]
+        log.exception("engine step failed; failing its %d requests so that they move to another node", len(failed))
+        self.stalled = False
+        reason = f"engine step failed on node {self.config.node_id}"
+        return [self._finish(r, "abort", [], failure=reason) for r in failed]
+
     def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.stalled = batch.is_empty and not batch.refused  # every sequence waits for blocks
         outputs = [self._finish(self.requests[seq.seq_id], "abort", [], refusal)
                    for seq, refusal in batch.refused]
         if batch.is_empty:
@@ -213,20 +238,21 @@ class LLMEngine:
         return self._output(request, [token], text, None)
 
     def _finish(self, request: _Request, reason: str, new_tokens: list[int], refusal: Refusal | None = None,
-                text: str = "") -> RequestOutput:
+                text: str = "", failure: str | None = None) -> RequestOutput:
         seq = request.seq
         self.scheduler.finish([seq])
         self.sampler.forget(seq.seq_id)
         del self.requests[seq.seq_id]
-        return self._output(request, new_tokens, text, reason, refusal)
+        return self._output(request, new_tokens, text, reason, refusal, failure)
 
     def _output(self, request: _Request, tokens: list[int], text: str, reason: str | None,
-                refusal: Refusal | None = None) -> RequestOutput:
+                refusal: Refusal | None = None, failure: str | None = None) -> RequestOutput:
         seq = request.seq
         out = RequestOutput(
             request_id=seq.seq_id, new_token_ids=tokens, new_text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, cached_tokens=seq.num_cached_tokens, refusal=refusal)
+            completion_tokens=seq.num_output_tokens, cached_tokens=seq.num_cached_tokens, refusal=refusal,
+            failure=failure)
         if request.on_output is not None:
             request.on_output(out)
         return out

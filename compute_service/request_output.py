@@ -20,10 +20,11 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0               # prompt tokens served from the prefix cache
     refusal: Refusal | None = None       # why the engine aborted it: blocks refused (pool or quota)
+    failure: str | None = None           # why the node gave it up (a failed step, blocks lost): another node may serve it
 
     @property
     def error(self) -> str | None:
-        return self.refusal.message() if self.refusal is not None else None
+        return self.refusal.message() if self.refusal is not None else self.failure
 
     @classmethod
     def empty(cls, request_id: str) -> "RequestOutput":

@@ -131,6 +131,9 @@ class RequestStream:
         if out.refusal is not None:
             self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error, out.refusal.reason)
             return
+        if out.failure is not None:  # the node's trouble, not the request's: the router fails it over
+            self.fail(grpc.StatusCode.UNAVAILABLE, out.failure)
+            return
         if self._first:
             self._first = False
             self.phase.set_attribute("kvfleet.cached_tokens", out.cached_tokens)
