@@ -217,6 +217,11 @@ class AllocatorPolicy:
         self._growing, self._refused = {}, {}
         return answers
 
+    def abandon_extend(self) -> None:
+        """The extend under way got no answer (block_service unreachable): nothing is handed over.
+        Blocks granted before it broke stay in their tables; the engine's next growth takes them."""
+        self._growing, self._refused = {}, {}
+
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
         if not commits:
             return
@@ -280,6 +285,37 @@ class AllocatorPolicy:
             if isinstance(new, list) and table is not None:
                 table.block_ids.extend(new)
                 table.num_tokens = max(table.num_tokens, tokens)
+
+    def requeue(self, batch: Bookkeeping) -> None:
+        """A taken batch did not reach block_service: put it back before what was queued since,
+        for the sync to sort out (top-ups of sequences released meanwhile are dropped)."""
+        topups = {s: n for s, n in batch.topups if s in self._tables}
+        topups.update(self._topups)  # a newer top-up of a sequence replaces the older one
+        self._topups = topups
+        self._commits = list(batch.commits) + self._commits
+        self._releases = list(batch.releases) + self._releases
+        self._urgent = True
+
+    def take_for_sync(self) -> tuple[Bookkeeping, list[LiveSequence]]:
+        """What is queued and the live sequences, at one moment: a sync lists exactly the
+        sequences whose releases are not in that batch."""
+        return self.take(), self.live_sequences()
+
+    def after_sync(self, batch: Bookkeeping, refused: Sequence[str]) -> Bookkeeping:
+        """Of a batch taken for a sync that block_service did not get first, what to send after it:
+        its releases are moot (the sync released every sequence not listed), its commits and
+        top-ups of sequences still live and accepted are not (commits keep prefix hits; top-ups
+        bring the reserve). Early allocations block_service refused are forgotten (nothing to
+        release there); refused claimed sequences are the engine's to fail and release."""
+        for seq_id in refused:
+            self._early.pop(seq_id, None)
+        gone = set(refused)
+        topups = [(s, n) for s, n in batch.topups if s in self._tables and s not in gone]
+        length = {s: t.num_tokens for s, t in self._tables.items() if s not in gone}
+        for s, n in topups:  # the top-ups go first: they make the reserve's blocks full
+            length[s] = max(length[s], n)
+        commits = [c for c in batch.commits if c[0] in length and c[1] < length[c[0]] // self.block_size]
+        return Bookkeeping(topups, commits, [])
 
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node as far as the node knows: claimed tables (reserve

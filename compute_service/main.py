@@ -3,6 +3,11 @@
     load model, size pool → register pool with block_service → serve gRPC, etcd: WARMING
     → warm up → etcd: READY → ... SIGTERM → etcd: DRAINING → running requests finish
     → blocks released → lease revoked → exit 0
+
+A node outlives its peers' trouble: started while block_service is down, it waits for it; when
+block_service goes away later, requests that need it wait (or move to another node) and the node
+resyncs its pool when it is back; when etcd loses the node's lease, the registration takes a new
+one and the pool is synced again. Only its own engine thread dying ends it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return number
 
 
@@ -46,14 +58,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an idle node holds its first step while requests keep arriving less than this "
                              "many ms apart (at most 10 times it), so a burst is scheduled as one batch (default "
                              "5: a burst's requests reach a busy router's node up to ~5 ms apart); 0: off")
+    parser.add_argument("--reconcile-interval", type=_positive_float, default=30.0,
+                        help="seconds between reconciliations of this node's blocks with block_service "
+                             "(block_service releases what the node no longer holds; default 30)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
 
 
 async def _watch_engine(async_engine, stop: asyncio.Event) -> None:
-    """An exception in a step ends the engine's thread; the node must not linger as a black hole."""
+    """A step that raises fails its requests and the thread goes on; should the thread die anyway,
+    the node must not linger as a black hole (last resort)."""
     while async_engine.is_alive():
         await asyncio.sleep(1.0)
     stop.set()
+
+
+async def _resync_on_new_lease(registration, allocator) -> None:
+    """etcd lost the node's lease and the registration took a new one: the router may have dropped
+    this node's pool from block_service meanwhile, so sync it (a no-op when it did not)."""
+    lease = registration.lease_id
+    while True:
+        await asyncio.sleep(1.0)
+        if registration.lease_id not in (lease, None):
+            lease = registration.lease_id
+            log.info("node %s registered again in etcd; syncing its pool with block_service", allocator.node_id)
+            allocator.syncs.trouble()
 
 
 def _build_engine(args: argparse.Namespace, remote):
@@ -96,6 +124,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
     async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
+    if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
+        allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
 
     server = rpc.server()
@@ -122,8 +152,15 @@ async def serve(args: argparse.Namespace) -> None:
             f.write(str(port))
 
     watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
+    lease_watch = None
+    if remote is not None:
+        allocator.syncs.start_reconciling(args.reconcile_interval)
+        if registration is not None:
+            lease_watch = asyncio.create_task(_resync_on_new_lease(registration, allocator))
     await stop.wait()
     watchdog.cancel()
+    if lease_watch is not None:
+        lease_watch.cancel()
     if not async_engine.is_alive():
         # Crash-only: no drain, no clean goodbye. The streams break, the router resumes them on
         # other nodes, the lease expires and block_service is told to drop this pool.
@@ -147,7 +184,10 @@ async def serve(args: argparse.Namespace) -> None:
     if remote is not None:
         await remote.close()
     if registration is not None:
-        await registration.close()
+        try:
+            await registration.close()
+        except Exception as e:  # etcd down: the lease expires on its own
+            log.warning("node %s: could not revoke its etcd lease: %s", args.node_id, e)
         await client.close()
     log.info("node %s stopped", args.node_id)
 

@@ -12,13 +12,23 @@ write-behind, one block ahead) is ``AllocatorPolicy``'s decision (allocator_poli
   everything queued and waits for it, so block_service sees a node's changes in the order they
   happened (commits before the allocation that reuses them, releases before the pool fills). One
   flush runs at a time (``_flush_lock``), in the order they were started.
+  A call's answer is folded into the node's tables inside that lock, so a sync (below) never
+  sees block_service hold what the node does not know yet.
 - **Write-behind.** ``commit``, ``release`` and ``end_step`` only queue and kick a flush: the
   engine's step never waits on the network for them, and a flush block_service cannot take is
   logged on the loop, never raised into the engine's thread.
+- **Never stuck on a peer.** A call that needs an answer waits at most ``ANSWER_TIMEOUT_S``. When
+  block_service is unreachable, or answers that it does not know this node or one of its live
+  sequences, the link is marked (``BlockLink``) and, until a sync succeeds, such calls answer a
+  transient refusal at once (the scheduler waits; nothing is refused) and bookkeeping stays
+  queued. ``BlockSync`` retries the sync with backoff.
 - **One place to resync.** What block_service should hold for this node is ``live_sequences()``
-  (claimed tables and early allocations not yet claimed); a node that must register again
-  (block_service restarted or dropped it) does so in ``RemoteAllocatorFactory.register`` and
-  sends those.
+  (claimed tables and early allocations not yet claimed). ``sync`` sends them (``SyncNode``):
+  block_service registers the pool if it lost it, releases what the node no longer has, adopts
+  what it does not know; queued commits and top-ups of live sequences follow, queued releases are
+  then moot. Sequences block_service refuses to hold are failed in the engine (``on_refused``):
+  their routers move them to another node. The same sync runs every ``--reconcile-interval``
+  seconds, so a leak of any origin is bounded in time.
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from compute_service.allocator_policy import (
     DEFER_STEPS,
@@ -34,13 +46,21 @@ from compute_service.allocator_policy import (
     Bookkeeping,
     LiveSequence,
 )
+from compute_service.block_link import DOWN, BlockLink, trouble_of
+from compute_service.block_sync import BlockSync, SyncOutcome
 from kvfleet import block_hash
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.backoff import Backoff, LogThrottle
 from kvfleet.errors import NotFound
 
 log = logging.getLogger(__name__)
 
 TraceContextOf = Callable[[str], object]  # seq id → OpenTelemetry context (or None)
+T = TypeVar("T")
+OnRefused = Callable[[list[str], str], None]  # (seq ids, why) block_service refused to hold after a sync
+
+ANSWER_TIMEOUT_S = 3.0   # the most the engine's step waits for block_service (what was queued, then its answer)
+SEND_TIMEOUT_S = 10.0    # the most a bookkeeping batch or a sync may take before the link counts as down
 
 
 def _untraced():
@@ -51,25 +71,34 @@ def _untraced():
 
 class RemoteBlockAllocator:
     def __init__(self, client, loop: asyncio.AbstractEventLoop, node_id: str, num_blocks: int, block_size: int,
-                 trace_context_of: TraceContextOf | None = None, defer_steps: int = DEFER_STEPS):
+                 trace_context_of: TraceContextOf | None = None, defer_steps: int = DEFER_STEPS,
+                 bytes_per_block: int = 0, on_refused: OnRefused | None = None):
         self.client = client
         self.loop = loop
         self.node_id = node_id
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
         self.trace_context_of = trace_context_of or (lambda seq_id: None)
+        self.on_refused = on_refused  # set by the node once its engine runs
         self.num_rpcs = 0
+        self.link = BlockLink()
+        self.syncs = BlockSync(node_id, self.sync)
         self._lock = threading.Lock()               # guards the policy (engine thread and loop)
         self._policy = AllocatorPolicy(block_size, defer_steps)
         self._waiters: dict[str, list[asyncio.Future]] = {}  # seq → preallocations awaiting (loop)
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
         self._flushes: set[asyncio.Task] = set()    # flushes kicked off and not finished (loop thread)
+        self._stats = AllocatorStats(num_blocks, num_blocks, 0, 0, 0, 0)  # the last figures block_service gave
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _call(self, coro_fn, seq_id: str | None = None):
+    def _call(self, coro_fn, unavailable: Callable[[], object], seq_id: str | None = None):
         """Run ``coro_fn()`` on the loop under ``seq_id``'s trace context, after everything queued
-        before it was sent; wait for its result (engine thread)."""
+        before it was sent, inside the flush lock; wait for its result (engine thread). With the
+        link not up, or block_service not answering in time, the answer is ``unavailable()``."""
+        if not self.link.up:
+            return unavailable()
         context = self.trace_context_of(seq_id) if seq_id else None
 
         async def traced():
@@ -77,13 +106,34 @@ class RemoteBlockAllocator:
 
             token = otel_context.attach(context) if context is not None else None
             try:
-                await self.flush()
-                return await coro_fn()
+                async with self._flush_lock:
+                    return await asyncio.wait_for(self._send_then(coro_fn, unavailable), ANSWER_TIMEOUT_S)
+            except Exception as e:
+                if not self._trouble(e):
+                    raise
+                return unavailable()
             finally:
                 if token is not None:
                     otel_context.detach(token)
 
         return asyncio.run_coroutine_threadsafe(traced(), self.loop).result()
+
+    async def _send_then(self, coro_fn, unavailable: Callable[[], object]):
+        await self._send()
+        return await coro_fn() if self.link.up else unavailable()
+
+    def _trouble(self, error: BaseException) -> bool:
+        """If ``error`` is the link's (block_service down, or it lost this node), mark the link and
+        make sure a resync runs; True then (loop thread)."""
+        trouble = trouble_of(error)
+        if trouble is None:
+            return False
+        if self.link.lose(trouble, time.monotonic()):
+            what = "is unreachable" if trouble == DOWN else "lost this node's state"
+            log.warning("node %s: block_service %s (%s); holding what needs it and resyncing",
+                        self.node_id, what, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        self.syncs.trouble()
+        return True
 
     def _send_soon(self) -> None:
         """Have the loop flush what is queued, if anything (any thread; returns at once)."""
@@ -109,35 +159,55 @@ class RemoteBlockAllocator:
             await asyncio.gather(*self._flushes)
 
     async def _send(self) -> None:
+        """Send what is queued (inside the flush lock). With the link not up, bookkeeping waits for
+        the sync and preallocations are answered "not now" (each asks again when admitted)."""
         with self._lock:
-            batch = self._policy.take()
             asks = self._policy.take_asks()
-        try:
-            with _untraced():  # bookkeeping of many requests at once: no request's trace
-                await self._send_bookkeeping(batch)
-        except Exception:  # block_service down or state lost: the node keeps serving from its KV
-            log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
-                          len(batch.commits), len(batch.releases), len(batch.topups))
+            batch = self._policy.take() if self.link.up else Bookkeeping()
+        if batch:
+            await self._send_batch(batch)
         if asks:
             await self._send_asks(asks)
 
+    async def _send_batch(self, batch: Bookkeeping) -> None:
+        """Send a bookkeeping batch; one that did not reach block_service is queued again."""
+        try:
+            with _untraced():  # bookkeeping of many requests at once: no request's trace
+                await asyncio.wait_for(self._send_bookkeeping(batch), SEND_TIMEOUT_S)
+        except BaseException as e:
+            if isinstance(e, Exception) and not self._trouble(e):
+                log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
+                              len(batch.commits), len(batch.releases), len(batch.topups))
+                return
+            with self._lock:  # not sent (or not known to be): the sync sorts it out
+                self._policy.requeue(batch)
+            if not isinstance(e, Exception):
+                raise
+
     async def _send_bookkeeping(self, batch: Bookkeeping) -> None:
-        if not batch:
-            return
         self.num_rpcs += 1
         result = await self.client.apply(batch.commits, batch.releases, batch.topups)
+        lost = None
         for error in result.errors:  # refused alone: the rest of the batch was applied
+            if error.code == "NOT_FOUND" and error.kind == "release":
+                continue  # already gone: what the release wanted
             log.warning("block_service refused %s", error.line())
+            if error.code == "NOT_FOUND":
+                lost = error
         with self._lock:
             self._policy.fold_topups(batch.topups, result.growth)
+        if lost is not None:  # block_service does not know a sequence the node holds
+            self._trouble(NotFound(lost.line()))
 
     async def _send_asks(self, asks: list[AllocateRequest]) -> None:
-        try:
-            self.num_rpcs += 1
-            results = await self.client.allocate_many(asks)
-        except Exception as e:  # e.g. one id already live: each asks again when admitted
-            log.warning("early allocation of %d sequences failed: %s", len(asks), e)
-            results = [None] * len(asks)
+        results: list = [None] * len(asks)
+        if self.link.up:
+            try:
+                self.num_rpcs += 1
+                results = await asyncio.wait_for(self.client.allocate_many(asks), ANSWER_TIMEOUT_S)
+            except Exception as e:  # e.g. one id already live: each asks again when admitted
+                if not self._trouble(e):
+                    log.warning("early allocation of %d sequences failed: %s", len(asks), e)
         with self._lock:
             send = self._policy.fold_asks(asks, results)
         for request in asks:
@@ -157,6 +227,8 @@ class RemoteBlockAllocator:
         """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
         the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
         compute). A refusal is not kept: the scheduler asks again when it admits the request."""
+        if not self.link.up:
+            return  # the scheduler asks when it admits the request, and waits until block_service is back
         reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
         hashes = block_hash.block_hashes(token_ids, self.block_size,
                                          block_hash.tenant_extra_key(tenant, share_across_tenants),
@@ -177,6 +249,46 @@ class RemoteBlockAllocator:
         """What block_service holds for this node, as the node knows it (claimed and early)."""
         with self._lock:
             return self._policy.live_sequences()
+
+    # -- sync -------------------------------------------------------------------------------------
+
+    async def sync(self, periodic: bool = False) -> SyncOutcome:
+        """Make block_service's view of this node equal to the node's (loop thread; ``BlockSync``
+        calls it). A periodic sync of an up link sends the queued bookkeeping first, so that what
+        the sync releases is only what leaked; after trouble the sync goes first and the queued
+        commits and top-ups of live sequences follow. Raises when block_service did not take it."""
+        async with self._flush_lock:
+            if periodic and self.link.up:
+                await self._send()
+            with self._lock:  # queued since then: its releases are moot, the rest follows the sync
+                batch, live = self._policy.take_for_sync()
+            try:
+                self.num_rpcs += 1
+                result = await asyncio.wait_for(self.client.sync_node(
+                    self.node_id, self.num_blocks, self.block_size, self.bytes_per_block, live), SEND_TIMEOUT_S)
+            except BaseException as e:
+                with self._lock:
+                    self._policy.requeue(batch)
+                if isinstance(e, Exception):
+                    self._trouble(e)
+                raise
+            away = self.link.synced(time.monotonic())
+            refused = [seq_id for seq_id, _ in result.refused]
+            with self._lock:
+                resend = self._policy.after_sync(batch, refused)
+            if resend:
+                await self._send_batch(resend)
+        moot = set(batch.releases)
+        leaked = [seq_id for seq_id in result.released if seq_id not in moot]
+        if periodic:
+            self.link.num_reconciled += len(leaked)
+        if refused:
+            for seq_id, why in result.refused:
+                log.warning("node %s: block_service refused to hold %s after a sync: %s", self.node_id, seq_id, why)
+            if self.on_refused is not None:
+                self.on_refused(refused, f"block_service could not hold this request's blocks on node {self.node_id}")
+        return SyncOutcome(leaked, list(result.adopted), list(result.updated),
+                           list(result.refused), away)
 
     # -- BlockAllocator ---------------------------------------------------------------------------
 
@@ -199,31 +311,39 @@ class RemoteBlockAllocator:
 
         async def ask():
             self.num_rpcs += 1
-            return await self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens)
+            result = await self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens)
+            if isinstance(result, Allocation):  # claimed inside the flush lock: a sync lists it
+                with self._lock:
+                    self._policy.claim(seq_id, tenant, result, num_tokens)
+            return result
 
-        result = self._call(ask, seq_id)
-        if isinstance(result, Allocation):
-            with self._lock:
-                self._policy.claim(seq_id, tenant, result, num_tokens)
-        return result
+        blocks = -(-num_tokens // self.block_size)
+        return self._call(ask, lambda: Refusal.unavailable(self.node_id, tenant, blocks), seq_id)
 
     def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
         with self._lock:
             grown = self._policy.extend(growth)
         answers: dict[str, list[int] | Refusal] = dict(grown.answers)
         if grown.short:
-            answers.update(self._call(lambda: self._extend_now(grown.short), grown.short[0][0]))
+            unavailable = {s: Refusal.unavailable(self.node_id) for s, _ in grown.short}
+            answers.update(self._call(lambda: self._extend_now(grown.short), lambda: unavailable,
+                                      grown.short[0][0]))
         return [answers[seq_id] for seq_id, _ in growth]
 
     async def _extend_now(self, short: list[tuple[str, int]]) -> dict[str, list[int] | Refusal]:
         """No reserve covers these: ask block_service (after the queue before them was sent)."""
         with self._lock:
             asks = self._policy.extend_asks(short)
-        while asks:
-            self.num_rpcs += 1
-            results = await self.client.extend(asks)
+        try:
+            while asks:
+                self.num_rpcs += 1
+                results = await self.client.extend(asks)
+                with self._lock:
+                    asks = self._policy.fold_extend(asks, results)
+        except BaseException:  # not answered: nothing is handed (what was granted stays in the tables)
             with self._lock:
-                asks = self._policy.fold_extend(asks, results)
+                self._policy.abandon_extend()
+            raise
         with self._lock:
             return self._policy.hand_over()
 
@@ -252,22 +372,25 @@ class RemoteBlockAllocator:
             return False
 
     def stats(self) -> AllocatorStats:
+        """block_service's figures of this pool; the last ones it gave while it cannot answer."""
         async def ask():
             self.num_rpcs += 1
-            return await self.client.stats([self.node_id])
+            nodes, _ = await self.client.stats([self.node_id])
+            n = nodes[0]
+            return AllocatorStats(num_blocks=n.num_blocks, num_free=n.num_free, num_cached=n.num_cached,
+                                  num_used=n.num_used, prefix_queries=n.counters.prefix_queries,
+                                  prefix_hits=n.counters.prefix_hits)
 
-        nodes, _ = self._call(ask)
-        n = nodes[0]
-        return AllocatorStats(num_blocks=n.num_blocks, num_free=n.num_free, num_cached=n.num_cached,
-                              num_used=n.num_used, prefix_queries=n.counters.prefix_queries,
-                              prefix_hits=n.counters.prefix_hits)
+        self._stats = self._call(ask, lambda: self._stats)
+        return self._stats
 
 
 class RemoteAllocatorFactory:
     """What ``LLMEngine`` calls with the pool's shape: registers the pool, returns the allocator.
 
     A node id registered before (a previous run of this node that crashed) is dropped first: its
-    sequences died with that process, and its blocks must not stay charged.
+    sequences died with that process, and its committed blocks name KV this process does not
+    have. A node started while block_service is down waits for it (``until_reachable``).
     """
 
     def __init__(self, client, node_id: str, loop: asyncio.AbstractEventLoop):
@@ -282,15 +405,16 @@ class RemoteAllocatorFactory:
         from block_service.client import BlockManagerClient  # noqa: PLC0415
 
         client = BlockManagerClient(address)
-        await client.wait_ready(30.0)
+        await until_reachable(node_id, f"block_service at {address}", lambda: client.wait_ready(2.0))
         return cls(client, node_id, loop)
 
     def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
         """Called by the engine from a worker thread (never from the loop's own thread)."""
-
-        asyncio.run_coroutine_threadsafe(self.register(num_blocks, block_size, bytes_per_block), self.loop).result()
+        register = until_reachable(self.node_id, "block_service registration",
+                                   lambda: self.register(num_blocks, block_size, bytes_per_block))
+        asyncio.run_coroutine_threadsafe(register, self.loop).result()
         self.allocator = RemoteBlockAllocator(self.client, self.loop, self.node_id, num_blocks, block_size,
-                                              self.trace_contexts.get)
+                                              self.trace_contexts.get, bytes_per_block=bytes_per_block)
         return self.allocator
 
     async def register(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
@@ -303,11 +427,34 @@ class RemoteAllocatorFactory:
         await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
 
     async def close(self, deregister: bool = True) -> None:
-        """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process)."""
+        """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process).
+        With block_service unreachable the node leaves without: the router drops the pool when
+        the node's lease goes, and a node with this id starting again drops it too."""
         try:
             if self.allocator is not None:
-                await self.allocator.flush()
+                if self.allocator.link.up:
+                    await self.allocator.flush()
+                await self.allocator.syncs.close()
+                if not self.allocator.link.up:
+                    log.warning("node %s: block_service unreachable; leaving without deregistering", self.node_id)
+                    return
             if deregister:
                 await self.client.deregister_node(self.node_id)
         finally:
             await self.client.close()
+
+
+async def until_reachable(node_id: str, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()`` until block_service answers it: retried with backoff while it is unreachable,
+    one log line every few seconds; any other error is raised."""
+    backoff, throttle = Backoff(), LogThrottle()
+    while True:
+        try:
+            return await attempt()
+        except Exception as e:
+            if trouble_of(e) != DOWN:
+                raise
+            if throttle.due():
+                log.warning("node %s: waiting for %s (%s)", node_id, what, str(e).splitlines()[0] if str(e) else
+                            "not reachable")
+        await asyncio.sleep(backoff.next())

@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
+from compute_service.remote_allocator import RemoteAllocatorFactory
 from kvfleet_cli.model_maker import make_model
+from tests.compute_service.served_blocks import BS, BYTES_PER_BLOCK, HeldAsks, Served
 
 VARIANTS = {
     "llama": dict(architecture="llama"),
@@ -67,3 +69,24 @@ def hf_reference(model_dirs):
         return refs[name]
 
     return get
+
+
+@pytest.fixture
+def served():
+    served = Served()
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.fixture
+def node(served):
+    """(allocator, run-on-loop, block_service's client) with block_service served in-process
+    (served_blocks.py)."""
+    factory = RemoteAllocatorFactory(HeldAsks(served.client), "n0", served.loop)
+    allocator = factory(64, BS, BYTES_PER_BLOCK)  # called off the loop, as the engine does
+    try:
+        yield allocator, served.on_loop, served.client
+    finally:
+        served.on_loop(factory.close(deregister=served.up))

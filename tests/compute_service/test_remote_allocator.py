@@ -1,144 +1,24 @@
 """The remote allocator against a real BlockManager server: tables agree, the step is not stalled.
 
-The node's two threads are reproduced: an event loop thread (block_service client, early
-allocations, flushes) and the calling thread standing in for the engine's step loop. What
-block_service holds is read through its own client.
+The server and the node's two threads are set up in served_blocks.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
-import grpc
 import pytest
 
-from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable, SeqState
-from block_service.server import BlockManagerServicer
 from compute_service.allocator_policy import DEFER_STEPS
-from compute_service.remote_allocator import RemoteAllocatorFactory
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.tenants import Tenant
-from kvfleet.v1 import block_manager_pb2_grpc
-
-BS, BYTES_PER_BLOCK = 16, 1024
-
-
-class Served:
-    """block_service served in-process on a loop thread of its own, as a node's loop."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.table = PageTable()
-        self.table.configure_tenants([Tenant("q", quota_mib=4 * BYTES_PER_BLOCK / 2**20)])
-        self.server, self.client = self.on_loop(self._start())
-        self.up = True
-
-    async def _start(self):
-        server = grpc.aio.server()  # on the loop that serves it
-        block_manager_pb2_grpc.add_BlockManagerServicer_to_server(
-            BlockManagerServicer(DurablePageTable(self.table, None)), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, BlockManagerClient(f"127.0.0.1:{port}")
-
-    def on_loop(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def stop(self) -> None:
-        """block_service goes away (its state with it)."""
-        if self.up:
-            self.up = False
-            self.on_loop(self.server.stop(None))
-
-    def close(self) -> None:
-        self.table.check()
-        self.stop()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-@pytest.fixture
-def served():
-    served = Served()
-    try:
-        yield served
-    finally:
-        served.close()
-
-
-@pytest.fixture
-def node(served):
-    """(allocator, run-on-loop, block_service's client) with block_service served in-process."""
-    factory = RemoteAllocatorFactory(HeldAsks(served.client), "n0", served.loop)
-    allocator = factory(64, BS, BYTES_PER_BLOCK)  # called off the loop, as the engine does
-    try:
-        yield allocator, served.on_loop, served.client
-    finally:
-        served.on_loop(factory.close(deregister=served.up))
-
-
-class HeldAsks:
-    """block_service's client, whose early allocations a test can hold in flight: ``hold()``,
-    then ``in_flight`` is set once an ``AllocateMany`` waits, and ``let_go()`` sends it."""
-
-    def __init__(self, client: BlockManagerClient):
-        self.client = client
-        self.gate: asyncio.Event | None = None
-        self.in_flight = asyncio.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self.client, name)
-
-    def hold(self) -> None:
-        self.gate = asyncio.Event()
-        self.in_flight.clear()
-
-    def let_go(self) -> None:
-        self.gate.set()
-        self.gate = None
-
-    async def allocate_many(self, requests):
-        gate = self.gate
-        if gate is not None:
-            self.in_flight.set()
-            await gate.wait()
-        return await self.client.allocate_many(requests)
-
-
-def hashes(ids, tenant="t"):
-    return block_hashes(ids, BS, tenant_extra_key(tenant), max_blocks=(len(ids) - 1) // BS)
-
-
-def held(on_loop, client, seq_id: str) -> SeqState:
-    """What block_service holds for ``seq_id``."""
-    [seq] = on_loop(client.sequences([seq_id]))
-    return seq
-
-
-def num_sequences(on_loop, client) -> int:
-    nodes, _ = on_loop(client.stats(["n0"]))
-    return nodes[0].num_sequences
-
-
-async def release_on_loop(allocator, seq_id: str) -> None:
-    """A request's stream ending: the allocator's release, called on the event loop."""
-    allocator.release([seq_id])
-
-
-def check_agrees(allocator, on_loop, client):
-    """block_service holds exactly the sequences the allocator knows, with the same blocks
-    (handed + reserve) and lengths."""
-    live = allocator.live_sequences()
-    seqs = on_loop(client.sequences([s.seq_id for s in live])) if live else []
-    assert [(s.seq_id, s.tenant, s.block_ids, s.num_tokens) for s in seqs] == \
-        [(s.seq_id, s.tenant, s.block_ids, s.num_tokens) for s in live]
-    assert num_sequences(on_loop, client) == len(live)
+from tests.compute_service.served_blocks import (
+    BS,
+    check_agrees,
+    hashes,
+    held,
+    release_on_loop,
+)
 
 
 def test_early_allocation_reserve_and_write_behind(node):
@@ -362,7 +242,7 @@ def test_a_stream_closing_during_preallocation_cancels_its_waiters_and_leaks_not
 
 def test_block_service_gone_never_reaches_the_engine_thread_on_write_behind_paths(node, served, caplog):
     """Commits, releases and step ends only queue: a flush block_service cannot take is logged
-    on the loop, and the engine's step goes on."""
+    on the loop (once: the link is down, the batch waits for the resync), and the step goes on."""
     allocator, on_loop, _ = node
     ids = list(range(40))
     allocator.allocate("a", "t", hashes(ids), 40)
@@ -372,5 +252,5 @@ def test_block_service_gone_never_reaches_the_engine_thread_on_write_behind_path
     allocator.release(["a"])
     allocator.end_step()
     on_loop(allocator.settle())
-    assert "block_service flush failed (1 commits, 1 releases, 0 top-ups)" in caplog.text
+    assert caplog.text.count("block_service is unreachable") == 1
     assert allocator.live_sequences() == []
