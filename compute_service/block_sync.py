@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from compute_service.block_link import trouble_of
-from kvfleet.backoff import Backoff, LogThrottle
+from kvfleet.backoff import Backoff, LogThrottle, error_line
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class BlockSync:
                 if trouble_of(e) is None:
                     log.exception("node %s: resync with block_service failed", self.node_id)
                 elif throttle.due():
-                    log.warning("node %s: block_service not back yet (%s); retrying", self.node_id, _line(e))
+                    log.warning("node %s: block_service not back yet (%s); retrying", self.node_id, error_line(e))
                 await asyncio.sleep(backoff.next())
                 continue
             log.info("node %s: block_service resynced after %.1fs: %s", self.node_id, outcome.away_s,
@@ -115,10 +115,3 @@ class BlockSync:
             if outcome.released or outcome.adopted or outcome.updated or outcome.refused:
                 log.warning("node %s: reconciliation with block_service %s (released: %s)", self.node_id,
                             outcome.counts(), ", ".join(outcome.released[:10]))
-
-
-def _line(error: BaseException) -> str:
-    """One line of an error: gRPC's own details when it has them."""
-    details = getattr(error, "details", None)
-    text = details() if callable(details) else str(error)
-    return (text or type(error).__name__).splitlines()[0]

@@ -50,7 +50,7 @@ from compute_service.block_link import DOWN, BlockLink, trouble_of
 from compute_service.block_sync import BlockSync, SyncOutcome
 from kvfleet import block_hash
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
-from kvfleet.backoff import Backoff, LogThrottle
+from kvfleet.backoff import Backoff, LogThrottle, error_line
 from kvfleet.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class RemoteBlockAllocator:
         if self.link.lose(trouble, time.monotonic()):
             what = "is unreachable" if trouble == DOWN else "lost this node's state"
             log.warning("node %s: block_service %s (%s); holding what needs it and resyncing",
-                        self.node_id, what, str(error).splitlines()[0] if str(error) else type(error).__name__)
+                        self.node_id, what, error_line(error))
         self.syncs.trouble()
         return True
 
@@ -455,6 +455,5 @@ async def until_reachable(node_id: str, what: str, attempt: Callable[[], Awaitab
             if trouble_of(e) != DOWN:
                 raise
             if throttle.due():
-                log.warning("node %s: waiting for %s (%s)", node_id, what, str(e).splitlines()[0] if str(e) else
-                            "not reachable")
+                log.warning("node %s: waiting for %s (%s)", node_id, what, error_line(e))
         await asyncio.sleep(backoff.next())

@@ -49,3 +49,10 @@ class LogThrottle:
             return False
         self._last = now
         return True
+
+
+def error_line(error: BaseException) -> str:
+    """An error of a peer in one line, for a retry's log: gRPC's details when it has them."""
+    details = getattr(error, "details", None)
+    text = details() if callable(details) else str(error)
+    return (text or type(error).__name__).splitlines()[0]

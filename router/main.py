@@ -67,10 +67,9 @@ async def serve(args: argparse.Namespace) -> None:
             await nodes.apply(change)
             await server.update_health()
             if change.info is None:
-                try:
-                    await prefix.forget_node(change.node_id)
-                except Exception as e:  # block_service down: the pool stays until the node registers again
-                    log.warning("could not release the blocks of node %s: %s", change.node_id, e)
+                await prefix.forget_node(change.node_id)  # retried once block_service answers
+            else:
+                prefix.node_back(change.node_id)
 
     async with etcd_client(args.etcd) as client:
         watcher = asyncio.create_task(follow_membership(client))

@@ -4,14 +4,22 @@ The prompt's full blocks are hashed exactly as the nodes hash them (``kvfleet.bl
 the tenant as the first block's extra key), once per block size in use, and block_service's prefix
 index answers per node how many leading blocks are committed there. When a node's lease expires the
 router tells block_service to drop the node's pool, so its blocks stop being charged to tenants.
+
+block_service being down is no reason to stop routing: a lookup that fails counts as "nothing
+cached" (routing by load and recent routes), said in one WARNING when lookups start failing and one
+INFO when they answer again; a pool that could not be dropped is dropped once block_service
+answers, unless its node came back meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
+from kvfleet.backoff import error_line
 from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.errors import NotFound
 from router.nodes import RouterNode
 from router.recent_routes import RecentRoutes
 
@@ -27,6 +35,8 @@ class BlockServicePrefixLookup:
         self.client = client
         self.share_across_tenants = share_across_tenants
         self.recent = recent or RecentRoutes()
+        self.failing = False              # lookups fail now (said once)
+        self._to_forget: set[str] = set()  # nodes gone while block_service did not answer
 
     def _hashes(self, tenant: str, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants))
@@ -41,10 +51,33 @@ class BlockServicePrefixLookup:
             if not hashes:
                 continue
             if self.client is not None:
-                cached.update(await self.client.match_prefix(hashes, node_ids))
+                cached.update(await self._committed(hashes, node_ids))
             for node_id, n in self.recent.match(hashes, node_ids).items():
                 cached[node_id] = max(cached.get(node_id, 0), n)
         return cached
+
+    async def _committed(self, hashes: list[bytes], node_ids: list[str]) -> dict[str, int]:
+        """block_service's answer, or nothing when it cannot give one."""
+        try:
+            found = await self.client.match_prefix(hashes, node_ids)
+        except NotFound:  # a node's pool not (yet) registered: it is being resynced
+            return {}
+        except Exception as e:
+            if not self.failing:
+                self.failing = True
+                log.warning("prefix lookups in block_service fail (%s); routing by load and recent routes "
+                            "until it answers", error_line(e))
+            return {}
+        if self.failing:
+            self.failing = False
+            log.info("block_service answers prefix lookups again")
+            for node_id in list(self._to_forget):
+                await self.forget_node(node_id)
+        return found
+
+    def node_back(self, node_id: str) -> None:
+        """``node_id`` is listed again: its pool is its own to sync, not to drop."""
+        self._to_forget.discard(node_id)
 
     def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode) -> None:
         """``token_ids`` were just sent to ``node``: its blocks count as cached there for a while."""
@@ -54,11 +87,15 @@ class BlockServicePrefixLookup:
         self.recent.forget_node(node_id)
         if self.client is None:
             return
-        from kvfleet.errors import NotFound  # noqa: PLC0415
-
+        self._to_forget.discard(node_id)
         try:
             released = await self.client.deregister_node(node_id)
         except NotFound:
+            return
+        except Exception as e:  # block_service down: drop the pool once it answers
+            self._to_forget.add(node_id)
+            log.warning("could not release the blocks of node %s (%s); will once block_service answers",
+                        node_id, error_line(e))
             return
         log.info("node %s left: block_service released its pool (%d sequences)", node_id, len(released))
 
@@ -73,5 +110,8 @@ async def connect_prefix_lookup(address: str | None):
     from block_service.client import BlockManagerClient  # noqa: PLC0415
 
     client = BlockManagerClient(address, timeout_s=5.0)
-    await client.wait_ready(30.0)
+    try:
+        await client.wait_ready(10.0)
+    except asyncio.TimeoutError:  # serve anyway: lookups start answering when block_service does
+        log.warning("block_service at %s not reachable yet; routing by load until it answers", address)
     return BlockServicePrefixLookup(client)
