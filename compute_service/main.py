@@ -118,7 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     remote = None
     if args.block_service:
-        from compute_service.remote_allocator import RemoteAllocatorFactory  # noqa: PLC0415
+        from compute_service.block_registration import RemoteAllocatorFactory  # noqa: PLC0415
 
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)

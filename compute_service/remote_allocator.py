@@ -37,7 +37,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from compute_service.allocator_policy import (
@@ -50,7 +50,7 @@ from compute_service.block_link import DOWN, BlockLink, trouble_of
 from compute_service.block_sync import BlockSync, SyncOutcome
 from kvfleet import block_hash
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
-from kvfleet.backoff import Backoff, LogThrottle, error_line
+from kvfleet.backoff import error_line
 from kvfleet.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -383,77 +383,3 @@ class RemoteBlockAllocator:
 
         self._stats = self._call(ask, lambda: self._stats)
         return self._stats
-
-
-class RemoteAllocatorFactory:
-    """What ``LLMEngine`` calls with the pool's shape: registers the pool, returns the allocator.
-
-    A node id registered before (a previous run of this node that crashed) is dropped first: its
-    sequences died with that process, and its committed blocks name KV this process does not
-    have. A node started while block_service is down waits for it (``until_reachable``).
-    """
-
-    def __init__(self, client, node_id: str, loop: asyncio.AbstractEventLoop):
-        self.client = client
-        self.node_id = node_id
-        self.loop = loop
-        self.allocator: RemoteBlockAllocator | None = None
-        self.trace_contexts: dict[str, object] = {}  # seq id → trace context, set by the Compute servicer
-
-    @classmethod
-    async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop) -> RemoteAllocatorFactory:
-        from block_service.client import BlockManagerClient  # noqa: PLC0415
-
-        client = BlockManagerClient(address)
-        await until_reachable(node_id, f"block_service at {address}", lambda: client.wait_ready(2.0))
-        return cls(client, node_id, loop)
-
-    def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
-        """Called by the engine from a worker thread (never from the loop's own thread)."""
-        register = until_reachable(self.node_id, "block_service registration",
-                                   lambda: self.register(num_blocks, block_size, bytes_per_block))
-        asyncio.run_coroutine_threadsafe(register, self.loop).result()
-        self.allocator = RemoteBlockAllocator(self.client, self.loop, self.node_id, num_blocks, block_size,
-                                              self.trace_contexts.get, bytes_per_block=bytes_per_block)
-        return self.allocator
-
-    async def register(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
-        """Register this node's pool, dropping a previous registration of its id first."""
-        try:
-            released = await self.client.deregister_node(self.node_id)
-            log.info("dropped a previous registration of %s (%d sequences)", self.node_id, len(released))
-        except NotFound:
-            pass
-        await self.client.register_node(self.node_id, num_blocks, block_size, bytes_per_block)
-
-    async def close(self, deregister: bool = True) -> None:
-        """Send what is queued; with ``deregister`` drop the pool (its KV dies with this process).
-        With block_service unreachable the node leaves without: the router drops the pool when
-        the node's lease goes, and a node with this id starting again drops it too."""
-        try:
-            if self.allocator is not None:
-                if self.allocator.link.up:
-                    await self.allocator.flush()
-                await self.allocator.syncs.close()
-                if not self.allocator.link.up:
-                    log.warning("node %s: block_service unreachable; leaving without deregistering", self.node_id)
-                    return
-            if deregister:
-                await self.client.deregister_node(self.node_id)
-        finally:
-            await self.client.close()
-
-
-async def until_reachable(node_id: str, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-    """``attempt()`` until block_service answers it: retried with backoff while it is unreachable,
-    one log line every few seconds; any other error is raised."""
-    backoff, throttle = Backoff(), LogThrottle()
-    while True:
-        try:
-            return await attempt()
-        except Exception as e:
-            if trouble_of(e) != DOWN:
-                raise
-            if throttle.due():
-                log.warning("node %s: waiting for %s (%s)", node_id, what, error_line(e))
-        await asyncio.sleep(backoff.next())

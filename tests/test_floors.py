@@ -181,4 +181,4 @@ def test_the_graph_sees_known_arrows():
     graph = edges()
     assert "kvfleet.allocator" in graph["compute_service.kv_cache_manager"]
     assert "compute_service.engine" in graph["kvfleet_cli.demo"]
-    assert any(m.startswith("block_service.") for m in graph["compute_service.remote_allocator"])
+    assert any(m.startswith("block_service.") for m in graph["compute_service.block_registration"])
