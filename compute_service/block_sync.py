@@ -29,6 +29,7 @@ RECONCILE_INTERVAL_S = 30.0
 class SyncOutcome:
     """What one sync changed at block_service, and how long the link had been away (0: it was up)."""
 
+    registered: bool = False      # block_service did not have the pool (any more): registered again
     released: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
@@ -36,7 +37,7 @@ class SyncOutcome:
     away_s: float = 0.0
 
     def counts(self) -> str:
-        return (f"released {len(self.released)}, adopted {len(self.adopted)}, updated {len(self.updated)}, "
+        return (("pool registered again, " if self.registered else "") + f"released {len(self.released)}, adopted {len(self.adopted)}, updated {len(self.updated)}, "
                 f"refused {len(self.refused)}")
 
 
@@ -112,6 +113,6 @@ class BlockSync:
                 if trouble_of(e) is None:
                     log.exception("node %s: reconciliation with block_service failed", self.node_id)
                 continue
-            if outcome.released or outcome.adopted or outcome.updated or outcome.refused:
+            if outcome.registered or outcome.released or outcome.adopted or outcome.updated or outcome.refused:
                 log.warning("node %s: reconciliation with block_service %s (released: %s)", self.node_id,
                             outcome.counts(), ", ".join(outcome.released[:10]))

@@ -173,7 +173,10 @@ async def serve(args: argparse.Namespace) -> None:
     status.state = NodeState.DRAINING
     await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     if registration is not None:
-        await registration.set_state(NodeState.DRAINING)
+        try:
+            await registration.set_state(NodeState.DRAINING)
+        except Exception as e:  # etcd down: the router learns it when the stream ends or the lease goes
+            log.warning("node %s: could not announce DRAINING in etcd: %s", args.node_id, e)
     try:
         await asyncio.wait_for(status.idle.wait(), args.drain_timeout)
     except asyncio.TimeoutError:

@@ -287,7 +287,7 @@ class RemoteBlockAllocator:
                 log.warning("node %s: block_service refused to hold %s after a sync: %s", self.node_id, seq_id, why)
             if self.on_refused is not None:
                 self.on_refused(refused, f"block_service could not hold this request's blocks on node {self.node_id}")
-        return SyncOutcome(leaked, list(result.adopted), list(result.updated),
+        return SyncOutcome(result.registered, leaked, list(result.adopted), list(result.updated),
                            list(result.refused), away)
 
     # -- BlockAllocator ---------------------------------------------------------------------------
