@@ -126,7 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
     if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
         allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
-    status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0))
+    status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0),
+                        reconciled=lambda: allocator.link.num_reconciled if remote is not None else 0)
 
     server = rpc.server()
     servicer = ComputeServicer(async_engine, status, remote, args.stream_interval)

@@ -30,6 +30,7 @@ class NodeStatus:
     num_in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
     block_rpcs: object = None  # callable returning the allocator's RPC count, when remote
+    reconciled: object = None  # callable returning the sequences reconciliation released, when remote
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -98,6 +99,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             num_used_blocks=b.num_used, prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits,
             generated_tokens=stats.generated_tokens, block_rpcs=rpcs,
             block_size=self.engine.engine.allocator.block_size,
+            reconciled_sequences=self.status.reconciled() if callable(self.status.reconciled) else 0,
         )
 
 

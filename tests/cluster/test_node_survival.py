@@ -23,7 +23,7 @@ from cluster_helpers import (
 from block_service.durable import recover
 from compute_service.engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
-from kvfleet.v1 import inference_pb2_grpc
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2_grpc
 
 LEASE_TTL = 2
 NUM_STREAMS = 6
@@ -202,6 +202,9 @@ def test_a_leaked_sequence_is_released_by_the_periodic_reconciliation(start_clus
     asyncio.run(leak_and_watch())
     assert cluster.nodes["node-0"].alive()
     assert "reconciliation with block_service released 1" in cluster.nodes["node-0"].log_path.read_text()
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.nodes['node-0'].port}") as channel:
+        stats = compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30)
+    assert stats.reconciled_sequences == 1
 
 
 def test_a_node_started_while_block_service_is_down_waits_for_it(start_cluster, expected):
