@@ -37,8 +37,9 @@ class SyncOutcome:
     away_s: float = 0.0
 
     def counts(self) -> str:
-        return (("pool registered again, " if self.registered else "") + f"released {len(self.released)}, adopted {len(self.adopted)}, updated {len(self.updated)}, "
-                f"refused {len(self.refused)}")
+        counts = (f"released {len(self.released)}, adopted {len(self.adopted)}, "
+                  f"updated {len(self.updated)}, refused {len(self.refused)}")
+        return ("pool registered again, " if self.registered else "") + counts
 
 
 Sync = Callable[[bool], Awaitable[SyncOutcome]]  # periodic → outcome; raises when it did not happen

@@ -20,7 +20,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0               # prompt tokens served from the prefix cache
     refusal: Refusal | None = None       # why the engine aborted it: blocks refused (pool or quota)
-    failure: str | None = None           # why the node gave it up (a failed step, blocks lost): another node may serve it
+    failure: str | None = None           # why the node gave it up (a step failed): another node may serve it
 
     @property
     def error(self) -> str | None:

@@ -9,16 +9,10 @@ import signal
 import threading
 import time
 
+import cluster_helpers
 import grpc
 import pytest
-from cluster_helpers import (
-    BLOCK_SIZE,
-    block_pools,
-    random_prompt,
-    request,
-    stream,
-    tokens_of,
-)
+from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
 from block_service.durable import recover
 from compute_service.engine import EngineConfig, LLMEngine
@@ -39,6 +33,12 @@ def expected(model_dir):
     return prompts, [o.new_token_ids for o in outs]
 
 
+def generate(cluster, prompt: list[int]) -> list[int]:
+    """The tokens the cluster streams for ``prompt`` (greedy, ``MAX_TOKENS``)."""
+    req = request(tokens=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return tokens_of(cluster_helpers.stream(cluster.router_address, req))
+
+
 def pids(cluster) -> dict[str, int]:
     return {n: c.process.pid for n, c in cluster.nodes.items()}
 
@@ -54,7 +54,7 @@ def until(what: str, check, timeout: float = 60.0):
 
 def no_live_sequences(cluster) -> bool:
     try:
-        pools = block_pools(cluster)
+        pools = cluster_helpers.block_pools(cluster)
     except Exception:  # block_service still replaying its log
         return False
     return set(pools) == set(cluster.nodes) and all(p.num_sequences == 0 and p.num_used == 0
@@ -103,9 +103,7 @@ def test_block_service_killed_under_load_and_restarted(start_cluster, expected):
     assert results == want                 # every stream finished, token-exact
     assert pids(cluster) == before and all(c.alive() for c in cluster.nodes.values())
     assert cluster.node_states() == {n: "READY" for n in cluster.nodes}
-    after = [tokens_of(stream(cluster.router_address, request(tokens=p, max_tokens=MAX_TOKENS, ignore_eos=True)))
-             for p in prompts[:2]]
-    assert after == want[:2]
+    assert [generate(cluster, p) for p in prompts[:2]] == want[:2]
     until("block_service holds nothing for the idle nodes", lambda: no_live_sequences(cluster))
     check_state(cluster)
 
@@ -126,12 +124,11 @@ def test_etcd_down_longer_than_the_lease_then_back(start_cluster, expected):
     _drop_pool(cluster, "node-0")  # what a router does when it sees the key go (if it has not yet)
     until("node-0 registered again", lambda: "registered again in etcd" in cluster.nodes["node-0"].log_path.read_text())
     until("node-0 READY in etcd again", lambda: _state(cluster, "node-0") == "READY")
-    until("node-0's pool in block_service", lambda: "node-0" in block_pools(cluster))
-    chunks = until("the router serves again", lambda: _try_stream(cluster, prompts[0]))
-    assert tokens_of(chunks) == want[0]
+    until("node-0's pool in block_service", lambda: "node-0" in cluster_helpers.block_pools(cluster))
+    assert until("the router serves again", lambda: _try_generate(cluster, prompts[0])) == want[0]
     assert pids(cluster) == before and cluster.nodes["node-0"].alive()
     until("block_service holds nothing for the idle node", lambda: no_live_sequences(cluster))
-    assert "node-0" in block_pools(cluster)
+    assert "node-0" in cluster_helpers.block_pools(cluster)
 
 
 def _revoke_lease(cluster, node_id: str) -> bool:
@@ -176,9 +173,9 @@ def _state(cluster, node_id: str) -> str | None:
         return None
 
 
-def _try_stream(cluster, prompt):
+def _try_generate(cluster, prompt):
     try:
-        return stream(cluster.router_address, request(tokens=prompt, max_tokens=MAX_TOKENS, ignore_eos=True))
+        return generate(cluster, prompt)
     except grpc.RpcError:  # the router has not seen the node come back yet
         return None
 
@@ -217,5 +214,4 @@ def test_a_node_started_while_block_service_is_down_waits_for_it(start_cluster, 
     cluster.restart("block_service")
     cluster.wait_ready(["node-1"])
     assert cluster.nodes["node-0"].alive()
-    chunks = stream(cluster.router_address, request(tokens=prompts[1], max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert tokens_of(chunks) == want[1]
+    assert generate(cluster, prompts[1]) == want[1]
