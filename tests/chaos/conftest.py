@@ -1,0 +1,107 @@
+"""One real cluster per chaos module (etcd, block_service, two nodes, a router: tiny model, blocks of
+16), its prompts' greedy references, and before each test a whole cluster at rest: whatever the
+test before broke (a dead child, a leaked sequence) is repaired here, so each test fails for its
+own fault only.
+
+A module tunes its cluster with ``COMPUTE_ARGS`` (e.g. a short lease) and its prompts with
+``PROMPTS`` (name → (prompt tokens, reference tokens)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from chaos_checker import ClusterChecker
+from chaos_load import PromptBook
+
+from kvfleet.v1 import block_manager_pb2, block_manager_pb2_grpc, inference_pb2_grpc
+from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet_cli.model_maker import make_model
+
+BLOCK_SIZE = 16
+KV_CACHE_MEMORY = 16 << 20  # 512 blocks of 16 tokens per node (32 KiB each)
+# gold and free (the demo's) and a small tenant: 1 MiB is 32 blocks (512 tokens) per node
+TENANTS = DEMO_TENANTS + """\
+  - name: small
+    api_key: sk-small
+    quota_mib: 1
+    paid_level: 0
+    max_concurrent: 4
+"""
+REST_TIMEOUT_S = 15.0
+
+
+@pytest.fixture(scope="session")
+def chaos_model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("chaos-model") / "tiny", "tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def cluster(chaos_model, tmp_path_factory, request):
+    work_dir = tmp_path_factory.mktemp("chaos-cluster")
+    tenants = work_dir / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    c = LocalCluster(chaos_model, 2, tenants_file=tenants, work_dir=work_dir, block_size=BLOCK_SIZE,
+                     kv_cache_memory=KV_CACHE_MEMORY, compute_args=getattr(request.module, "COMPUTE_ARGS", ()))
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+        leftovers = [child.name for child in c.children() if child.alive()]
+        assert not leftovers, f"processes left running: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def book(cluster, request) -> PromptBook:
+    prompts = request.module.PROMPTS
+    book = PromptBook.seeded({name: n for name, (n, _) in prompts.items()}, seed=3)
+
+    async def record():
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            await book.record_references(inference_pb2_grpc.InferenceStub(channel), "sk-gold",
+                                         {name: m for name, (_, m) in prompts.items()})
+
+    asyncio.run(record())
+    return book
+
+
+@pytest.fixture
+def checker(cluster, book) -> ClusterChecker:
+    """A checker whose baseline is this cluster whole and at rest."""
+    repair(cluster)
+    checker = ClusterChecker(cluster, book)
+    asyncio.run(checker.baseline())
+    return checker
+
+
+def repair(cluster: LocalCluster) -> None:
+    """Bring back what an earlier test left broken: etcd, dead children, and nodes whose sequences
+    block_service still holds at rest (a restarted node drops its old pool)."""
+    if cluster.etcd.process is None or cluster.etcd.process.poll() is not None:
+        cluster.etcd.stop()
+        cluster.etcd.start()
+    for child in cluster.children():
+        if not child.alive():
+            print(f"repair: restarting {child.name} (exit {child.process.returncode})")
+            cluster.restart_child(child.name)
+    cluster.wait_ready(list(cluster.nodes))
+    holding = asyncio.run(_nodes_holding_sequences(cluster.block_service_address, REST_TIMEOUT_S))
+    for node_id in holding:
+        print(f"repair: {node_id} still holds sequences at rest; restarting it")
+        cluster.kill_node(node_id)
+        cluster.restart_child(node_id)
+
+
+async def _nodes_holding_sequences(address: str, timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = block_manager_pb2_grpc.BlockManagerStub(channel)
+        while True:
+            stats = await stub.Stats(block_manager_pb2.BlockStatsRequest(), timeout=5)
+            holding = [n.node_id for n in stats.nodes if n.num_sequences]
+            if not holding or time.monotonic() > deadline:
+                return holding
+            await asyncio.sleep(0.2)
