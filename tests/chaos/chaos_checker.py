@@ -242,10 +242,18 @@ async def _health(address: str) -> str:
 
 
 def _last_errors(log: str, count: int = 4) -> str:
-    """The log's last lines that say what went wrong (a traceback's last line, ERROR lines)."""
-    lines = [line for line in log.splitlines()
-             if " ERROR " in line or " CRITICAL " in line or (line[:1].isalpha() and ("Error" in line or "Exception" in line))]
-    return "\n".join(lines[-count:]) or log.splitlines()[-1:][0] if log else "(empty log)"
+    """The log's last lines that say what went wrong: ERROR lines and each traceback's last line
+    (the exception)."""
+    found, in_traceback = [], False
+    for line in log.splitlines():
+        if line.startswith("Traceback"):
+            in_traceback = True
+        elif in_traceback and line[:1] not in (" ", "\t", ""):
+            found.append(line)
+            in_traceback = False
+        elif " ERROR " in line or " CRITICAL " in line:
+            found.append(line)
+    return "\n".join(found[-count:]) or "(no error in its log)"
 
 
 def _indent(text: str) -> str:

@@ -130,7 +130,8 @@ class LoadGenerator:
     """
 
     def __init__(self, stub, book: PromptBook, mix: Sequence[RequestSpec], clients: int = 4, seed: int = 0,
-                 pause_s: float = 0.0):
+                 pause_s: float = 0.0, limit: int | None = None):
+        self.limit = limit  # requests in all, when given: then the clients stop by themselves
         self.stub = stub
         self.book = book
         self.mix = list(mix)
@@ -142,7 +143,7 @@ class LoadGenerator:
         self._tasks: list[asyncio.Task] = []
 
     async def _client(self) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and (self.limit is None or len(self.outcomes) < self.limit):
             outcome = Outcome(self.rng.choice(self.mix), HUNG, [], sent_at=time.monotonic())
             self.outcomes.append(outcome)
             await send(self.stub, outcome.spec, self.book, outcome=outcome)
@@ -164,6 +165,11 @@ class LoadGenerator:
 
     def num_ended(self) -> int:
         return sum(o.code != HUNG for o in self.outcomes)
+
+    async def finish(self, timeout_s: float = 120.0) -> list[Outcome]:
+        """All ``limit`` requests ended (or ``timeout_s``): their outcomes."""
+        await asyncio.wait(self._tasks, timeout=timeout_s)
+        return await self.stop()
 
     async def stop(self, timeout_s: float = 30.0) -> list[Outcome]:
         """Let the requests in flight end (each client finishes its current one) for up to

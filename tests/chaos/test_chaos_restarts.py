@@ -108,3 +108,18 @@ def test_etcd_stop_longer_than_the_lease_then_start(cluster, checker):
 
     problems = asyncio.run(_under_load(cluster, checker, fault, ETCD_DOWN, frozenset()))
     assert not problems, report(problems)
+
+
+def test_etcd_frozen_past_the_lease(cluster, checker):
+    """etcd paused (SIGSTOP) longer than the lease: on waking it revokes every node's lease before
+    it reads their keep-alives (a restarted etcd renews leases instead), so the router sees every
+    node leave and drops their pools in block_service while the nodes live on."""
+    async def fault():
+        cluster.etcd.process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(LEASE_TTL_S + 3)
+        finally:
+            cluster.etcd.process.send_signal(signal.SIGCONT)
+
+    problems = asyncio.run(_under_load(cluster, checker, fault, ETCD_DOWN, frozenset()))
+    assert not problems, report(problems)
