@@ -29,8 +29,8 @@ import grpc
 from chaos_load import PromptBook, send
 from chaos_outcomes import (
     OK,
-    FaultPolicy,
     Outcome,
+    Policies,
     RequestSpec,
     token_violation,
     violations,
@@ -88,7 +88,9 @@ class ClusterChecker:
 
     # -- the checks ------------------------------------------------------------------------------------
 
-    async def check(self, policy: FaultPolicy, outcomes: list[Outcome], restarted: frozenset[str] = frozenset()) -> list[str]:
+    async def check(self, policy: Policies, outcomes: list[Outcome],
+                    restarted: frozenset[str] = frozenset()) -> list[str]:
+        """Every check; ``restarted`` names the children the fault started again on purpose."""
         problems = self.check_processes(restarted)
         problems += await self.check_health()
         problems += await self.check_probe()
@@ -103,7 +105,7 @@ class ClusterChecker:
         for child in self.cluster.children():
             if not child.alive():
                 problems.append(f"{child.name} is dead (exit {child.process.returncode}); its last errors:\n"
-                                f"{_indent(_last_errors(child.log_tail(200)))}")
+                                f"{_indent(last_errors(child.log_tail(200)))}")
             elif child.name not in restarted and now.get(child.name) != self.base.pids.get(child.name):
                 problems.append(f"{child.name} was restarted (pid {self.base.pids.get(child.name)} → "
                                 f"{now.get(child.name)}): it died during the fault")
@@ -167,6 +169,12 @@ class ClusterChecker:
                 return [f"leak: {'; '.join(bad)}, {time.monotonic() - start:.0f}s after the requests ended"
                         + (f"; live in block_service: {held}" if held else "")]
             await asyncio.sleep(POLL_S)
+
+    async def blocks_in_use(self) -> tuple[int, int]:
+        """(used blocks beyond the baseline, live sequences) in block_service, all nodes together."""
+        nodes, _ = await self._block_stats()
+        return (sum(max(n.num_used - self.base.used.get(n.node_id, 0), 0) for n in nodes),
+                sum(n.num_sequences for n in nodes))
 
     async def _leaks(self) -> list[str]:
         nodes, _ = await self._block_stats()
@@ -235,13 +243,13 @@ class ClusterChecker:
 async def _health(address: str) -> str:
     async with grpc.aio.insecure_channel(address) as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.aio.AioRpcError as e:
             return e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def _last_errors(log: str, count: int = 4) -> str:
+def last_errors(log: str, count: int = 4) -> str:
     """The log's last lines that say what went wrong: ERROR lines and each traceback's last line
     (the exception)."""
     found, in_traceback = [], False

@@ -82,19 +82,29 @@ class FaultPolicy:
 NO_FAULT = FaultPolicy("no fault", "nothing failed: only each request's own answers")
 
 
-def status_violation(outcome: Outcome, policy: FaultPolicy = NO_FAULT) -> str | None:
+Policies = FaultPolicy | Sequence[FaultPolicy]  # a run with several faults: any one may excuse
+
+
+def _policies(policy: Policies) -> tuple[FaultPolicy, ...]:
+    return (policy,) if isinstance(policy, FaultPolicy) else tuple(policy) or (NO_FAULT,)
+
+
+def status_violation(outcome: Outcome, policy: Policies = NO_FAULT) -> str | None:
     """Why ``outcome``'s status breaks the contract, or None."""
     spec = outcome.spec
+    policies = _policies(policy)
     if outcome.code == CANCELLED:
         if outcome.cancelled:
             return None
         why = "the client did not cancel it"
-    elif outcome.code in spec.allowed or policy.excuses(outcome):
+    elif outcome.code in spec.allowed or any(p.excuses(outcome) for p in policies):
         return None
     elif outcome.code not in DOCUMENTED:
         why = "not a documented status"
     else:
-        why = f"allowed {sorted(spec.allowed)}, {policy.name} excuses {sorted(policy.excused) or 'nothing'}"
+        distinct = {p.name: p for p in policies}.values()
+        excuses = "; ".join(f"{p.name} excuses {sorted(p.excused) or 'nothing'}" for p in distinct)
+        why = f"allowed {sorted(spec.allowed)}; {excuses}"
     return f"{spec.kind} requests ended {outcome.code} ({why})"
 
 
@@ -110,7 +120,8 @@ def token_violation(outcome: Outcome, reference: Sequence[int] | None) -> str | 
     got = outcome.tokens
     finished = outcome.code == OK
     if finished and outcome.finish != "LENGTH":
-        return f"{spec.kind} requests finished {outcome.finish or 'without a finish'} after {len(got)} of {spec.max_tokens} tokens"
+        return (f"{spec.kind} requests finished {outcome.finish or 'without a finish'} "
+                f"after {len(got)} of {spec.max_tokens} tokens")
     if got == expected or (not finished and got == expected[: len(got)]):
         return None
     i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
@@ -119,7 +130,7 @@ def token_violation(outcome: Outcome, reference: Sequence[int] | None) -> str | 
 
 
 def violations(outcomes: Iterable[Outcome], references: Mapping[str, Sequence[int]],
-               policy: FaultPolicy = NO_FAULT) -> list[str]:
+               policy: Policies = NO_FAULT) -> list[str]:
     """Every broken promise among ``outcomes``, alike ones collapsed into one line with a count
     and a first example's details."""
     found: dict[str, list[Outcome]] = {}

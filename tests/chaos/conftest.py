@@ -1,10 +1,9 @@
-"""One real cluster per chaos module (etcd, block_service, two nodes, a router: tiny model, blocks of
-16), its prompts' greedy references, and before each test a whole cluster at rest: whatever the
-test before broke (a dead child, a leaked sequence) is repaired here, so each test fails for its
-own fault only.
+"""One real cluster per chaos module (``chaos_cluster``: etcd, block_service, two nodes, a router,
+tiny model, blocks of 16), its prompts' greedy references, and before each test a whole cluster at
+rest: whatever the test before broke (a dead child, a leaked sequence) is repaired here, so each
+test fails for its own fault only.
 
-A module tunes its cluster with ``COMPUTE_ARGS`` (e.g. a short lease) and its prompts with
-``PROMPTS`` (name → (prompt tokens, reference tokens)).
+A module names its prompts in ``PROMPTS`` (name → (prompt tokens, reference tokens)).
 """
 
 from __future__ import annotations
@@ -15,22 +14,13 @@ import time
 import grpc
 import pytest
 from chaos_checker import ClusterChecker
+from chaos_cluster import start_cluster
 from chaos_load import PromptBook
 
 from kvfleet.v1 import block_manager_pb2, block_manager_pb2_grpc, inference_pb2_grpc
-from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
 
-BLOCK_SIZE = 16
-KV_CACHE_MEMORY = 16 << 20  # 512 blocks of 16 tokens per node (32 KiB each)
-# gold and free (the demo's) and a small tenant: 1 MiB is 32 blocks (512 tokens) per node
-TENANTS = DEMO_TENANTS + """\
-  - name: small
-    api_key: sk-small
-    quota_mib: 1
-    paid_level: 0
-    max_concurrent: 4
-"""
 REST_TIMEOUT_S = 15.0
 
 
@@ -40,14 +30,10 @@ def chaos_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(chaos_model, tmp_path_factory, request):
-    work_dir = tmp_path_factory.mktemp("chaos-cluster")
-    tenants = work_dir / "tenants.yaml"
-    tenants.write_text(TENANTS)
-    c = LocalCluster(chaos_model, 2, tenants_file=tenants, work_dir=work_dir, block_size=BLOCK_SIZE,
-                     kv_cache_memory=KV_CACHE_MEMORY, compute_args=getattr(request.module, "COMPUTE_ARGS", ()))
+def cluster(chaos_model, tmp_path_factory):
+    c = start_cluster(chaos_model, tmp_path_factory.mktemp("chaos-cluster"))
     try:
-        yield c.start()
+        yield c
     finally:
         c.stop()
         leftovers = [child.name for child in c.children() if child.alive()]

@@ -12,6 +12,7 @@ import random
 
 import grpc
 from chaos_checker import report
+from chaos_cluster import SMALL_QUOTA_TOKENS
 from chaos_fuzz import (
     auth_cases,
     bad_field_cases,
@@ -25,7 +26,6 @@ from chaos_outcomes import NO_FAULT, OK, RequestSpec, Tally
 from kvfleet.v1 import inference_pb2_grpc
 
 FLOOD_TOKENS = 200
-SMALL_QUOTA_TOKENS = 512  # sk-small: 1 MiB per node, 32 blocks of 16 tokens (conftest.TENANTS)
 PROMPTS = {
     **{f"p{i}": (length, 160) for i, length in enumerate((17, 40, 75, 110))},
     # the small tenant's long requests: each fits its quota alone (prompt + 200 <= 512 - a block) ...
@@ -69,7 +69,8 @@ def test_early_cancellations_leak_nothing(cluster, checker):
                for key in ("sk-gold", "sk-small") for i in range(4) for ms in (5, 12, 20, 35, 50, 65, 80)]
 
     async def scenario(stub, _):
-        return await _with_streams(stub, checker, LoadGenerator(stub, checker.book, cancels, clients=6, limit=84).start().finish())
+        load = LoadGenerator(stub, checker.book, cancels, clients=6, limit=84)
+        return await _with_streams(stub, checker, load.start().finish())
 
     outcomes = _run(cluster, scenario)
     assert sum(o.cancelled for o in outcomes) >= 40, f"too few requests were cancelled to judge:\n{_table(outcomes)}"
@@ -82,7 +83,8 @@ def test_late_cancellations_leak_nothing(cluster, checker):
                for key in ("sk-gold", "sk-small") for i in range(4) for n in (1, 8, 30, 90)]
 
     async def scenario(stub, _):
-        return await _with_streams(stub, checker, LoadGenerator(stub, checker.book, cancels, clients=6, limit=36).start().finish())
+        load = LoadGenerator(stub, checker.book, cancels, clients=6, limit=36)
+        return await _with_streams(stub, checker, load.start().finish())
 
     outcomes = _run(cluster, scenario)
     assert sum(o.cancelled for o in outcomes) >= 20, f"too few requests were cancelled to judge:\n{_table(outcomes)}"
@@ -123,8 +125,8 @@ def test_fuzzed_fields_and_credentials_get_their_status(cluster, checker):
 
     outcomes = _run(cluster, scenario)
     problems = asyncio.run(checker.check(NO_FAULT, outcomes))
-    if _router_tracebacks(cluster) > tracebacks:
-        problems.append(f"the router logged {_router_tracebacks(cluster) - tracebacks} tracebacks for bad requests")
+    if (new := _router_tracebacks(cluster) - tracebacks) > 0:
+        problems.append(f"the router logged {new} tracebacks for bad requests")
     assert not problems, report(problems)
 
 
@@ -142,6 +144,6 @@ def test_undecodable_bytes_get_invalid_argument(cluster, checker):
 
     outcomes = _run(cluster, scenario)
     problems = asyncio.run(checker.check(NO_FAULT, outcomes))
-    if _router_tracebacks(cluster) > tracebacks:
-        problems.append(f"the router logged {_router_tracebacks(cluster) - tracebacks} tracebacks for undecodable requests")
+    if (new := _router_tracebacks(cluster) - tracebacks) > 0:
+        problems.append(f"the router logged {new} tracebacks for undecodable requests")
     assert not problems, report(problems)

@@ -111,3 +111,9 @@ def test_the_judge_imports_neither_grpc_nor_torch():
     here = Path(__file__).parent
     code = "import sys, chaos_outcomes; bad = {'grpc', 'torch'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], cwd=here, check=True)
+
+
+def test_any_of_several_faults_may_excuse():
+    later = OUTAGE.within(30, 40)
+    assert status_violation(outcome("UNAVAILABLE", (), sent=31, ended=32), [OUTAGE, later]) is None
+    assert status_violation(outcome("UNAVAILABLE", (), sent=25, ended=26), [OUTAGE, later]) is not None
