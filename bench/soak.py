@@ -96,14 +96,15 @@ class Soak:
         self.rss[moment] = {name: (pid, rss_mib(pid)) for name, pid in procs.items()}
 
     def supervise(self, expected_down: set[str]) -> None:
-        """Count and restart a child that died unasked (from the loop's thread: see restart_child)."""
-        for child in self.cluster.children():
-            if not child.alive() and child.name not in expected_down:
-                error = last_errors(child.log_tail(200), 1)
-                self.deaths.append(f"{child.name} (exit {child.process.returncode}): {error}")
-                print(f"[{time.strftime('%H:%M:%S')}] {child.name} died: {error}; restarting", flush=True)
-                self.cluster.restart_child(child.name, wait=False)
-                self.restarts += 1
+        """Count and restart a process that died unasked (on the loop's thread: see chaos_cluster)."""
+        for name, code in self.cluster.exited().items():
+            if name in expected_down:
+                continue
+            error = last_errors(self.cluster.child(name).log_tail(200), 1) if name != "etcd" else ""
+            self.deaths.append(f"{name} (exit {code}): {error}")
+            print(f"[{time.strftime('%H:%M:%S')}] {name} died: {error}; restarting", flush=True)
+            self.cluster.restart(name)
+            self.restarts += 1
 
     async def inject(self, name: str, checker: ClusterChecker) -> None:
         action, policy, child = FAULTS[name]

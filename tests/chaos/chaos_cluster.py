@@ -1,7 +1,7 @@
 """The cluster the chaos suite and ``bench/soak.py`` break: its shape, the faults done to it, and
 which failed answers each fault excuses (its ``FaultPolicy``), with why.
 
-    kill_and_restart(cluster, name)   SIGKILL a child, leave it dead a moment, start it again
+    kill_and_restart(cluster, name)   SIGKILL a service, leave it dead a moment, start it again
     restart_etcd(cluster, down_s)     etcd stopped for ``down_s``, started on the same URL and data
     freeze_etcd(cluster, frozen_s)    etcd paused (SIGSTOP): on waking it revokes expired leases
 """
@@ -58,23 +58,24 @@ def start_cluster(model_dir, work_dir, num_nodes: int = 2) -> LocalCluster:
     return cluster.start()
 
 
-def kill(cluster: LocalCluster, name: str) -> None:
-    child = {c.name: c for c in cluster.children()}[name]
-    child.process.send_signal(signal.SIGKILL)
-    child.process.wait()
+# Restarts happen on the event loop's thread, never in a worker thread: Linux sends a child the
+# parent-death signal when the *thread* that started it exits, so a child started from
+# ``asyncio.to_thread`` dies with that worker.
 
 
 async def kill_and_restart(cluster: LocalCluster, name: str, down_s: float = DOWN_S) -> None:
     """Returns once the child is started again, not once it serves (the checker waits for that)."""
-    kill(cluster, name)
+    cluster.kill(name)
     await asyncio.sleep(down_s)
-    cluster.restart_child(name, wait=False)  # from this thread: see restart_child
+    cluster.restart(name)
 
 
 async def restart_etcd(cluster: LocalCluster, down_s: float = LEASE_TTL_S + 3) -> None:
-    await asyncio.to_thread(cluster.etcd.stop)
+    """A clean stop (SIGTERM), ``down_s`` down, started again on the same URL and data."""
+    cluster.etcd.process.terminate()
+    await asyncio.to_thread(cluster.etcd.process.wait)
     await asyncio.sleep(down_s)
-    cluster.etcd.start()  # from this thread, which outlives it: etcd dies with the thread that started it
+    cluster.restart("etcd")
 
 
 async def freeze_etcd(cluster: LocalCluster, frozen_s: float = LEASE_TTL_S + 3) -> None:

@@ -2,6 +2,7 @@
 
     bad_field_cases()     one field wrong at a time → INVALID_ARGUMENT (DESIGN.md "Errors are answers")
     auth_cases()          missing, wrong, malformed or doubled credentials → UNAUTHENTICATED
+    same_id_cases()       one request_id twice at once → one runs, the other ALREADY_EXISTS
     mutated_cases(rng)    a valid request with random fields set to edge values → OK or INVALID_ARGUMENT
     undecodable(rng)      bytes that are no GenerateRequest at all → INVALID_ARGUMENT
 
@@ -68,6 +69,14 @@ def bad_field_cases() -> list[tuple]:
     ]
 
 
+def same_id_cases() -> list[tuple]:
+    """Two calls with one request_id sent together: the second finds the first running
+    (inference.proto: "idempotency key, per tenant: ALREADY_EXISTS while a call with it runs")."""
+    req = _request(max_tokens=64)
+    req.request_id = "chaos-same-id"
+    return [_case("same request_id", req, frozenset({OK, "ALREADY_EXISTS"})) for _ in range(2)]
+
+
 def auth_cases() -> list[tuple]:
     req = _request()
     return [
@@ -106,7 +115,9 @@ def mutated_cases(rng: random.Random, count: int) -> list[tuple]:
                 req.sampling.stop[:] = list(value)
             else:
                 setattr(req.sampling, name, value)
-        cases.append(_case(f"mutated #{i}", req, frozenset({OK}) | INVALID))
+        # fields set at random to the same request_id may run at once: the later ones ALREADY_EXISTS
+        allowed = frozenset({OK, "ALREADY_EXISTS"} if req.request_id else {OK}) | INVALID
+        cases.append(_case(f"mutated #{i}", req, allowed))
     return cases
 
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 OK = "OK"
 CANCELLED = "CANCELLED"
 # Every status a client of the public API may see (DESIGN.md "Errors are answers", the README's
-# cluster section). Anything else (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED, ...) is a bug wherever seen.
-DOCUMENTED = frozenset({OK, CANCELLED, "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+# cluster section, inference.proto: ALREADY_EXISTS for a request_id whose call still runs).
+# Anything else (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED, ...) is a bug wherever seen.
+DOCUMENTED = frozenset({OK, CANCELLED, "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+                        "ALREADY_EXISTS"})
 
 
 @dataclass(slots=True, frozen=True)

@@ -57,28 +57,24 @@ def book(cluster, request) -> PromptBook:
 @pytest.fixture
 def checker(cluster, book) -> ClusterChecker:
     """A checker whose baseline is this cluster whole and at rest."""
-    repair(cluster)
     checker = ClusterChecker(cluster, book)
+    asyncio.run(repair(cluster, checker))
     asyncio.run(checker.baseline())
     return checker
 
 
-def repair(cluster: LocalCluster) -> None:
-    """Bring back what an earlier test left broken: etcd, dead children, and nodes whose sequences
+async def repair(cluster: LocalCluster, checker: ClusterChecker) -> None:
+    """Bring back what an earlier test left broken: exited processes, and nodes whose sequences
     block_service still holds at rest (a restarted node drops its old pool)."""
-    if cluster.etcd.process is None or cluster.etcd.process.poll() is not None:
-        cluster.etcd.stop()
-        cluster.etcd.start()
-    for child in cluster.children():
-        if not child.alive():
-            print(f"repair: restarting {child.name} (exit {child.process.returncode})")
-            cluster.restart_child(child.name)
-    cluster.wait_ready(list(cluster.nodes))
-    holding = asyncio.run(_nodes_holding_sequences(cluster.block_service_address, REST_TIMEOUT_S))
-    for node_id in holding:
+    for name, code in cluster.exited().items():
+        print(f"repair: restarting {name} (exit {code})")
+        cluster.restart(name)
+    await checker.check_health()  # waits for it; what stays broken, the test's own checks report
+    for node_id in await _nodes_holding_sequences(cluster.block_service_address, REST_TIMEOUT_S):
         print(f"repair: {node_id} still holds sequences at rest; restarting it")
-        cluster.kill_node(node_id)
-        cluster.restart_child(node_id)
+        cluster.kill(node_id)
+        cluster.restart(node_id)
+    await checker.check_health()
 
 
 async def _nodes_holding_sequences(address: str, timeout_s: float) -> list[str]:

@@ -17,6 +17,7 @@ from chaos_fuzz import (
     auth_cases,
     bad_field_cases,
     mutated_cases,
+    same_id_cases,
     undecodable,
     valid_payload,
 )
@@ -116,7 +117,7 @@ def _router_tracebacks(cluster) -> int:
 
 def test_fuzzed_fields_and_credentials_get_their_status(cluster, checker):
     rng = random.Random(11)
-    cases = bad_field_cases() + auth_cases() + mutated_cases(rng, 120)
+    cases = same_id_cases() + bad_field_cases() + auth_cases() + mutated_cases(rng, 120)
     tracebacks = _router_tracebacks(cluster)
 
     async def scenario(stub, _):
@@ -127,6 +128,9 @@ def test_fuzzed_fields_and_credentials_get_their_status(cluster, checker):
     problems = asyncio.run(checker.check(NO_FAULT, outcomes))
     if (new := _router_tracebacks(cluster) - tracebacks) > 0:
         problems.append(f"the router logged {new} tracebacks for bad requests")
+    same_id = sorted(o.code for o in outcomes if o.spec.kind == "fuzz: same request_id")
+    if same_id != ["ALREADY_EXISTS", "OK"]:
+        problems.append(f"two calls with one request_id at once ended {same_id}, not one OK and one ALREADY_EXISTS")
     assert not problems, report(problems)
 
 
