@@ -27,18 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos")]
 
+import chaos_cluster as chaos  # noqa: E402
 import grpc  # noqa: E402
 from chaos_checker import ClusterChecker, last_errors  # noqa: E402
-from chaos_cluster import (  # noqa: E402
-    BLOCK_SERVICE_DOWN,
-    ETCD_DOWN,
-    NODE_DOWN,
-    ROUTER_DOWN,
-    freeze_etcd,
-    kill_and_restart,
-    restart_etcd,
-    start_cluster,
-)
 from chaos_load import LoadGenerator, PromptBook  # noqa: E402
 from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: E402
 
@@ -57,12 +48,12 @@ MIX = (
     + [RequestSpec("late-cancel", "sk-free", f"p{i}", 160, cancel_after_tokens=n) for i in range(5) for n in (1, 30)]
     + [RequestSpec("flood", "sk-small", f"f{i}", 200) for i in range(3)] * 4
 )
-FAULTS = {  # name → (what is done, its policy, the child it restarts)
-    "block_service": (lambda c: kill_and_restart(c, "block_service"), BLOCK_SERVICE_DOWN, "block_service"),
-    "node": (lambda c: kill_and_restart(c, "node-0"), NODE_DOWN, "node-0"),
-    "router": (lambda c: kill_and_restart(c, "router"), ROUTER_DOWN, "router"),
-    "etcd": (restart_etcd, ETCD_DOWN, None),
-    "etcd-freeze": (freeze_etcd, ETCD_DOWN, None),
+FAULTS = {  # name → (what is done, its policy, the process it restarts)
+    "block_service": (lambda c: chaos.kill_and_restart(c, "block_service"), chaos.BLOCK_SERVICE_DOWN, "block_service"),
+    "node": (lambda c: chaos.kill_and_restart(c, "node-0"), chaos.NODE_DOWN, "node-0"),
+    "router": (lambda c: chaos.kill_and_restart(c, "router"), chaos.ROUTER_DOWN, "router"),
+    "etcd": (chaos.restart_etcd, chaos.ETCD_DOWN, "etcd"),
+    "etcd-freeze": (chaos.freeze_etcd, chaos.ETCD_DOWN, None),
 }
 
 
@@ -201,7 +192,7 @@ def main() -> int:
         args.warmup_minutes = min(2.0, args.minutes / 4)
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="kvfleet-soak-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    cluster = start_cluster(ensure_model("tiny", SOAK_MODEL), work_dir)
+    cluster = chaos.start_cluster(ensure_model("tiny", SOAK_MODEL), work_dir)
     print(f"cluster up; logs in {work_dir}", flush=True)
     try:
         return asyncio.run(run(args, cluster))

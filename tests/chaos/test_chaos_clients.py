@@ -57,10 +57,18 @@ async def _with_streams(stub, checker, work) -> list:
     return outcomes
 
 
-def _table(outcomes) -> str:
+def _cancelling(cluster, checker, cancels: list[RequestSpec], limit: int, min_cancelled: int) -> list[str]:
+    """``limit`` requests drawn from ``cancels`` by six clients next to ordinary streams; the
+    checker's findings once they have ended."""
+    async def scenario(stub, _):
+        load = LoadGenerator(stub, checker.book, cancels, clients=6, limit=limit)
+        return await _with_streams(stub, checker, load.start().finish())
+
+    outcomes = _run(cluster, scenario)
     tally = Tally()
     tally.add(outcomes)
-    return tally.table()
+    assert sum(o.cancelled for o in outcomes) >= min_cancelled, f"too few cancelled to judge:\n{tally.table()}"
+    return asyncio.run(checker.check(NO_FAULT, outcomes))
 
 
 def test_early_cancellations_leak_nothing(cluster, checker):
@@ -68,28 +76,15 @@ def test_early_cancellations_leak_nothing(cluster, checker):
     blocks, or its prefill runs. Issue 11 item 3: those early blocks leaked."""
     cancels = [RequestSpec("early-cancel", key, f"p{i}", 160, cancel_after_s=ms / 1000)
                for key in ("sk-gold", "sk-small") for i in range(4) for ms in (5, 12, 20, 35, 50, 65, 80)]
-
-    async def scenario(stub, _):
-        load = LoadGenerator(stub, checker.book, cancels, clients=6, limit=84)
-        return await _with_streams(stub, checker, load.start().finish())
-
-    outcomes = _run(cluster, scenario)
-    assert sum(o.cancelled for o in outcomes) >= 40, f"too few requests were cancelled to judge:\n{_table(outcomes)}"
-    problems = asyncio.run(checker.check(NO_FAULT, outcomes))
+    problems = _cancelling(cluster, checker, cancels, limit=84, min_cancelled=40)
     assert not problems, report(problems)
 
 
 def test_late_cancellations_leak_nothing(cluster, checker):
+    """Cancelled mid-stream, after 1 to 90 of 160 tokens: the node aborts it and frees its blocks."""
     cancels = [RequestSpec("late-cancel", key, f"p{i}", 160, cancel_after_tokens=n)
                for key in ("sk-gold", "sk-small") for i in range(4) for n in (1, 8, 30, 90)]
-
-    async def scenario(stub, _):
-        load = LoadGenerator(stub, checker.book, cancels, clients=6, limit=36)
-        return await _with_streams(stub, checker, load.start().finish())
-
-    outcomes = _run(cluster, scenario)
-    assert sum(o.cancelled for o in outcomes) >= 20, f"too few requests were cancelled to judge:\n{_table(outcomes)}"
-    problems = asyncio.run(checker.check(NO_FAULT, outcomes))
+    problems = _cancelling(cluster, checker, cancels, limit=36, min_cancelled=20)
     assert not problems, report(problems)
 
 
