@@ -4,10 +4,11 @@
              sent so far) → forward each chunk → on a node failure, exclude the node and attempt again
 
 A failure before the first token is a plain retry. A failure mid-stream resumes on another node
-from the prompt plus every token already forwarded, asking only for the tokens still owed, so the
-client sees each token exactly once; under greedy sampling the resumed run produces exactly the
-tokens the uninterrupted run would have. A node that goes silent for ``stall_timeout_s`` counts as
-failed too.
+from the prompt plus every token already forwarded (marked as output already delivered, with the
+client's sampling unchanged), so the client sees each token exactly once and the new node's engine
+counts ``max_tokens`` and finds stop strings over the whole output; under greedy sampling the
+resumed run produces exactly the tokens and text the uninterrupted run would have. A node that goes
+silent for ``stall_timeout_s`` counts as failed too.
 
 Failures are told from answers by status: INVALID_ARGUMENT, PERMISSION_DENIED, NOT_FOUND and a
 tenant's quota refusal are answers for the client; UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, a
@@ -96,14 +97,13 @@ class Relay:
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
         while True:
-            remaining = progress.remaining
-            if remaining <= 0:  # the node died after the last token but before saying so
+            if progress.remaining <= 0:  # the node died after the last token but before saying so
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
             node = await self._route(req, tenant, ids, progress)
             try:
-                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, remaining, progress)) as chunks:
+                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -132,16 +132,14 @@ class Relay:
         return str(e)
 
     async def _attempt(
-        self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], remaining: int,
-        progress: Progress,
+        self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         message = compute_pb2.ComputeRequest(
             request_id=progress.attempt_id(req.seq_id),
             tenant=tenant.name, priority=tenant.paid_level,
             prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
         )
-        sampling_to_proto(req.sampling, message.sampling)
-        message.sampling.max_tokens = remaining
+        sampling_to_proto(req.sampling, message.sampling)  # max_tokens counts the resumed tokens too
         span = tracer.start_span("compute", kind=trace.SpanKind.CLIENT,
                                  attributes={"kvfleet.node_id": node.node_id, "kvfleet.attempt": progress.attempts})
         propagate.inject(message.trace_context, context=trace.set_span_in_context(span))
