@@ -39,9 +39,9 @@ class RouterNode:
     def node_id(self) -> str:
         return self.info.node_id
 
-    @property
-    def block_size(self) -> int:
-        return self.info.block_size
+    def full_blocks(self, num_tokens: int) -> int:
+        """How many whole blocks of this node ``num_tokens`` tokens fill."""
+        return num_tokens // self.info.block_size
 
     def start(self, seq_id: str, request: compute_pb2.ComputeRequest) -> Inbox:
         """Send an attempt at ``seq_id`` on this node's stream; it counts in flight (and its prompt's

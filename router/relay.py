@@ -83,7 +83,7 @@ class Relay:
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
             loads = [NodeLoad(n.node_id, n.active_blocks, cached.get(n.node_id, 0), n.ready_since) for n in candidates]
-            num_blocks = len(ids) // candidates[0].block_size
+            num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
             span.set_attribute("kvfleet.node_id", decision.node_id)
             span.set_attribute("kvfleet.route_reason", decision.reason)
