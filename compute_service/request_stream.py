@@ -2,7 +2,7 @@
 
     start command → checks → spans (in the router's trace) → early block allocation → engine
     engine outputs → ``RequestEvent``s (up to ``stream_interval`` tokens per chunk) → the stream
-    finish, refusal, cancel or the stream ending → spans closed, early blocks forgotten, the
+    finish, refusal, cancel or the stream ending → spans closed, unclaimed early blocks released, the
     node's in-flight count down
 
 The request runs under a ``generate`` span (kind SERVER) whose parent is the router's span for
