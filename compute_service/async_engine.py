@@ -41,10 +41,11 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                      on_output: Callable[[RequestOutput], None], tenant: str = "default",
-                     priority: int = 0) -> None:
+                     priority: int = 0, generated: list[int] | tuple[int, ...] = ()) -> None:
         """Add a request; returns once the engine accepted it (bad input raises ``ValueError``).
         ``on_output`` runs on the calling event loop, the outputs of one step in one callback round,
-        possibly before this coroutine has returned."""
+        possibly before this coroutine has returned. ``generated``: output already delivered by a
+        node that failed (see ``LLMEngine.add_request``)."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
 
@@ -53,7 +54,7 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, sampling, tenant, priority, on_output=deliver)
+                self.engine.add_request(request_id, prompt, sampling, tenant, priority, deliver, generated)
             except Exception as exc:  # handed to the caller's task, which re-raises it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
             else:

@@ -117,8 +117,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                     tenant: str = "default", priority: int = 0,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> None:
-        """Queue a request; bad input raises ``ValueError`` naming the problem (nothing is queued)."""
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    generated: list[int] | tuple[int, ...] = ()) -> None:
+        """Queue a request; bad input raises ``ValueError`` naming the problem (nothing is queued).
+
+        ``generated`` is output another node already produced and delivered (a request resumed
+        after that node failed): it counts against ``max_tokens`` and goes through the
+        detokenizer and the stop checker as if generated here, without being emitted again, so the
+        text that follows is what the client would have read had nothing failed."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be SamplingParams")
         if not request_id or request_id in self.requests:
@@ -127,20 +133,24 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        generated = list(generated)
+        bad = next((t for t in ids + generated if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+        num_tokens = len(ids) + len(generated)
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
-        need = self.kv.blocks_for(len(ids) + 1)
+        need = self.kv.blocks_for(num_tokens + 1)
         if need > self.allocator.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks but this node's pool has only "
                              f"{self.allocator.num_blocks}")
         seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
-                                             StopChecker(sampling, eos, self.max_model_len), on_output)
+        request = _Request(seq, IncrementalDetokenizer(self.tokenizer), StopChecker(sampling, eos, self.max_model_len),
+                           on_output)
+        self._replay(request, generated)
+        self.requests[request_id] = request
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -225,6 +235,19 @@ class LLMEngine:
             blocks=self.allocator.stats())
 
     # -- internals --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _replay(request: _Request, generated: list[int]) -> None:
+        """Bring a resumed request's sequence, detokenizer and stop checker to where the node that
+        generated ``generated`` left them. The text held back there (the bytes of an unfinished
+        character, what may be the start of a stop string) was never delivered and is emitted from
+        here; a stop string that straddles the failure is found."""
+        seq = request.seq
+        for token in generated:
+            seq.token_ids.append(token)
+            reason, _ = request.stop.check(seq, token, request.detokenizer.push(token))
+            if reason is not None:
+                raise ValueError(f"the {len(generated)} resumed tokens already finish the request ({reason})")
 
     def _append_token(self, request: _Request, token: int) -> RequestOutput:
         seq = request.seq

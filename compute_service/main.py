@@ -92,11 +92,25 @@ def _build_engine(args: argparse.Namespace, remote):
     return LLMEngine(args.model, config, allocator_factory=remote)
 
 
+def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
+    """What a request stream may do with block_service directly (None for an in-process pool)."""
+    from compute_service.node_context import EarlyBlocks  # noqa: PLC0415
+
+    if remote is None:
+        return None
+
+    async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
+        await allocator.preallocate(seq_id, tenant, token_ids, share_prefix_across_tenants)
+
+    return EarlyBlocks(preallocate, allocator.release, remote.trace_contexts)
+
+
 async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
 
     from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
-    from compute_service.server import ComputeServicer, NodeStatus, warm_up  # noqa: PLC0415
+    from compute_service.node_context import NodeContext, NodeStatus  # noqa: PLC0415
+    from compute_service.server import ComputeServicer, warm_up  # noqa: PLC0415
     from kvfleet import rpc  # noqa: PLC0415
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
     from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
@@ -123,14 +137,17 @@ async def serve(args: argparse.Namespace) -> None:
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
+    engine_config, model_config = engine.config, engine.model_config
     async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
     if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
         allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0),
                         reconciled=lambda: allocator.link.num_reconciled if remote is not None else 0)
+    node = NodeContext(status, async_engine, allocator.block_size, args.stream_interval,
+                       _early_blocks(remote, allocator, engine_config.share_prefix_across_tenants))
 
     server = rpc.server()
-    servicer = ComputeServicer(async_engine, status, remote, args.stream_interval)
+    servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
     health_servicer = health.aio.HealthServicer()
@@ -141,7 +158,8 @@ async def serve(args: argparse.Namespace) -> None:
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
         await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size)
-    seconds = await warm_up(async_engine, args.node_id)
+    seconds = await warm_up(async_engine, args.node_id, block_size=allocator.block_size,
+                            max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size)
     status.state = NodeState.READY
     if registration is not None:
         await registration.set_state(NodeState.READY)

@@ -2,12 +2,17 @@
 
     start command → checks → spans (in the router's trace) → early block allocation → engine
     engine outputs → ``RequestEvent``s (up to ``stream_interval`` tokens per chunk) → the stream
-    finish, refusal, cancel or the stream ending → spans closed, early blocks forgotten, the
+    finish, refusal, cancel or the stream ending → spans closed, unclaimed early blocks released, the
     node's in-flight count down
 
 The request runs under a ``generate`` span (kind SERVER) whose parent is the router's span for
 this attempt, taken from the start command's ``trace_context``; under it a ``prefill`` span (until
 the first token; block_service calls for the request join it) and a ``decode`` span (the rest).
+
+A resumed request (its node failed mid-stream; ``num_resumed_tokens`` of ``prompt_token_ids`` are
+output already delivered) goes to the engine as what it is: a prompt and output generated so far.
+The engine's stop checker, ``max_tokens`` count and detokenizer then see the whole output, so the
+text that follows is exactly what the client would have read without the failure.
 
 A block refusal (the engine aborts a request whose blocks were refused) ends the request with
 RESOURCE_EXHAUSTED and the refusal's reason: a quota is the tenant's problem, a full pool is this
@@ -21,9 +26,8 @@ from collections.abc import Callable
 import grpc
 from opentelemetry import propagate, trace
 
-from compute_service.async_engine import AsyncEngine
+from compute_service.node_context import NodeContext
 from compute_service.request_output import RequestOutput
-from compute_service.tokenizer import IncrementalDetokenizer
 from kvfleet.ids import MAX_ID_LEN
 from kvfleet.membership import NodeState
 from kvfleet.v1 import compute_pb2, inference_pb2
@@ -40,8 +44,9 @@ FINISH = {
 Emit = Callable[[compute_pb2.RequestEvent], None]
 
 
-def check_request(request: compute_pb2.ComputeRequest) -> list[int]:
-    """The prompt's token ids; raises InvalidRequest for a field the node cannot serve."""
+def check_request(request: compute_pb2.ComputeRequest) -> tuple[list[int], list[int]]:
+    """(the prompt's token ids, the output a failed node already delivered); raises InvalidRequest
+    for a field the node cannot serve."""
     if not request.request_id or len(request.request_id) > MAX_ID_LEN:
         raise InvalidRequest(f"request_id must be 1..{MAX_ID_LEN} characters")
     if not request.tenant:
@@ -51,7 +56,8 @@ def check_request(request: compute_pb2.ComputeRequest) -> list[int]:
         raise InvalidRequest("prompt_token_ids is empty")
     if request.num_resumed_tokens >= len(ids):
         raise InvalidRequest("num_resumed_tokens must be smaller than the number of prompt tokens")
-    return ids
+    split = len(ids) - request.num_resumed_tokens
+    return ids[:split], ids[split:]
 
 
 def error_event(request_id: str, code: grpc.StatusCode, message: str, refusal: str = "") -> compute_pb2.RequestEvent:
@@ -59,34 +65,24 @@ def error_event(request_id: str, code: grpc.StatusCode, message: str, refusal: s
         code=code.value[0], message=message, refusal=refusal))
 
 
-def _resumed_detokenizer(tokenizer, resumed: list[int]) -> IncrementalDetokenizer:
-    """A detokenizer that has already seen ``resumed``, so the first new token's text is decoded in
-    context (a leading space or a multi-byte character split across nodes comes out right)."""
-    detok = IncrementalDetokenizer(tokenizer)
-    detok.ids = list(resumed)
-    detok.prefix_offset = max(len(resumed) - 6, 0)
-    detok.read_offset = len(resumed)
-    return detok
-
-
 class RequestStream:
     """A started request's state on the node. ``emit`` hands its events to the stream; ``on_end``
     runs once, whichever way it ends."""
 
-    def __init__(self, request: compute_pb2.ComputeRequest, node, emit: Emit, on_end: Callable[["RequestStream"], None]):
+    def __init__(self, request: compute_pb2.ComputeRequest, node: NodeContext, emit: Emit,
+                 on_end: Callable[["RequestStream"], None]):
         self.request = request
         self.request_id = request.request_id
-        self.node = node  # the servicer: engine, status, remote allocator, stream interval
+        self.node = node
         self.emit = emit
         self.on_end = on_end
         self.ended = False
         self.completion_tokens = 0
         self._pending_ids: list[int] = []
         self._pending_text: list[str] = []
-        self._detok: IncrementalDetokenizer | None = None
         self.span = tracer.start_span("generate", context=propagate.extract(dict(request.trace_context)),
                                       kind=trace.SpanKind.SERVER,
-                                      attributes={"kvfleet.node_id": node.status.node_id,
+                                      attributes={"kvfleet.node_id": node.node_id,
                                                   "kvfleet.tenant": request.tenant,
                                                   "kvfleet.request_id": request.request_id})
         self.phase = tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
@@ -96,31 +92,26 @@ class RequestStream:
     async def run(self) -> None:
         """Check, allocate early and hand the request to the engine; a problem ends it with an error."""
         request, node = self.request, self.node
-        if node.status.state != NodeState.READY:
-            self.fail(grpc.StatusCode.UNAVAILABLE,
-                      f"node {node.status.node_id} is {node.status.state.value}, not taking requests")
+        state = node.state
+        if state != NodeState.READY:
+            self.fail(grpc.StatusCode.UNAVAILABLE, f"node {node.node_id} is {state.value}, not taking requests")
             return
         try:
-            ids = check_request(request)
+            prompt, resumed = check_request(request)
             sampling = sampling_from_proto(request.sampling)
         except InvalidRequest as e:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        self.span.set_attributes({"kvfleet.prompt_tokens": len(ids),
-                                  "kvfleet.resumed_tokens": request.num_resumed_tokens})
-        if request.num_resumed_tokens:
-            self._detok = _resumed_detokenizer(node.engine.engine.tokenizer, ids[len(ids) - request.num_resumed_tokens:])
-        engine: AsyncEngine = node.engine
-        if node.remote is not None:
-            # block_service calls for this request join its trace, under the prefill span
-            node.remote.trace_contexts[self.request_id] = trace.set_span_in_context(self.phase)
-            with trace.use_span(self.phase):
-                await node.remote.allocator.preallocate(self.request_id, request.tenant, ids,
-                                                        engine.engine.config.share_prefix_across_tenants)
+        self.span.set_attributes({"kvfleet.prompt_tokens": len(prompt), "kvfleet.resumed_tokens": len(resumed)})
+        # block_service calls for this request join its trace, under the prefill span
+        with trace.use_span(self.phase):
+            await node.allocate_early(self.request_id, request.tenant, prompt + resumed,
+                                      trace.set_span_in_context(self.phase))
         if self.ended:  # cancelled while allocating
             return
         try:
-            await engine.submit(self.request_id, ids, sampling, self.on_output, request.tenant, request.priority)
+            await node.submit(self.request_id, prompt, resumed, sampling, self.on_output, request.tenant,
+                              request.priority)
         except ValueError as e:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -141,8 +132,7 @@ class RequestStream:
             self.phase = tracer.start_span("decode", context=trace.set_span_in_context(self.span))
         self.completion_tokens = out.completion_tokens
         self._pending_ids += out.new_token_ids
-        self._pending_text.append("".join(self._detok.push(t) for t in out.new_token_ids) if self._detok
-                                  else out.new_text)
+        self._pending_text.append(out.new_text)
         if out.finished or len(self._pending_ids) >= self.node.stream_interval:
             chunk = compute_pb2.ComputeChunk(
                 token_ids=self._pending_ids, text="".join(self._pending_text),
@@ -167,17 +157,14 @@ class RequestStream:
     def cancel(self) -> None:
         """The router no longer wants it (or its stream is gone): abort it quietly."""
         if not self.ended:
-            self.node.engine.abort(self.request_id)
+            self.node.abort(self.request_id)
             self.end()
 
     def end(self) -> None:
         if self.ended:
             return
         self.ended = True
-        remote = self.node.remote
-        if remote is not None:
-            remote.trace_contexts.pop(self.request_id, None)
-            remote.allocator.release([self.request_id])
+        self.node.release_early(self.request_id)
         self.phase.set_attribute("kvfleet.completion_tokens", self.completion_tokens)
         self.phase.end()
         self.span.set_attribute("kvfleet.completion_tokens", self.completion_tokens)

@@ -14,6 +14,7 @@ import logging
 
 import grpc
 
+from compute_service.node_context import NodeContext
 from compute_service.request_stream import RequestStream, error_event
 from kvfleet.v1 import compute_pb2
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class ServeSession:
-    def __init__(self, node):
-        self.node = node  # the servicer: engine, status, remote allocator, stream interval
+    def __init__(self, node: NodeContext):
+        self.node = node
         self.requests: dict[str, RequestStream] = {}
         self._starting: set[asyncio.Task] = set()
         self._events: list[compute_pb2.RequestEvent] = []

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.membership import MembershipChange, NodeInfo, NodeState
+from kvfleet.v1 import compute_pb2
+from router.node_stream import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,25 @@ class RouterNode:
     @property
     def node_id(self) -> str:
         return self.info.node_id
+
+    def full_blocks(self, num_tokens: int) -> int:
+        """How many whole blocks of this node ``num_tokens`` tokens fill."""
+        return num_tokens // self.info.block_size
+
+    def start(self, seq_id: str, request: compute_pb2.ComputeRequest) -> Inbox:
+        """Send an attempt at ``seq_id`` on this node's stream; it counts in flight (and its prompt's
+        blocks as held here) until ``finish``. Its events arrive in the returned inbox."""
+        self.track(seq_id, len(request.prompt_token_ids))
+        self.num_in_flight += 1
+        self.num_routed += 1
+        return self.stream.start(request)
+
+    def finish(self, seq_id: str, request_id: str, cancel: bool) -> None:
+        """The attempt ``request_id`` at ``seq_id`` is over for the router; with ``cancel`` the node
+        is told to abort it (the client left, or the node went silent)."""
+        self.stream.finish(request_id, cancel=cancel)
+        self.untrack(seq_id)
+        self.num_in_flight -= 1
 
     def track(self, request_id: str, num_tokens: int) -> None:
         """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node."""
@@ -80,6 +101,9 @@ class NodeTable:
                              info.num_blocks, info.block_size)
             else:
                 node.ready_since = None
+
+    def get(self, node_id: str) -> RouterNode:
+        return self.nodes[node_id]
 
     def mark_failed(self, node_id: str) -> None:
         """A call to the node broke: keep it out of routing for a while, or until etcd says READY

@@ -4,14 +4,14 @@
              sent so far) → forward each chunk → on a node failure, exclude the node and attempt again
 
 A failure before the first token is a plain retry. A failure mid-stream resumes on another node
-from the prompt plus every token already forwarded, asking only for the tokens still owed, so the
-client sees each token exactly once; under greedy sampling the resumed run produces exactly the
-tokens the uninterrupted run would have. A node that goes silent for ``stall_timeout_s`` counts as
-failed too.
+from the prompt plus every token already forwarded (marked as output already delivered, with the
+client's sampling unchanged), so the client sees each token exactly once and the new node's engine
+counts ``max_tokens`` and finds stop strings over the whole output; under greedy sampling the
+resumed run produces exactly the tokens and text the uninterrupted run would have. A node that goes
+silent for ``stall_timeout_s`` counts as failed too.
 
-Failures are told from answers by status: INVALID_ARGUMENT, PERMISSION_DENIED, NOT_FOUND and a
-tenant's quota refusal are answers for the client; UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, a
-broken stream, and a full pool (refusal ``pool``) are the node's problem and another node is tried.
+Which node errors are answers for the client and which are the node's problem (another node is
+tried) is policy, in ``router/resume.py``; this module only moves the messages.
 
 Each attempt has a ``compute`` span (kind CLIENT) whose context travels in the start command, so
 the node's spans for the request join the request's trace.
@@ -83,27 +83,26 @@ class Relay:
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
             loads = [NodeLoad(n.node_id, n.active_blocks, cached.get(n.node_id, 0), n.ready_since) for n in candidates]
-            num_blocks = len(ids) // candidates[0].info.block_size
+            num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
             span.set_attribute("kvfleet.node_id", decision.node_id)
             span.set_attribute("kvfleet.route_reason", decision.reason)
             span.set_attribute("kvfleet.cached_prefix_blocks", decision.cached_prefix_blocks)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
-            node = self.nodes.nodes[decision.node_id]
+            node = self.nodes.get(decision.node_id)
             self.prefix.routed(tenant.name, ids, node)
             return node
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
         while True:
-            remaining = progress.remaining
-            if remaining <= 0:  # the node died after the last token but before saying so
+            if progress.remaining <= 0:  # the node died after the last token but before saying so
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
             node = await self._route(req, tenant, ids, progress)
             try:
-                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, remaining, progress)) as chunks:
+                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -132,23 +131,18 @@ class Relay:
         return str(e)
 
     async def _attempt(
-        self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], remaining: int,
-        progress: Progress,
+        self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         message = compute_pb2.ComputeRequest(
             request_id=progress.attempt_id(req.seq_id),
             tenant=tenant.name, priority=tenant.paid_level,
             prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
         )
-        sampling_to_proto(req.sampling, message.sampling)
-        message.sampling.max_tokens = remaining
+        sampling_to_proto(req.sampling, message.sampling)  # max_tokens counts the resumed tokens too
         span = tracer.start_span("compute", kind=trace.SpanKind.CLIENT,
                                  attributes={"kvfleet.node_id": node.node_id, "kvfleet.attempt": progress.attempts})
         propagate.inject(message.trace_context, context=trace.set_span_in_context(span))
-        node.track(req.seq_id, len(ids))
-        node.num_in_flight += 1
-        node.num_routed += 1
-        inbox = node.stream.start(message)
+        inbox = node.start(req.seq_id, message)
         watch = StallWatch(inbox, NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:g}s"),
                            self.stall_timeout_s)
         over = False  # the node is done with it (finished, refused, or its stream broke)
@@ -179,9 +173,7 @@ class Relay:
             raise
         finally:
             watch.stop()
-            node.stream.finish(message.request_id, cancel=not over)  # cancel: the client left or it stalled
-            node.untrack(req.seq_id)
-            node.num_in_flight -= 1
+            node.finish(req.seq_id, message.request_id, cancel=not over)  # cancel: the client left or it stalled
             span.set_attribute("kvfleet.tokens", len(progress.sent))
             span.end()
 

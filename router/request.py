@@ -1,7 +1,9 @@
 """A public ``GenerateRequest`` checked and turned into what the cluster runs.
 
 Every mistake raises ``InvalidRequest`` naming the field (→ INVALID_ARGUMENT); sampling fields are
-converted by ``kvfleet.wire`` (shared with the compute nodes).
+converted by ``kvfleet.wire`` (shared with the compute nodes). A client's request id is at most
+``MAX_REQUEST_ID_LEN`` characters: with the suffix that makes it a sequence id it must fit the one
+id limit every service shares (``kvfleet/ids.py``).
 """
 
 from __future__ import annotations

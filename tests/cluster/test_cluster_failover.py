@@ -1,9 +1,11 @@
-"""A compute node dies mid-stream: the client still gets every token exactly once."""
+"""A compute node dies mid-stream: the client still gets every token exactly once, and the text
+it would have read had nothing failed."""
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 
 import grpc
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
@@ -11,9 +13,45 @@ from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, str
 from compute_service.engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+from tests.compute_service.conftest import late_stop_string
 
 MAX_TOKENS = 1200
 LEASE_TTL = 3
+
+
+@dataclass(slots=True)
+class Failover:
+    chunks: list[inference_pb2.GenerateChunk]
+    killed: str          # the node that served the request first
+    killed_at: float     # time.monotonic() when it died
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+def generate_killing_its_node(cluster, req, after: int = 20) -> Failover:
+    """``req`` streamed, its node SIGKILLed once ``after`` tokens arrived (the router resumes it on
+    the other). Asserts that the request did move."""
+    chunks = []
+    killed, killed_at, received = None, 0.0, 0
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(
+            req, metadata=[("authorization", "Bearer sk-gold")], timeout=300)
+        for chunk in call:
+            chunks.append(chunk)
+            received += len(chunk.token_ids)
+            if killed is None and received >= after:
+                killed = chunk.node_id
+                cluster.kill_node(killed)
+                killed_at = time.monotonic()
+    nodes_seen = [c.node_id for i, c in enumerate(chunks) if i == 0 or chunks[i - 1].node_id != c.node_id]
+    assert killed is not None and nodes_seen == [killed, nodes_seen[-1]] and nodes_seen[-1] != killed, nodes_seen
+    return Failover(chunks, killed, killed_at)
 
 
 def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
@@ -23,24 +61,9 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
     del engine
 
     cluster = start_cluster(2, compute_args=("--lease-ttl", str(LEASE_TTL)))
-    received: list[int] = []
-    nodes_seen: list[str] = []
-    killed = None
-    with grpc.insecure_channel(cluster.router_address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        call = stub.Generate(request(tokens=prompt, max_tokens=MAX_TOKENS, ignore_eos=True),
-                             metadata=[("authorization", "Bearer sk-gold")], timeout=300)
-        for chunk in call:
-            received.extend(chunk.token_ids)
-            if not nodes_seen or nodes_seen[-1] != chunk.node_id:
-                nodes_seen.append(chunk.node_id)
-            if killed is None and len(received) >= 20:
-                killed = chunk.node_id
-                cluster.kill_node(killed)
-                killed_at = time.monotonic()
-            last = chunk
-    assert killed is not None and len(nodes_seen) == 2 and nodes_seen[0] == killed, nodes_seen
-    assert received == expected  # nothing lost, nothing repeated, same greedy tokens
+    run = generate_killing_its_node(cluster, request(tokens=prompt, max_tokens=MAX_TOKENS, ignore_eos=True))
+    killed, killed_at, last = run.killed, run.killed_at, run.chunks[-1]
+    assert run.tokens == expected  # nothing lost, nothing repeated, same greedy tokens
     assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
 
@@ -54,6 +77,24 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
         assert time.monotonic() < deadline, f"block_service still holds {killed}'s pool: {pools[killed]}"
         time.sleep(0.1)
     assert set(pools) == {"node-0", "node-1"} - {killed}
+
+
+def test_a_stop_string_after_the_failover_point_cuts_the_text_as_without_a_failure(start_cluster, model_dir):
+    prompt = random_prompt(40, seed=7)  # a seed whose greedy text has printable pairs late (many loop early)
+    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    free, early = (engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].new_text
+                   for n in (400, 150))
+    # past token 150: far past where the node is killed (20 tokens in, plus what is in flight then)
+    stop = late_stop_string(free, start=len(early))
+    expected = engine.generate([prompt], SamplingParams(max_tokens=400, stop=[stop], ignore_eos=True))[0]
+    del engine
+    assert expected.finish_reason == "stop"
+
+    cluster = start_cluster(2)
+    run = generate_killing_its_node(cluster, request(tokens=prompt, max_tokens=400, ignore_eos=True, stop=[stop]))
+    assert run.tokens == expected.new_token_ids
+    assert run.text == expected.new_text  # cut before the stop string, nothing held back lost
+    assert run.chunks[-1].finish_reason == inference_pb2.FINISH_REASON_STOP
 
 
 def test_sigterm_drains_running_requests_then_leaves(start_cluster):

@@ -38,6 +38,16 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
+def late_stop_string(text: str, start: int) -> str:
+    """A two-character printable ASCII string whose first occurrence in ``text`` (generated text,
+    mostly bytes that decode to nothing printable) is at character ``start`` or later."""
+    for i in range(start, len(text) - 1):
+        candidate = text[i:i + 2]
+        if candidate.isascii() and candidate.isprintable() and text.find(candidate) == i:
+            return candidate
+    raise AssertionError(f"no printable stop string after character {start} of {text!r}")
+
+
 class HFReference:
     """Greedy tokens and last-position logits from ``transformers`` in float32, cached per prompt."""
 

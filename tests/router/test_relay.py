@@ -100,7 +100,7 @@ def test_mid_stream_failure_resumes_elsewhere_without_repeats():
     assert [c.node_id for c in chunks] == ["a", "a", "b", "b", "b"]
     resumed = stub(nodes, "b").requests[0]
     assert list(resumed.prompt_token_ids) == [1, 2, 3, 10, 11] and resumed.num_resumed_tokens == 2
-    assert resumed.sampling.max_tokens == 3 and resumed.request_id == "r-1.1"
+    assert resumed.sampling.max_tokens == 5 and resumed.request_id == "r-1.1"  # the node counts the resumed 2
     assert stub(nodes, "a").finished == [("r-1", False)] and stub(nodes, "b").finished == [("r-1.1", False)]
     last = chunks[-1]
     assert last.finish_reason == LENGTH and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 5)
