@@ -50,6 +50,19 @@ class ScheduledBatch:
         return sum(n for _, n in self.prefills) + len(self.decodes)
 
 
+def _held_elsewhere(seq: Sequence, refusal: Refusal) -> bool:
+    """Whether the blocks that ``refusal`` lacks are held by sequences this scheduler does not run
+    (a remote allocator's early allocations of requests still arriving, releases not yet applied)
+    and ``seq`` would fit without them: those blocks come back, so ``seq`` waits instead of being
+    refused. ``blocks_charged`` counts the tenant's blocks (quota) or the pool's used blocks (pool),
+    ``seq``'s own table included::
+
+        refused for good:  own + asked > allowed,  or nothing charged beyond its own table
+    """
+    own = len(seq.block_table)
+    return own + refusal.blocks_asked <= refusal.blocks_allowed and refusal.blocks_charged > own
+
+
 def _rank(seq: Sequence) -> tuple[int, int]:
     """Sort key: higher priority first, then older first."""
     return (-seq.priority, seq.arrival)
@@ -98,8 +111,10 @@ class Scheduler:
             while refusal is not None and not refusal.transient and seq.status is Status.RUNNING:
                 victim = max(self.running, key=_rank)
                 if victim is seq and len(self.running) == 1:
-                    # alone and still too big: it can never be served by this pool
-                    self._finish_refused(seq, refusal, batch)
+                    if _held_elsewhere(seq, refusal):  # step back until those blocks come back
+                        self._preempt(seq, batch)
+                    else:  # alone and still too big: it can never be served by this pool
+                        self._finish_refused(seq, refusal, batch)
                     break
                 self._preempt(victim, batch)
                 granted = [(s, k) for s, k in granted if s is not victim]
@@ -123,10 +138,10 @@ class Scheduler:
                 self.waiting.insert(0, seq)
                 break  # block_service unreachable: ask again next step
             if refusal is not None:
-                if not any(s.tenant == seq.tenant for s in self.running):
-                    if refusal.reason == "quota" or not self.running:
-                        self._finish_refused(seq, refusal, batch)  # it cannot fit even alone
-                        continue
+                peers = self.running if refusal.reason == "pool" else [s for s in self.running if s.tenant == seq.tenant]
+                if not peers and not _held_elsewhere(seq, refusal):
+                    self._finish_refused(seq, refusal, batch)  # it cannot fit even alone
+                    continue
                 if refusal.reason == "quota":
                     held_back.append(seq)
                     continue

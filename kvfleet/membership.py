@@ -26,6 +26,8 @@ from enum import Enum
 
 import aetcd
 
+from kvfleet.backoff import LogThrottle, error_line
+
 log = logging.getLogger(__name__)
 
 NODES_PREFIX = "/kvfleet/nodes/"
@@ -107,6 +109,8 @@ class NodeRegistration:
 
     async def _keep_alive(self) -> None:
         interval = self.ttl / 3
+        throttle = LogThrottle()  # etcd down: one line every few seconds, not one per tick
+        failing = False
         while True:
             await asyncio.sleep(interval)
             try:
@@ -114,10 +118,15 @@ class NodeRegistration:
                 if reply is None or reply.TTL <= 0:
                     log.warning("lease of node %s expired; registering again", self.info.node_id)
                     await self._grant_and_put()
+                if failing:
+                    log.info("lease keep-alive for node %s works again", self.info.node_id)
+                    failing = False
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd briefly unreachable: try again next tick
-                log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, e)
+                failing = True
+                if throttle.due():
+                    log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, error_line(e))
 
     async def update(self, **fields) -> None:
         """Change fields of the value (``state=NodeState.READY``, ``num_blocks=...``)."""
@@ -167,6 +176,7 @@ async def watch_nodes(
     difference is yielded, so the consumer's view converges without gaps.
     """
     known: dict[str, NodeInfo] = {}
+    throttle = LogThrottle()  # etcd down: one line every few seconds, not one per retry
     while True:
         try:
             nodes, revision = await list_nodes(client, prefix)
@@ -198,5 +208,6 @@ async def watch_nodes(
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("membership watch on %s broke (%s); re-listing in %.1fs", prefix, e, retry_s)
+            if throttle.due():
+                log.warning("membership watch on %s broke (%s); re-listing every %.1fs", prefix, error_line(e), retry_s)
         await asyncio.sleep(retry_s)
