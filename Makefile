@@ -39,6 +39,7 @@ demo: setup protos $(DEMO_MODEL)/config.json
 	$(PY) -m kvfleet_cli demo --model $(DEMO_MODEL)
 
 test: setup protos
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 bench: setup protos

@@ -39,7 +39,7 @@ class RemoteAllocatorFactory:
 
     @classmethod
     async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop) -> RemoteAllocatorFactory:
-        from block_service.client import BlockManagerClient  # noqa: PLC0415
+        from block_service.client import BlockManagerClient
 
         client = BlockManagerClient(address)
         await until_reachable(node_id, f"block_service at {address}", lambda: client.wait_ready(2.0))

@@ -85,7 +85,7 @@ async def _resync_on_new_lease(registration, allocator) -> None:
 
 
 def _build_engine(args: argparse.Namespace, remote):
-    from compute_service.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+    from compute_service.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                           device=args.device, max_num_seqs=args.max_num_seqs, node_id=args.node_id)
@@ -94,7 +94,7 @@ def _build_engine(args: argparse.Namespace, remote):
 
 def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
     """What a request stream may do with block_service directly (None for an in-process pool)."""
-    from compute_service.node_context import EarlyBlocks  # noqa: PLC0415
+    from compute_service.node_context import EarlyBlocks
 
     if remote is None:
         return None
@@ -106,14 +106,14 @@ def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from compute_service.async_engine import AsyncEngine  # noqa: PLC0415
-    from compute_service.node_context import NodeContext, NodeStatus  # noqa: PLC0415
-    from compute_service.server import ComputeServicer, warm_up  # noqa: PLC0415
-    from kvfleet import rpc  # noqa: PLC0415
-    from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client  # noqa: PLC0415
-    from kvfleet.v1 import compute_pb2_grpc  # noqa: PLC0415
+    from compute_service.async_engine import AsyncEngine
+    from compute_service.node_context import NodeContext, NodeStatus
+    from compute_service.server import ComputeServicer, warm_up
+    from kvfleet import rpc
+    from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client
+    from kvfleet.v1 import compute_pb2_grpc
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -132,7 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     remote = None
     if args.block_service:
-        from compute_service.block_registration import RemoteAllocatorFactory  # noqa: PLC0415
+        from compute_service.block_registration import RemoteAllocatorFactory
 
         remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
     engine = await asyncio.to_thread(_build_engine, args, remote)
@@ -215,8 +215,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfleet import event_loop  # noqa: PLC0415
-    from kvfleet.tracing import setup_tracing, shutdown_tracing  # noqa: PLC0415
+    from kvfleet import event_loop
+    from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     setup_tracing("kvfleet-compute")
     try:

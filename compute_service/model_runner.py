@@ -56,7 +56,8 @@ class ModelRunner:
             scale=self.scale,
         )
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta,
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta,
             torch.tensor(logits_indices, dtype=torch.int64, device=dev))
         return logits, sampled
 

@@ -64,7 +64,7 @@ SEND_TIMEOUT_S = 10.0    # the most a bookkeeping batch or a sync may take befor
 
 
 def _untraced():
-    from opentelemetry.instrumentation.utils import suppress_instrumentation  # noqa: PLC0415
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
 
     return suppress_instrumentation()
 
@@ -102,7 +102,7 @@ class RemoteBlockAllocator:
         context = self.trace_context_of(seq_id) if seq_id else None
 
         async def traced():
-            from opentelemetry import context as otel_context  # noqa: PLC0415
+            from opentelemetry import context as otel_context
 
             token = otel_context.attach(context) if context is not None else None
             try:

@@ -76,9 +76,9 @@ async def warm_up(engine: AsyncEngine, node_id: str, *, block_size: int, max_mod
     """Touch every kernel path before the node takes traffic (extensions built, caches hot): a
     random-token prefill over several blocks batched with a short one, greedy and sampled decode,
     then a prefill that starts from cached prefix blocks. Returns the seconds it took."""
-    import random  # noqa: PLC0415
+    import random
 
-    from kvfleet.sampling import SamplingParams  # noqa: PLC0415
+    from kvfleet.sampling import SamplingParams
 
     started = time.perf_counter()
     rng = random.Random(seed)

@@ -20,7 +20,7 @@ def loop_kind() -> str:
     if os.environ.get("KVFLEET_EVENT_LOOP", "").lower() == "asyncio":
         return "asyncio"
     try:
-        import uvloop  # noqa: F401, PLC0415
+        import uvloop  # noqa: F401
     except ImportError:
         return "asyncio"
     return "uvloop"
@@ -29,7 +29,7 @@ def loop_kind() -> str:
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on the chosen loop."""
     if loop_kind() == "uvloop":
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         return uvloop.run(main)
     return asyncio.run(main)

@@ -39,7 +39,7 @@ def arm() -> None:
     parent = os.environ.pop(ENV, None)  # not inherited further: our own children have another parent
     if parent is None or not sys.platform.startswith("linux"):
         return
-    import ctypes  # noqa: PLC0415
+    import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if os.getppid() != int(parent):

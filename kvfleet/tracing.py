@@ -58,8 +58,8 @@ def setup_tracing(service_name: str) -> TracerProvider | None:
     endpoint = otlp_endpoint()
     if not endpoint:
         return None
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
-    from opentelemetry.instrumentation.grpc import (  # noqa: PLC0415 - patches grpc on import use
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.grpc import (  # patches grpc on import use
         GrpcAioInstrumentorClient,
         GrpcAioInstrumentorServer,
     )

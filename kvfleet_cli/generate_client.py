@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def request_message(args: argparse.Namespace):
-    from kvfleet.v1 import inference_pb2  # noqa: PLC0415
+    from kvfleet.v1 import inference_pb2
 
     return inference_pb2.GenerateRequest(
         request_id=args.request_id,
@@ -43,10 +43,10 @@ def request_message(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc  # noqa: PLC0415
+    import grpc
 
-    from kvfleet import rpc  # noqa: PLC0415
-    from kvfleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: PLC0415
+    from kvfleet import rpc
+    from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
     with rpc.sync_channel(args.router) as channel:
@@ -86,10 +86,10 @@ async def demo_requests(router: str, max_tokens: int = 24, out=sys.stdout, strea
     """Send ``DEMO_REQUESTS`` concurrently (the first of each tenant first, so that the others find
     its prefix cached), print each request's text, node and cached tokens as it finishes (and each
     chunk as it arrives when ``stream``), and return those figures in finishing order."""
-    import asyncio  # noqa: PLC0415
+    import asyncio
 
-    from kvfleet import rpc  # noqa: PLC0415
-    from kvfleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: PLC0415
+    from kvfleet import rpc
+    from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     finished: list[dict] = []
     async with rpc.channel(router) as channel:

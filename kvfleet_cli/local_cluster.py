@@ -215,7 +215,7 @@ class LocalCluster:
             raise RuntimeError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
 
     def _wait_port(self, child: Child, timeout: float) -> None:
-        import socket  # noqa: PLC0415
+        import socket
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -228,7 +228,7 @@ class LocalCluster:
 
     def node_states(self) -> dict[str, str]:
         """Node id → state, as etcd lists them now."""
-        from kvfleet.membership import etcd_client, list_nodes  # noqa: PLC0415
+        from kvfleet.membership import etcd_client, list_nodes
 
         async def read():
             async with etcd_client(self.etcd.url) as client:
@@ -250,8 +250,8 @@ class LocalCluster:
 
     def wait_router(self, timeout: float = 120.0) -> None:
         """Until the router says it can route (``kvfleet.v1.Inference`` SERVING: a node is READY)."""
-        import grpc  # noqa: PLC0415
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.router_address) as channel:
@@ -269,7 +269,7 @@ class LocalCluster:
 
     def summary(self) -> str:
         """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them."""
-        from block_service.client import BlockManagerClient  # noqa: PLC0415
+        from block_service.client import BlockManagerClient
 
         async def read():
             async with BlockManagerClient(self.block_service_address, timeout_s=10) as client:
@@ -279,7 +279,8 @@ class LocalCluster:
         lines = ["node       blocks   used  cached   free  prefix hits"]
         for n in sorted(nodes, key=lambda n: n.node_id):
             c = n.counters
-            rate = f"{c.prefix_hits}/{c.prefix_queries}" + (f" ({c.prefix_hits / c.prefix_queries:.0%})" if c.prefix_queries else "")
+            share = f" ({c.prefix_hits / c.prefix_queries:.0%})" if c.prefix_queries else ""
+            rate = f"{c.prefix_hits}/{c.prefix_queries}{share}"
             lines.append(f"{n.node_id:<10} {n.num_blocks:>6} {n.num_used:>6} {n.num_cached:>7} {n.num_free:>6}  {rate}")
         lines.append("tenant     node       charged  allowed  sequences")
         for t in sorted(tenants, key=lambda t: (t.tenant, t.node_id)):

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model != DEFAULT_MODEL:
             print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
             return 2
-        from kvfleet_cli.model_maker import make_model  # noqa: PLC0415
+        from kvfleet_cli.model_maker import make_model
 
         make_model(args.model, preset="tiny")
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)

@@ -1,7 +1,8 @@
 """Waiting for a turn: the asyncio side of ``PriorityQueue``.
 
-Each request awaits ``wait()`` and calls ``finish()`` when done; whenever a slot may have opened (a request was queued or finished)
-the queue is drained as far as its limits allow and the chosen waiters wake. A waiter shed from a
+Each request awaits ``wait()`` and calls ``finish()`` when done; whenever a slot may have opened
+(a request was queued or finished) the queue is drained as far as its limits allow and the chosen
+waiters wake. A waiter shed from a
 full queue gets ``Shed``; a waiter whose caller went away is taken out of the queue.
 """
 

@@ -1,8 +1,9 @@
 """The router's view of the compute nodes: membership from etcd, a channel per node, in-flight load.
 
 A node is routable while it is READY in etcd. ``ready_since`` is when the router saw it turn READY
-(the start of its cold-start ramp); nodes already READY in the router's first listing count as warm. Load is the router's own count of the blocks its in-flight
-requests hold on each node, kept current as tokens stream, so it needs no polling and has no lag.
+(the start of its cold-start ramp); nodes already READY in the router's first listing count as
+warm. Load is the router's own count of the blocks its in-flight requests hold on each node, kept
+current as tokens stream, so it needs no polling and has no lag.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class BlockServicePrefixLookup:
 async def connect_prefix_lookup(address: str | None):
     if not address:
         return BlockServicePrefixLookup()  # routing by load and this router's own recent routes
-    from block_service.client import BlockManagerClient  # noqa: PLC0415
+    from block_service.client import BlockManagerClient
 
     client = BlockManagerClient(address, timeout_s=5.0)
     try:

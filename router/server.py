@@ -68,7 +68,7 @@ class TokenizerSource:
             return self._tokenizer
         async with self._lock:
             if self._tokenizer is None:
-                from compute_service.tokenizer import Tokenizer  # noqa: PLC0415 - tokenizers is slow to import
+                from compute_service.tokenizer import Tokenizer  # tokenizers is slow to import
 
                 model_dir = self.model_dir or next((n.info.model for n in self.nodes.ready()), None)
                 if model_dir is None:
