@@ -1,6 +1,11 @@
 """The router's view of the compute nodes: membership from etcd, a channel per node, in-flight load.
 
-A node is routable while it is READY in etcd. ``ready_since`` is when the router saw it turn READY
+A node is routable while it is READY in etcd. A node whose key goes (its lease lapsed: etcd was
+down or frozen, the node stalled) is no longer routed to, but its Serve stream stays open while
+this router's requests on it run: a lapsed lease is not a death (a dead node's stream breaks, and
+that fails its requests over), and hanging up would fail over streams that were fine, or fail
+them outright when every node's lease lapsed at once. If the node comes back at the same address
+it keeps that stream; otherwise the stream closes when its last request ends. ``ready_since`` is when the router saw it turn READY
 (the start of its cold-start ramp); nodes already READY in the router's first listing count as
 warm. Load is the router's own count of the blocks its in-flight requests hold on each node, kept
 current as tokens stream, so it needs no polling and has no lag.
@@ -8,6 +13,7 @@ current as tokens stream, so it needs no polling and has no lag.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -75,6 +81,8 @@ class NodeTable:
         self.clock = clock
         self.failure_quarantine_s = failure_quarantine_s
         self.nodes: dict[str, RouterNode] = {}
+        self.departed: dict[str, RouterNode] = {}  # left etcd, requests still in flight on them
+        self._closing: set[asyncio.Task] = set()
 
     async def apply(self, change: MembershipChange) -> None:
         node = self.nodes.get(change.node_id)
@@ -83,11 +91,12 @@ class NodeTable:
             info = None  # registered before it could say where it listens: not a node to dial yet
         if info is None or (node is not None and node.info.address != info.address):
             if node is not None:
-                log.info("node %s left (%s)", change.node_id, "moved" if info else "lease gone or no address")
                 del self.nodes[change.node_id]
-                await self._hang_up(node)
+                await self._depart(node, moved=info is not None)
             node = None
         if info is not None:
+            if node is None:
+                node = self._come_back(info)
             if node is None:
                 node = RouterNode(info, *self.dial(info.address))
                 self.nodes[info.node_id] = node
@@ -103,8 +112,40 @@ class NodeTable:
             else:
                 node.ready_since = None
 
+    async def _depart(self, node: RouterNode, moved: bool) -> None:
+        earlier = self.departed.pop(node.node_id, None)
+        if earlier is not None:
+            await self._hang_up(earlier)
+        if moved or not node.num_in_flight:
+            log.info("node %s left (%s)", node.node_id, "moved" if moved else "lease gone or no address")
+            await self._hang_up(node)
+            return
+        log.info("node %s left etcd (lease gone); its stream stays open for %d requests in flight",
+                 node.node_id, node.num_in_flight)
+        self.departed[node.node_id] = node
+
+    def _come_back(self, info: NodeInfo) -> RouterNode | None:
+        """A departed node listed again at the same address: the same stream serves it."""
+        node = self.departed.get(info.node_id)
+        if node is None or node.info.address != info.address:
+            return None
+        del self.departed[info.node_id]
+        self.nodes[info.node_id] = node
+        log.info("node %s is back in etcd; its stream was kept", info.node_id)
+        return node
+
     def get(self, node_id: str) -> RouterNode:
         return self.nodes[node_id]
+
+    def finish(self, node: RouterNode, seq_id: str, request_id: str, cancel: bool) -> None:
+        """``RouterNode.finish``, and a departed node's stream closes with its last request."""
+        node.finish(seq_id, request_id, cancel)
+        if node.num_in_flight == 0 and self.departed.get(node.node_id) is node:
+            del self.departed[node.node_id]
+            log.info("node %s: last request over; closing its stream", node.node_id)
+            task = asyncio.get_running_loop().create_task(self._hang_up(node))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def mark_failed(self, node_id: str) -> None:
         """A call to the node broke: keep it out of routing for a while, or until etcd says READY
@@ -122,9 +163,12 @@ class NodeTable:
         ]
 
     async def close(self) -> None:
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.departed.values()]:
             await self._hang_up(node)
         self.nodes.clear()
+        self.departed.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     @staticmethod
     async def _hang_up(node: RouterNode) -> None:

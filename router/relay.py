@@ -173,7 +173,7 @@ class Relay:
             raise
         finally:
             watch.stop()
-            node.finish(req.seq_id, message.request_id, cancel=not over)  # cancel: the client left or it stalled
+            self.nodes.finish(node, req.seq_id, message.request_id, cancel=not over)  # cancel: the client left or it stalled
             span.set_attribute("kvfleet.tokens", len(progress.sent))
             span.end()
 

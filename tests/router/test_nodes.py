@@ -1,0 +1,84 @@
+"""The router's node table: a node whose lease lapses keeps its stream while requests run on it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvfleet.membership import MembershipChange, NodeInfo, NodeState
+from kvfleet.v1 import compute_pb2
+from router.nodes import NodeTable
+
+
+class Line:
+    """A channel or a stream as the table sees them: something to close, and requests to start."""
+
+    def __init__(self, dialled: list[str], address: str):
+        self.closed = False
+        dialled.append(address)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def start(self, request):
+        return None
+
+    def finish(self, request_id: str, cancel: bool) -> None:
+        pass
+
+
+def make_table() -> tuple[NodeTable, list[str]]:
+    dialled: list[str] = []
+    return NodeTable(dial=lambda address: (Line([], address), Line(dialled, address))), dialled
+
+
+def info(node_id: str = "n0", address: str = "127.0.0.1:1") -> NodeInfo:
+    return NodeInfo(node_id, address, "m", 64, 16, NodeState.READY)
+
+
+def start_one(table: NodeTable, node_id: str = "n0"):
+    node = table.get(node_id)
+    node.start("s1", compute_pb2.ComputeRequest(request_id="s1-a", prompt_token_ids=[1, 2, 3]))
+    return node
+
+
+def test_a_lapsed_lease_keeps_the_stream_of_requests_in_flight_until_the_last_ends():
+    async def scenario():
+        table, _ = make_table()
+        await table.apply(MembershipChange("n0", info()))
+        node = start_one(table)
+        await table.apply(MembershipChange("n0", None))
+        assert table.ready() == [] and not node.stream.closed  # not routed to, not hung up
+        table.finish(node, "s1", "s1-a", cancel=False)
+        await table.close()
+        assert node.stream.closed and table.departed == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_departed_node_back_at_its_address_keeps_its_stream():
+    async def scenario():
+        table, dialled = make_table()
+        await table.apply(MembershipChange("n0", info()))
+        node = start_one(table)
+        await table.apply(MembershipChange("n0", None))
+        await table.apply(MembershipChange("n0", info()))
+        assert dialled == ["127.0.0.1:1"] and table.get("n0") is node and table.ready() == [node]
+        table.finish(node, "s1", "s1-a", cancel=False)
+        assert not node.stream.closed  # it is a member again: its stream serves new requests
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_node_that_leaves_is_hung_up_at_once_and_a_moved_one_always():
+    async def scenario():
+        table, dialled = make_table()
+        await table.apply(MembershipChange("n0", info()))
+        idle = table.get("n0")
+        await table.apply(MembershipChange("n0", None))
+        assert idle.stream.closed
+        await table.apply(MembershipChange("n0", info()))
+        busy = start_one(table)
+        await table.apply(MembershipChange("n0", info(address="127.0.0.1:2")))
+        assert busy.stream.closed and dialled == ["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2"]
+
+    asyncio.run(scenario())
