@@ -86,6 +86,8 @@ class NodeRegistration:
 
     If the lease is lost anyway (etcd restarted, the node stalled longer than the TTL), the
     keep-alive grants a new lease and writes the key again, so a node that is alive is listed.
+    etcd down is never fatal: a node started while etcd is down registers once it answers, and a
+    change of state that etcd could not take is written by the next keep-alive tick.
     """
 
     def __init__(self, client: aetcd.Client, info: NodeInfo, ttl: int = 5, prefix: str = NODES_PREFIX):
@@ -97,15 +99,25 @@ class NodeRegistration:
         self.key = node_key(info.node_id, prefix)
         self.lease_id: int | None = None
         self._keepalive: asyncio.Task | None = None
+        self._unwritten = False  # ``info`` changed while etcd could not take it
 
     async def start(self) -> None:
-        await self._grant_and_put()
+        """Register now if etcd answers, else as soon as it does (the keep-alive retries)."""
+        try:
+            await self._grant_and_put()
+        except Exception as e:
+            log.warning("node %s cannot register in etcd yet (%s); retrying", self.info.node_id, error_line(e))
         self._keepalive = asyncio.create_task(self._keep_alive(), name=f"lease-{self.info.node_id}")
 
     async def _grant_and_put(self) -> None:
         lease = await self.client.lease(self.ttl)
         self.lease_id = lease.id
+        await self._put()
+
+    async def _put(self) -> None:
+        self._unwritten = True
         await self.client.put(self.key, self.info.to_json(), lease=self.lease_id)
+        self._unwritten = False
 
     async def _keep_alive(self) -> None:
         interval = self.ttl / 3
@@ -114,10 +126,16 @@ class NodeRegistration:
         while True:
             await asyncio.sleep(interval)
             try:
-                reply = await self.client.refresh_lease(self.lease_id)
-                if reply is None or reply.TTL <= 0:
-                    log.warning("lease of node %s expired; registering again", self.info.node_id)
+                if self.lease_id is None:  # never registered: etcd was down at the start
                     await self._grant_and_put()
+                    log.info("node %s registered in etcd", self.info.node_id)
+                else:
+                    reply = await self.client.refresh_lease(self.lease_id)
+                    if reply is None or reply.TTL <= 0:
+                        log.warning("lease of node %s expired; registering again", self.info.node_id)
+                        await self._grant_and_put()
+                    elif self._unwritten:
+                        await self._put()
                 if failing:
                     log.info("lease keep-alive for node %s works again", self.info.node_id)
                     failing = False
@@ -129,9 +147,16 @@ class NodeRegistration:
                     log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, error_line(e))
 
     async def update(self, **fields) -> None:
-        """Change fields of the value (``state=NodeState.READY``, ``num_blocks=...``)."""
+        """Change fields of the value (``state=NodeState.READY``, ``num_blocks=...``); with etcd
+        down the change is written by the keep-alive once etcd answers."""
         self.info = dataclasses.replace(self.info, **fields)
-        await self.client.put(self.key, self.info.to_json(), lease=self.lease_id)
+        if self.lease_id is None:
+            return  # the registration, when it comes, writes the latest value
+        try:
+            await self._put()
+        except Exception as e:
+            log.warning("node %s: etcd did not take its update (%s); the keep-alive writes it later",
+                        self.info.node_id, error_line(e))
 
     async def set_state(self, state: NodeState) -> None:
         await self.update(state=state)

@@ -77,3 +77,37 @@ def test_a_silent_node_leaves_within_its_ttl(etcd):
             await changes.aclose()
 
     asyncio.run(main())
+
+
+def test_a_node_registers_once_etcd_comes_up(tmp_path):
+    """A node started while etcd is down neither raises nor exits: its registration (and a state
+    change made meanwhile) reaches etcd once etcd answers."""
+    from kvfleet_cli.etcd_server import EtcdServer
+
+    etcd = EtcdServer(data_dir=tmp_path / "etcd").start()
+    prefix = "/kvfleet/test-late/"
+
+    async def scenario():
+        etcd.process.kill()
+        etcd.process.wait()
+        async with etcd_client(etcd.url, timeout=1.0) as client:
+            registration = NodeRegistration(client, info("late"), ttl=2, prefix=prefix)
+            await registration.start()
+            await registration.set_state(NodeState.READY)
+            etcd.restart()
+            deadline = time.monotonic() + 30
+            nodes = {}
+            while time.monotonic() < deadline and "late" not in nodes:
+                await asyncio.sleep(0.2)
+                try:
+                    nodes, _ = await list_nodes(client, prefix)
+                except Exception:  # etcd still starting
+                    continue
+            await registration.close()
+        return nodes
+
+    try:
+        nodes = asyncio.run(scenario())
+    finally:
+        etcd.stop()
+    assert nodes["late"].state == NodeState.READY
