@@ -2,8 +2,9 @@
 
 Each request awaits ``wait()`` and calls ``finish()`` when done; whenever a slot may have opened
 (a request was queued or finished) the queue is drained as far as its limits allow and the chosen
-waiters wake. A waiter shed from a
-full queue gets ``Shed``; a waiter whose caller went away is taken out of the queue.
+waiters wake. A waiter shed from a full queue gets ``Shed``; a waiter whose caller went away is
+taken out of the queue, or, when it is dispatched in the instant its caller leaves, its slot is
+given back at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class Admission:
     def _dispatch(self) -> None:
         now = self.clock()
         while (item := self.queue.pop(now)) is not None:
+            if item.payload.done():  # its caller left in this same instant: the slot goes back
+                self.queue.finish(item.tenant)
+                continue
             item.payload.set_result(None)
 
     async def wait(self, request_id: str, tenant: str, paid: float) -> None:
@@ -34,7 +38,7 @@ class Admission:
         now = self.clock()
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
         shed = self.queue.push(QueuedRequest(request_id, tenant, paid, now, waiter), now)
-        if shed is not None:
+        if shed is not None and not shed.payload.done():  # a shed waiter that left needs no answer
             shed.payload.set_exception(
                 Shed(f"router queue is full ({self.queue.max_size} requests waiting); "
                      f"request {shed.request_id} of tenant {shed.tenant!r} was shed, retry later")

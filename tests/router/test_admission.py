@@ -64,3 +64,23 @@ def test_a_cancelled_waiter_leaves_the_queue():
         assert admission.queue.num_running() == 0
 
     asyncio.run(main())
+
+
+def test_a_waiter_cancelled_as_its_turn_comes_gives_its_slot_back():
+    """Seen in the soak: a client left while queued, and a finishing request dispatched it in the
+    same instant (its future already cancelled, its task not yet told): InvalidStateError in the
+    finishing request's handler, and the slot stayed taken for good."""
+
+    async def main():
+        admission = Admission(PriorityQueue(max_size=8, capacity=1))
+        await admission.wait("running", "t", 0.0)
+        queued = asyncio.create_task(admission.wait("queued", "t", 0.0))
+        await asyncio.sleep(0)  # it waits in the queue
+        queued.cancel()         # its future is cancelled now, its task resumes later
+        admission.finish("t")   # the running one ends and dispatches the queue
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert admission.queue.num_running() == 0
+        await asyncio.wait_for(admission.wait("next", "t", 0.0), 1.0)  # the slot is free
+
+    asyncio.run(main())
