@@ -41,12 +41,18 @@ def start_one(table: NodeTable, node_id: str = "n0"):
     return node
 
 
+async def departed_with_a_request() -> tuple[NodeTable, list[str], object]:
+    """A table whose node n0 runs a request and has just left etcd (its lease lapsed)."""
+    table, dialled = make_table()
+    await table.apply(MembershipChange("n0", info()))
+    node = start_one(table)
+    await table.apply(MembershipChange("n0", None))
+    return table, dialled, node
+
+
 def test_a_lapsed_lease_keeps_the_stream_of_requests_in_flight_until_the_last_ends():
     async def scenario():
-        table, _ = make_table()
-        await table.apply(MembershipChange("n0", info()))
-        node = start_one(table)
-        await table.apply(MembershipChange("n0", None))
+        table, _, node = await departed_with_a_request()
         assert table.ready() == [] and not node.stream.closed  # not routed to, not hung up
         table.finish(node, "s1", "s1-a", cancel=False)
         await table.close()
@@ -57,10 +63,7 @@ def test_a_lapsed_lease_keeps_the_stream_of_requests_in_flight_until_the_last_en
 
 def test_a_departed_node_back_at_its_address_keeps_its_stream():
     async def scenario():
-        table, dialled = make_table()
-        await table.apply(MembershipChange("n0", info()))
-        node = start_one(table)
-        await table.apply(MembershipChange("n0", None))
+        table, dialled, node = await departed_with_a_request()
         await table.apply(MembershipChange("n0", info()))
         assert dialled == ["127.0.0.1:1"] and table.get("n0") is node and table.ready() == [node]
         table.finish(node, "s1", "s1-a", cancel=False)
