@@ -195,9 +195,8 @@ class AllocatorPolicy:
         for (seq_id, tokens), result in zip(asks, results):
             wanted = self._growing[seq_id]
             if isinstance(result, Refusal):
-                whole = self._blocks(wanted) * self.block_size  # the blocks it needs, to their end
-                if tokens > whole:
-                    retry.append((seq_id, whole))
+                if tokens > wanted:
+                    retry.append((seq_id, wanted))
                 self._refused[seq_id] = result
                 continue
             self._refused.pop(seq_id, None)
@@ -279,25 +278,13 @@ class AllocatorPolicy:
         self._topups, self._commits, self._releases = {}, [], []
         return batch
 
-    def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[object]) -> None:
-        """block_service's answers to sent top-ups: granted blocks join their tables as the reserve.
-
-        A refused top-up leaves block_service's length where it was, possibly inside the last
-        handed block (a prompt's length, an exact extend); the engine will fill that block and
-        commit it, and block_service takes a commit only of a block it knows as full. So the
-        sequence is grown to the end of its handed blocks instead (no new block: never refused)."""
+    def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
+        """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
         for (seq_id, tokens), new in zip(topups, results):
             table = self._tables.get(seq_id)
-            if table is None:
-                continue
-            if isinstance(new, list):
+            if isinstance(new, list) and table is not None:
                 table.block_ids.extend(new)
                 table.num_tokens = max(table.num_tokens, tokens)
-                continue
-            whole = len(table.block_ids) * self.block_size
-            if isinstance(new, Refusal) and table.num_tokens < whole and seq_id not in self._topups:
-                self._topups[seq_id] = whole
-                self._urgent = True
 
     def requeue(self, batch: Bookkeeping) -> None:
         """A taken batch did not reach block_service: put it back before what was queued since,

@@ -123,20 +123,10 @@ def test_without_a_reserve_extend_asks_one_block_ahead_then_exactly():
     asks = policy.extend_asks(grown.short)
     assert asks == [("s", 64)]                            # one block ahead of the 3 it needs
     retry = policy.fold_extend(asks, [refusal()])
-    assert retry == [("s", 48)]                           # refused: the blocks the engine needs, to their end
+    assert retry == [("s", 33)]                           # refused: exactly what the engine needs
     assert policy.fold_extend(retry, [[2]]) == []
     assert policy.hand_over() == {"s": [2]}
-    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 48)]
-
-
-def test_block_service_holds_every_handed_block_whole_even_when_the_reserve_is_refused():
-    """Seen in the soak (a small tenant at its quota): block_service knew a sequence as 170 tokens
-    in 11 blocks of 16 (its prompt, or an exact extend), the reserve top-up was refused, and the
-    commit of block 10 once the engine had filled it was refused: "block 10 is not a full block of
-    it". block_service must know the handed blocks as full before their commits reach it."""
-    policy = claimed(40, [0, 1, 2])                       # block 2 is partly written
-    policy.fold_topups(*_sent(policy, [refusal()]))      # the reserve (to 64) was refused
-    assert policy.take().topups == [("s", 48)]            # no new block: the handed ones, whole
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 33)]
 
 
 def test_a_refused_exact_extend_is_the_engines_answer():
