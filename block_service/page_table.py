@@ -229,16 +229,20 @@ class PageTable:
         return results
 
     def commit(self, commits: Sequence[tuple[str, int, bytes]], tenant: str | None = None) -> int:
-        """Name full, written blocks by hash (findable from now on); returns how many were new."""
+        """Name full, written blocks by hash (findable from now on); returns how many were new.
+
+        A commit declares its block full: the node wrote it, and only the node knows. When the
+        sequence's length here ends inside that block (a reserve top-up was refused, so the
+        length stayed where the prompt or an exact growth left it), the length grows to the
+        block's end. That is never a new block, so no quota is involved; refusing it instead
+        lost the prefix hit of a block the engine had filled."""
         seqs = self._lookup([s for s, _, _ in commits], tenant, unique=False)
         pending: dict[tuple[str, int], bytes] = {}
         for seq, (_, i, h) in zip(seqs, commits):
             validate_hashes([h])
-            bs = self._nodes[seq.node_id].pool.block_size
-            if not isinstance(i, int) or not 0 <= i < len(seq.block_ids) or (i + 1) * bs > seq.num_tokens:
+            if not isinstance(i, int) or not 0 <= i < len(seq.block_ids):
                 raise InvalidArgument(
-                    f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens in {len(seq.block_ids)} blocks "
-                    f"of {bs}: block {i!r} is not a full block of it"
+                    f"sequence {seq.seq_id!r} holds {len(seq.block_ids)} blocks: block {i!r} is not one of them"
                 )
             b = seq.block_ids[i]
             old = self._nodes[seq.node_id].pool.hash[b]
@@ -250,7 +254,9 @@ class PageTable:
                 )
         num_new = 0
         for seq, (_, i, h) in zip(seqs, commits):
-            if self._nodes[seq.node_id].pool.commit(seq.block_ids[i], h):
+            pool = self._nodes[seq.node_id].pool
+            seq.num_tokens = max(seq.num_tokens, (i + 1) * pool.block_size)
+            if pool.commit(seq.block_ids[i], h):
                 seq.num_committed += 1
                 num_new += 1
         return num_new

@@ -226,6 +226,10 @@ class AllocatorPolicy:
         if not commits:
             return
         self._commits.extend(commits)
+        for seq_id, index, _ in commits:  # block_service grows the length to a committed block's end
+            table = self._tables.get(seq_id)
+            if table is not None:
+                table.num_tokens = max(table.num_tokens, (index + 1) * self.block_size)
         if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
             self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
         else:
@@ -311,10 +315,8 @@ class AllocatorPolicy:
             self._early.pop(seq_id, None)
         gone = set(refused)
         topups = [(s, n) for s, n in batch.topups if s in self._tables and s not in gone]
-        length = {s: t.num_tokens for s, t in self._tables.items() if s not in gone}
-        for s, n in topups:  # the top-ups go first: they make the reserve's blocks full
-            length[s] = max(length[s], n)
-        commits = [c for c in batch.commits if c[0] in length and c[1] < length[c[0]] // self.block_size]
+        held = {s: len(t.block_ids) for s, t in self._tables.items() if s not in gone}
+        commits = [c for c in batch.commits if c[0] in held and c[1] < held[c[0]]]
         return Bookkeeping(topups, commits, [])
 
     def live_sequences(self) -> list[LiveSequence]:

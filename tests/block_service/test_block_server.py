@@ -227,7 +227,7 @@ def test_apply_many_is_growth_commit_release_in_that_order(tmp_path) -> None:
 
 
 def test_apply_many_refuses_a_bad_item_alone(tmp_path) -> None:
-    """Issue 11 item 2: one commit of a block that is not full (the node's view ran ahead) used to
+    """Issue 11 item 2: one commit of a block the sequence does not hold (the node's view ran ahead) used to
     reject the whole bookkeeping batch, so its releases were lost. Now that item alone is refused,
     reported by kind and index, and everything else is applied and logged."""
     store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
@@ -237,7 +237,7 @@ def test_apply_many_refuses_a_bad_item_alone(tmp_path) -> None:
         await client.register_node("n0", 8, 16, 1 << 16)
         await client.allocate_many([AllocateRequest("n0", s, "t", [], n)
                                     for s, n in (("x", 9), ("y", 32), ("gone", 16), ("gone2", 16))])
-        result = await client.apply(commits=[("y", 0, h0), ("x", 0, h1), ("y", 1, h1)],
+        result = await client.apply(commits=[("y", 0, h0), ("x", 1, h1), ("y", 1, h1)],
                                     releases=["gone", "nobody", "gone2"], growth=[("y", 40), ("x", 3)])
         assert result.num_committed == 2
         assert isinstance(result.growth[0], list) and len(result.growth[0]) == 1
@@ -247,7 +247,7 @@ def test_apply_many_refuses_a_bad_item_alone(tmp_path) -> None:
             ("release", 1, "nobody", "NOT_FOUND"),
         ]
         assert result.growth[1] == result.errors[0]
-        assert "block 0 is not a full block" in result.errors[1].message
+        assert "block 1 is not one of them" in result.errors[1].message
         assert "unknown sequence 'nobody'" in result.errors[2].message
 
     serve_and_run(store, body)

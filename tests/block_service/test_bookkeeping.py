@@ -29,7 +29,7 @@ def test_every_kind_of_bad_item_is_refused_alone(tmp_path) -> None:
     store = _store(tmp_path)
     result = store.apply(
         growth=[("b", 40), ("b", 48), ("nope", 5), ("a", 200)],  # twice, unknown, pool full
-        commits=[("a", 0, H[0]), ("b", 1, H[1]), ("b", 2, H[2]), ("a", 0, H[3]), ("a", 0, H[0])],
+        commits=[("a", 0, H[0]), ("b", 1, H[1]), ("b", 3, H[2]), ("a", 0, H[3]), ("a", 0, H[0])],
         releases=["c", "c", "ghost"],
     )
     assert [(e.kind, e.index, e.code) for e in result.errors] == [

@@ -111,8 +111,8 @@ def test_commit_rules(table: PageTable) -> None:
     assert table.commit([("s1", 0, hs[0])]) == 0  # same hash again: no-op
     with pytest.raises(FailedPrecondition):
         table.commit([("s1", 0, other[0])])
-    with pytest.raises(InvalidArgument):  # block 1 is not full
-        table.commit([("s1", 1, hs[1])])
+    with pytest.raises(InvalidArgument, match="block 2 is not one of them"):
+        table.commit([("s1", 2, hs[1])])
     with pytest.raises(InvalidArgument):
         table.commit([("s1", 0, b"short")])
     # a second block with the same content stays unindexed and is freed, not cached, on release
@@ -121,6 +121,21 @@ def test_commit_rules(table: PageTable) -> None:
     table.release(["s2"])
     stats = table.allocator_stats("n0")
     assert (stats.num_cached, stats.num_used) == (0, 2)
+    table.check()
+
+
+def test_a_commit_declares_its_block_full(table: PageTable) -> None:
+    """Issue 11 (soak: ~9 refused commits a minute under a small-tenant flood): a sequence whose
+    reserve top-up was refused keeps the prompt's length here, inside its last block; when the
+    engine has filled that block, its commit used to be refused as "not a full block" (the prefix
+    hit lost). The commit now grows the length to the block's end: no new block, no quota."""
+    hs = hashes(3)
+    table.allocate("n0", "s1", "a", hs[:2], 40)       # 40 tokens: blocks 0, 1 full, block 2 not
+    table.commit([("s1", 0, hs[0]), ("s1", 1, hs[1])])
+    assert table.commit([("s1", 2, hs[2])]) == 1      # the engine filled block 2
+    assert table.sequence("s1").num_tokens == 3 * BS and len(table.sequence("s1").block_ids) == 3
+    table.release(["s1"])
+    assert table.match_prefix(hs) == {"n0": 3}          # the whole prefix is findable
     table.check()
 
 

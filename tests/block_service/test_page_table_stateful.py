@@ -156,14 +156,14 @@ class PageTableMachine(RuleBasedStateMachine):
         self.store.configure_tenants([Tenant(tenant, quota_mib=quota)])
 
     @rule(data=st.data(), family=st.integers(0, 2),
-          bad=st.sampled_from(["dup", "short", "no node", "unknown", "shrink", "half block"]))
+          bad=st.sampled_from(["dup", "short", "no node", "unknown", "shrink", "past its blocks"]))
     def bad_calls_are_rejected_and_change_nothing(self, data: st.DataObject, family: int, bad: str) -> None:
         """Each bad call raises its own error, with its own words, and leaves state and log as they were."""
         nodes = sorted(self.table.node_ids())
         node = nodes[0] if nodes else "n0"
         if bad in ("dup", "short") and not nodes:
             bad = "no node"
-        if bad in ("shrink", "half block"):
+        if bad in ("shrink", "past its blocks"):
             grown = [s for s in sorted(self.family) if self.table.sequence(s).num_tokens % 16]
             if not grown:
                 bad = "unknown"
@@ -180,8 +180,8 @@ class PageTableMachine(RuleBasedStateMachine):
             "unknown": (lambda: self.store.release(["nope"]), NotFound, "unknown sequence 'nope'"),
             "shrink": (lambda: self.store.extend([(seq.seq_id, seq.num_tokens - 1)]),
                        InvalidArgument, "extend cannot shrink"),
-            "half block": (lambda: self.store.commit([(seq.seq_id, len(seq.block_ids) - 1, h)]),
-                           InvalidArgument, "is not a full block"),
+            "past its blocks": (lambda: self.store.commit([(seq.seq_id, len(seq.block_ids), h)]),
+                                InvalidArgument, "is not one of them"),
         }
         call, error, words = calls[bad]
         before, lsn = self.table.to_dict(), self.store.lsn

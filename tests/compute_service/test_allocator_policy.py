@@ -249,3 +249,16 @@ def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(mome
 def _sent(policy: AllocatorPolicy, results):
     """Take what is queued as a flush would; (the batch's top-ups, ``results``) to fold."""
     return policy.take().topups, results
+
+
+def test_a_commit_past_the_length_grows_it_as_block_service_does():
+    """The reserve top-up was refused, so block_service's length stayed at the prompt's 40 tokens;
+    the engine filled block 2 and commits it. block_service grows the length to 48 (the commit
+    declares its block full); the node's account must say the same, or its next sync would list
+    the sequence shorter than block_service holds it."""
+    policy = claimed(40, [0, 1, 2])
+    policy.fold_topups(*_sent(policy, [refusal()]))
+    policy.commit([("s", 2, H[2])])
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 3 * BS)]
+    batch, _ = policy.take_for_sync()
+    assert policy.after_sync(batch, []).commits == [("s", 2, H[2])]  # still sent after a sync
