@@ -44,7 +44,7 @@ asked and granted). Bookkeeping waits in three queues (top-ups, commits, release
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
@@ -226,10 +226,6 @@ class AllocatorPolicy:
         if not commits:
             return
         self._commits.extend(commits)
-        for seq_id, index, _ in commits:  # block_service grows the length to a committed block's end
-            table = self._tables.get(seq_id)
-            if table is not None:
-                table.num_tokens = max(table.num_tokens, (index + 1) * self.block_size)
         if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
             self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
         else:
@@ -289,6 +285,16 @@ class AllocatorPolicy:
             if isinstance(new, list) and table is not None:
                 table.block_ids.extend(new)
                 table.num_tokens = max(table.num_tokens, tokens)
+
+    def fold_commits(self, commits: Sequence[tuple[str, int, bytes]], refused: Collection[int]) -> None:
+        """Sent commits block_service took (all but the indexes ``refused``): a commit declares its
+        block full, so block_service's length of the sequence is now at least that block's end
+        (it grows past a prompt's length when a refused top-up left it inside the block). Folded
+        on the answer, not when queued, so a sync in between lists what block_service holds."""
+        for i, (seq_id, index, _) in enumerate(commits):
+            table = self._tables.get(seq_id)
+            if table is not None and i not in refused:
+                table.num_tokens = max(table.num_tokens, (index + 1) * self.block_size)
 
     def requeue(self, batch: Bookkeeping) -> None:
         """A taken batch did not reach block_service: put it back before what was queued since,

@@ -194,8 +194,10 @@ class RemoteBlockAllocator:
             log.warning("block_service refused %s", error.line())
             if error.code == "NOT_FOUND":
                 lost = error
+        refused = {error.index for error in result.errors if error.kind == "commit"}
         with self._lock:
             self._policy.fold_topups(batch.topups, result.growth)
+            self._policy.fold_commits(batch.commits, refused)
         if lost is not None:  # block_service does not know a sequence the node holds
             self._trouble(NotFound(lost.line()))
 

@@ -259,6 +259,15 @@ def test_a_commit_past_the_length_grows_it_as_block_service_does():
     policy = claimed(40, [0, 1, 2])
     policy.fold_topups(*_sent(policy, [refusal()]))
     policy.commit([("s", 2, H[2])])
+    batch, live = policy.take_for_sync()                 # not sent yet: block_service has 40
+    assert live == [LiveSequence("s", "t", [0, 1, 2], 40)]
+    resend = policy.after_sync(batch, [])
+    assert resend.commits == [("s", 2, H[2])]            # still sent after a sync
+    policy.fold_commits(resend.commits, refused=())
     assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 3 * BS)]
-    batch, _ = policy.take_for_sync()
-    assert policy.after_sync(batch, []).commits == [("s", 2, H[2])]  # still sent after a sync
+
+    policy = claimed(40, [0, 1, 2])
+    policy.fold_topups(*_sent(policy, [refusal()]))
+    policy.commit([("s", 2, H[2])])
+    policy.fold_commits(policy.take().commits, refused={0})  # refused: nothing changes
+    assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 40)]
