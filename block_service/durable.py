@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
@@ -44,12 +44,12 @@ _LSN = re.compile(r"-(\d{20})\.(snap|log)$")
 KEEP_SNAPSHOTS = 2
 
 
-def _numbered(state_dir: str, pattern: str) -> list[tuple[int, str]]:
-    """``(lsn, path)`` of the files matching ``pattern``, oldest first."""
+def numbered(state_dir: str, pattern: str, only: Collection[str] | None = None) -> list[tuple[int, str]]:
+    """``(lsn, path)`` of the files matching ``pattern`` (and named in ``only``), oldest first."""
     found = []
     for path in glob.glob(os.path.join(state_dir, pattern)):
         m = _LSN.search(path)
-        if m:
+        if m and (only is None or os.path.basename(path) in only):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -79,8 +79,9 @@ class RecoveryReport:
         return text + "".join(f"; skipped {s}" for s in self.skipped)
 
 
-def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
-    """Rebuild the page table from ``state_dir`` without writing anything.
+def recover(state_dir: str, only: Collection[str] | None = None) -> tuple[PageTable, RecoveryReport]:
+    """Rebuild the page table from ``state_dir`` without writing anything (from the files named in
+    ``only`` when given: a backup's manifest).
 
     The newest snapshot that verifies is the base; the logs from its record on are replayed. A
     corrupt newer snapshot is skipped only if the logs reach past it (they are kept from the older
@@ -90,7 +91,7 @@ def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
     report = RecoveryReport()
     table = PageTable()
     corrupt: list[tuple[int, str, str]] = []  # (lsn, path, why), newest first
-    for lsn, path in reversed(_numbered(state_dir, "snapshot-*.snap")):
+    for lsn, path in reversed(numbered(state_dir, "snapshot-*.snap", only)):
         try:
             report.snapshot_lsn, state = read_snapshot(path)
             table = PageTable.from_dict(state)
@@ -101,7 +102,7 @@ def recover(state_dir: str) -> tuple[PageTable, RecoveryReport]:
             report.corrupt_snapshots.append(path)
             report.skipped.append(str(err))
     expected = report.snapshot_lsn
-    for start, path in _numbered(state_dir, "wal-*.log"):
+    for start, path in numbered(state_dir, "wal-*.log", only):
         if start < report.snapshot_lsn:
             continue
         if report.stop_reason:
@@ -172,7 +173,7 @@ class DurablePageTable:
             os.replace(path, path + ".bad")
         write_snapshot(state_dir, report.lsn, table.to_dict(), fsync)
         if report.stop_path:  # only now that the snapshot holds everything before the stop
-            for lsn, path in _numbered(state_dir, "wal-*.log"):
+            for lsn, path in numbered(state_dir, "wal-*.log"):
                 if lsn >= report.snapshot_lsn and path >= report.stop_path:
                     os.replace(path, path + ".bad")
         store._writer = LogWriter(os.path.join(state_dir, log_name(report.lsn)), report.lsn, fsync)
@@ -324,6 +325,13 @@ class DurablePageTable:
             lsn, state = self._rotate()
             return await asyncio.get_running_loop().run_in_executor(None, self._finish_snapshot, lsn, state)
 
+    async def run_exclusive(self, fn, *args):
+        """Run ``fn(durable_lsn, *args)`` in a worker thread while no snapshot rotates the log or
+        deletes old files (log shipping reads the state directory): the event loop keeps serving.
+        ``durable_lsn`` is the last record on disk when it starts."""
+        async with self._snapshot_lock:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, self.durable_lsn, *args)
+
     def _rotate(self) -> tuple[int, dict]:
         """Cut the log at the current record: returns ``(lsn, state)`` to snapshot."""
         assert not self._buf and self._flushing is None, "rotate with records in flight"
@@ -342,11 +350,11 @@ class DurablePageTable:
     def _cleanup(self) -> None:
         """Keep the newest snapshots and the logs from the oldest of them on, so that a newest
         snapshot found corrupt at the next start is replaced by the older one and its logs."""
-        snapshots = _numbered(self.state_dir, "snapshot-*.snap")
+        snapshots = numbered(self.state_dir, "snapshot-*.snap")
         for _, path in snapshots[:-KEEP_SNAPSHOTS]:
             os.remove(path)
         oldest = snapshots[-KEEP_SNAPSHOTS:][0][0] if snapshots else 0
-        for start, path in _numbered(self.state_dir, "wal-*.log"):
+        for start, path in numbered(self.state_dir, "wal-*.log"):
             if start < oldest:
                 os.remove(path)
         for path in glob.glob(os.path.join(self.state_dir, "*.tmp")):

@@ -20,9 +20,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", metavar="FILE", help="tenants YAML (the router's format); replaces the set")
     parser.add_argument("--durability", choices=("fsync", "write", "off"), default="fsync",
                         help="fsync the log before answering (default), only write it, or keep no log")
-    parser.add_argument("--snapshot-interval-s", type=float, default=3600.0, help="seconds between snapshots")
+    parser.add_argument("--snapshot-interval", "--snapshot-interval-s", dest="snapshot_interval_s",
+                        type=duration, default=3600.0, metavar="DURATION",
+                        help="a full snapshot this often (seconds, or 30s / 5m / 1h; default 1h)")
+    parser.add_argument("--backup-dir", metavar="DIR",
+                        help="ship the latest snapshot and the log since to DIR (disaster recovery)")
+    parser.add_argument("--log-ship-interval", type=duration, default=300.0, metavar="DURATION",
+                        help="ship the log to --backup-dir this often (default 5m)")
     parser.add_argument("--snapshot-log-mib", type=float, default=1024.0,
                         help="also snapshot when the log grows past this size")
+
+
+def duration(text: str) -> float:
+    """``3600``, ``90s``, ``5m``, ``1h`` -> seconds (positive)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    scale = units.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if text[-1:].lower() in units else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (seconds, or 30s / 5m / 1h)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +68,9 @@ async def serve(args: argparse.Namespace) -> int:
     from kvfleet import rpc
     from kvfleet.v1 import block_manager_pb2_grpc
 
+    if args.backup_dir and args.durability == "off":
+        log.error("--backup-dir ships the log: it needs --durability fsync or write")
+        return 2
     if args.durability == "off":
         store = DurablePageTable(PageTable(), None)
     else:
@@ -84,15 +106,46 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    snapshots = asyncio.create_task(_snapshot_loop(store, args.snapshot_interval_s, args.snapshot_log_mib))
+    tasks = [asyncio.create_task(_snapshot_loop(store, args.snapshot_interval_s, args.snapshot_log_mib))]
+    if args.backup_dir:
+        tasks.append(asyncio.create_task(_ship_loop(store, args.backup_dir, args.log_ship_interval)))
+        log.info("shipping the log to %s every %.0f s, a full snapshot every %.0f s", args.backup_dir,
+                 args.log_ship_interval, args.snapshot_interval_s)
     await stop.wait()
     log.info("stopping: draining calls, then snapshot")
-    snapshots.cancel()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(grace=5)
     await store.flush()
     store.close()
+    if args.backup_dir:  # the final snapshot too: a restore from the backup replays nothing
+        await _ship(store, args.backup_dir)
     log.info("stopped cleanly at log record %d", store.lsn)
     return 0
+
+
+async def _ship(store, backup_dir: str) -> None:
+    from functools import partial
+
+    from block_service.backup import ship
+
+    try:
+        result = await store.run_exclusive(partial(ship, state_dir=store.state_dir, backup_dir=backup_dir,
+                                                   fsync=store.fsync))
+        log.info("shipped to %s: %s", backup_dir, result.summary())
+    except Exception as err:  # the next ship retries from the manifest: nothing shipped is lost
+        log.error("log shipping to %s failed: %s: %s", backup_dir, type(err).__name__, err)
+
+
+async def _ship_loop(store, backup_dir: str, interval_s: float) -> None:
+    """Ship at once (a fresh backup holds the state from the start), then every interval; in a
+    worker thread, so the event loop keeps answering."""
+    import asyncio
+
+    while True:
+        await _ship(store, backup_dir)
+        await asyncio.sleep(interval_s)
 
 
 async def _snapshot_loop(store, interval_s: float, log_mib: float) -> None:
