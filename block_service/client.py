@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from block_service import wire
+from block_service.blocks_report import BlocksReport, NodeBlocks
 from block_service.bookkeeping import ApplyResult
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
@@ -115,6 +116,14 @@ class BlockManagerClient:
         resp = await self._call("Stats", pb.BlockStatsRequest(node_ids=node_ids or []))
         return ([wire.node_stats_from_pb(n) for n in resp.nodes],
                 [wire.tenant_stats_from_pb(t) for t in resp.tenants])
+
+    async def blocks(self, node_ids: Sequence[str] | None = None, top_holders: int = 5) -> BlocksReport:
+        """Who holds the blocks (``kvfleet blocks``): per node its tiers and top holders, per tenant
+        its charges; read-only."""
+        resp = await self._call("Stats", pb.BlockStatsRequest(node_ids=node_ids or [], top_holders=top_holders))
+        nodes = [NodeBlocks(wire.node_stats_from_pb(n), [wire.tier_from_pb(t) for t in n.tiers],
+                            [wire.holder_from_pb(h) for h in n.top_holders]) for n in resp.nodes]
+        return BlocksReport(nodes, [wire.tenant_stats_from_pb(t) for t in resp.tenants], resp.log_records)
 
     async def sequences(self, seq_ids: Sequence[str], tenant: str | None = None) -> list[SeqState]:
         resp = await self._call("GetSequences", pb.GetSequencesRequest(seq_ids=seq_ids, tenant=tenant or ""))

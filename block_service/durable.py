@@ -127,6 +127,7 @@ def recover(state_dir: str, only: Collection[str] | None = None) -> tuple[PageTa
         if scan.error:
             report.stop_path, report.stop_offset, report.stop_reason = path, scan.end_offset, scan.error
     report.lsn = expected
+    table.mark_recovered()
     if corrupt and corrupt[0][0] > expected:
         where = f"{report.stop_path}: {report.stop_reason}" if report.stop_reason else "no later log"
         raise RecoveryError(_missing(report, corrupt, expected, corrupt[0][0], f"the logs end there ({where})"))

@@ -3,7 +3,9 @@ and the one decision that needs all of them: may a tenant be charged ``n`` more 
 
 A full pool or quota is an answer (``Refusal``), counted per node and tenant; a full pool is also
 logged, at most once per ``WARN_INTERVAL_S`` per node, with the tenants holding the most blocks, so
-that an operator sees who filled it (``block_pool exhausted (alloc=N/N) node=… tenant=…``).
+that an operator sees who filled it (``block_pool exhausted (alloc=N/N) node=… tenant=…``); the line
+says how many refusals went unlogged since the previous one (``suppressed=N``), so a burst is
+counted, not hidden. ``kvfleet blocks`` then names the sequences.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class NodeState:
     counters: Counters = field(default_factory=Counters)
     tenant_counters: dict[str, Counters] = field(default_factory=dict)
     last_warning: float = float("-inf")
+    suppressed_warnings: int = 0  # pool refusals not logged since the last line (the interval)
 
     def tenant_counter(self, tenant: str) -> Counters:
         c = self.tenant_counters.get(tenant)
@@ -58,10 +61,14 @@ class NodeState:
             self.last_warning = now
             log.warning(
                 "block_pool exhausted (alloc=%d/%d) node=%s tenant=%s asked=%d available=%d "
-                "reserved_for_others=%d top holders: %s",
+                "reserved_for_others=%d suppressed=%d top holders: %s",
                 pool.num_used, pool.num_blocks, node_id, tenant, n, pool.num_available(),
-                ledger.reserved_for_others(tenant), self._top_holders(seqs_per_tenant(self)),
+                ledger.reserved_for_others(tenant), self.suppressed_warnings,
+                self._top_holders(seqs_per_tenant(self)),
             )
+            self.suppressed_warnings = 0
+        else:
+            self.suppressed_warnings += 1
         return Refusal("pool", node_id, tenant, n, pool.num_used, pool.num_blocks)
 
     def _top_holders(self, seqs: dict[str, int]) -> str:

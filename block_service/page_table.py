@@ -10,14 +10,16 @@ replaying the same calls on the same state gives the same block ids.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from block_service.block_pool import BlockPool, validate_shape
 from block_service.node_state import NodeState
 from block_service.node_sync import LiveSequence, SyncResult, plan_sync
-from block_service.stats import Counters, NodeStats, TenantStats
+from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from block_service.validation import validate_hashes, validate_tokens
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
@@ -45,6 +47,11 @@ class SeqState:
     block_ids: list[int]
     num_tokens: int
     num_committed: int  # blocks of this table committed (prefix hits included)
+    # When this process allocated (or adopted) it, for the top holders' age. Kept in memory only:
+    # persisting it would put the wall clock in every allocate record for a diagnostic figure;
+    # after a restart the age counts from the recovery and says so (``recovered``).
+    since: float = field(default_factory=time.monotonic, compare=False, repr=False)
+    recovered: bool = field(default=False, compare=False, repr=False)
 
 
 class PageTable:
@@ -344,6 +351,20 @@ class PageTable:
             )
             for t, (n_seqs, tokens, capacity) in per.items()
         ]
+
+    def top_holders(self, node_id: str, limit: int) -> list[Holder]:
+        """The ``limit`` live sequences of the node holding the most blocks (ties: by id)."""
+        node = self._node(node_id)
+        bs, now = node.pool.block_size, time.monotonic()
+        seqs = heapq.nsmallest(limit, map(self._seqs.get, node.seq_ids), key=lambda s: (-len(s.block_ids), s.seq_id))
+        return [Holder(seq_id=s.seq_id, tenant=s.tenant, num_blocks=len(s.block_ids), num_tokens=s.num_tokens,
+                       tail_waste_tokens=len(s.block_ids) * bs - s.num_tokens, age_s=now - s.since,
+                       age_at_least=s.recovered) for s in seqs]
+
+    def mark_recovered(self) -> None:
+        """Every live sequence predates this process (recovery): their ages are lower bounds."""
+        for s in self._seqs.values():
+            s.recovered = True
 
     def allocator_stats(self, node_id: str) -> AllocatorStats:
         node = self._node(node_id)

@@ -123,8 +123,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_answers
     async def Stats(self, request, context):
         node_ids = list(request.node_ids) or self.table.node_ids()
+        nodes = []
+        for n in node_ids:
+            stats = self.table.node_stats(n)
+            m = wire.node_stats_to_pb(stats)
+            m.tiers.append(wire.device_tier_to_pb(stats))
+            m.top_holders.extend(wire.holder_to_pb(h) for h in self.table.top_holders(n, request.top_holders))
+            nodes.append(m)
         return pb.BlockStatsResponse(
-            nodes=[wire.node_stats_to_pb(self.table.node_stats(n)) for n in node_ids],
+            nodes=nodes,
             tenants=[wire.tenant_stats_to_pb(t) for n in node_ids for t in self.table.tenant_stats(n)],
             log_records=self.store.durable_lsn,
             log_bytes=self.store.log_bytes,

@@ -55,3 +55,26 @@ class TenantStats:
     tokens_stored: int    # sum over the tenant's sequences (shared prefixes counted per sequence)
     token_capacity: int   # sum of their block tables' capacity
     counters: Counters = field(default_factory=Counters)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Holder:
+    """A live sequence holding blocks on a node (``kvfleet blocks``' top holders)."""
+
+    seq_id: str
+    tenant: str
+    num_blocks: int
+    num_tokens: int
+    tail_waste_tokens: int   # unused slots of its partly filled last block
+    age_s: float             # since allocated here (or adopted from its node by a sync)
+    age_at_least: bool = False  # allocated before block_service's last start: a lower bound
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TierBlocks:
+    """One tier of a node's pool; only ``device`` exists today, host or disk tiers join as more."""
+
+    tier: str
+    num_used: int
+    num_cached: int
+    num_free: int

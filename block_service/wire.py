@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
-from block_service.stats import Counters, NodeStats, TenantStats
+from block_service.stats import Counters, Holder, NodeStats, TenantStats, TierBlocks
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import InvalidArgument
@@ -186,6 +186,25 @@ def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
         num_free=m.num_free, num_cached=m.num_cached, num_used=m.num_used, num_sequences=m.num_sequences,
         tokens_stored=m.tokens_stored, token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
     )
+
+
+def device_tier_to_pb(s: NodeStats) -> pb.TierBlocks:
+    """The pool's only tier today; more tiers would each add an entry."""
+    return pb.TierBlocks(tier="device", num_used=s.num_used, num_cached=s.num_cached, num_free=s.num_free)
+
+
+def tier_from_pb(m: pb.TierBlocks) -> TierBlocks:
+    return TierBlocks(tier=m.tier, num_used=m.num_used, num_cached=m.num_cached, num_free=m.num_free)
+
+
+def holder_to_pb(h: Holder) -> pb.BlockHolder:
+    return pb.BlockHolder(seq_id=h.seq_id, tenant=h.tenant, num_blocks=h.num_blocks, num_tokens=h.num_tokens,
+                          tail_waste_tokens=h.tail_waste_tokens, age_s=h.age_s, age_at_least=h.age_at_least)
+
+
+def holder_from_pb(m: pb.BlockHolder) -> Holder:
+    return Holder(seq_id=m.seq_id, tenant=m.tenant, num_blocks=m.num_blocks, num_tokens=m.num_tokens,
+                  tail_waste_tokens=m.tail_waste_tokens, age_s=m.age_s, age_at_least=m.age_at_least)
 
 
 def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:

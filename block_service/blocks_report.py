@@ -1,0 +1,96 @@
+"""What ``kvfleet blocks`` shows: per node, its pool by tier, the sequences holding the most blocks,
+the internal waste of partly filled last blocks, and per tenant the blocks charged against the quota.
+
+The second step of the field guide's OOM flow: the ``block_pool exhausted (alloc=N/N)`` line says a
+pool ran dry and which tenants hold it; this says which requests, how long they have held it, and
+whether the pool is full of live blocks, of cache (evictable, so not the cause), or of waste.
+Pure: built from the figures the Stats call returns (``client.BlockManagerClient.blocks``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from block_service.stats import Holder, NodeStats, TenantStats, TierBlocks
+
+
+@dataclass(slots=True, frozen=True)
+class NodeBlocks:
+    stats: NodeStats
+    tiers: list[TierBlocks] = field(default_factory=list)
+    holders: list[Holder] = field(default_factory=list)
+
+    @property
+    def waste_tokens(self) -> int:
+        """Unused slots of the live sequences' last blocks (token capacity less tokens stored)."""
+        return self.stats.token_capacity - self.stats.tokens_stored
+
+
+@dataclass(slots=True, frozen=True)
+class BlocksReport:
+    nodes: list[NodeBlocks]
+    tenants: list[TenantStats]
+    log_records: int = 0
+
+
+def to_json(report: BlocksReport) -> dict:
+    """The report as plain data (``--json``): one object per node, one per tenant and node."""
+    nodes = []
+    for n in report.nodes:
+        s = n.stats
+        nodes.append({
+            "node_id": s.node_id, "num_blocks": s.num_blocks, "block_size": s.block_size,
+            "bytes_per_block": s.bytes_per_block, "used": s.num_used, "cached": s.num_cached, "free": s.num_free,
+            "num_sequences": s.num_sequences, "tiers": [asdict(t) for t in n.tiers],
+            "waste_tokens": n.waste_tokens, "waste_frac": round(s.fragmentation, 4),
+            "refusals_pool": s.counters.refusals_pool, "refusals_quota": s.counters.refusals_quota,
+            "top_holders": [asdict(h) for h in n.holders],
+        })
+    tenants = [{
+        "tenant": t.tenant, "node_id": t.node_id, "charged": t.blocks_charged, "quota": t.blocks_allowed,
+        "reserved": t.blocks_reserved, "num_sequences": t.num_sequences,
+        "refusals_pool": t.counters.refusals_pool, "refusals_quota": t.counters.refusals_quota,
+    } for t in report.tenants]
+    return {"nodes": nodes, "tenants": tenants, "log_records": report.log_records}
+
+
+def _age(h: Holder) -> str:
+    return (">" if h.age_at_least else "") + f"{h.age_s:.0f}s"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def render(report: BlocksReport) -> str:
+    """The report for a person: a block per node, then the tenants' charges against quota."""
+    if not report.nodes:
+        return "no nodes registered"
+    lines: list[str] = []
+    for n in report.nodes:
+        s = n.stats
+        lines.append(f"node {s.node_id}: {s.num_blocks} blocks of {s.block_size} tokens, "
+                     f"{s.num_sequences} sequences, refusals pool={s.counters.refusals_pool} "
+                     f"quota={s.counters.refusals_quota}")
+        lines += ["  " + line for line in _table(
+            ["tier", "used", "cached", "free"],
+            [[t.tier, str(t.num_used), str(t.num_cached), str(t.num_free)] for t in n.tiers])]
+        lines.append(f"  waste: {n.waste_tokens} token slots unused in partly filled last blocks "
+                     f"({s.fragmentation:.1%} of the used blocks' capacity)")
+        if n.holders:
+            lines.append("  top holders:")
+            lines += ["    " + line for line in _table(
+                ["sequence", "tenant", "blocks", "tokens", "waste", "age"],
+                [[h.seq_id, h.tenant, str(h.num_blocks), str(h.num_tokens), str(h.tail_waste_tokens), _age(h)]
+                 for h in n.holders])]
+    if report.tenants:
+        lines.append("tenants (blocks):")
+        lines += ["  " + line for line in _table(
+            ["tenant", "node", "charged", "quota", "reserved", "sequences", "refused pool", "refused quota"],
+            [[t.tenant, t.node_id, str(t.blocks_charged), "unlimited" if t.blocks_allowed is None
+              else str(t.blocks_allowed), str(t.blocks_reserved), str(t.num_sequences),
+              str(t.counters.refusals_pool), str(t.counters.refusals_quota)] for t in report.tenants])]
+    if any(h.age_at_least for n in report.nodes for h in n.holders):
+        lines.append("(>: allocated before block_service's last start; the age counts from that start)")
+    return "\n".join(lines)
