@@ -27,8 +27,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 
 from block_service.durable import numbered
-from block_service.snapshot import SnapshotError, read_snapshot
-from block_service.wal import HEADER, MAGIC, frame, fsync_dir, log_name, scan_log
+from block_service.snapshot import SnapshotError, read_snapshot, write_atomically
+from block_service.wal import HEADER, MAGIC, frame, log_name, scan_log
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
@@ -101,19 +101,6 @@ def check_file(backup_dir: str, f: BackupFile) -> str | None:
     return None
 
 
-def _write_atomically(directory: str, name: str, data: bytes, fsync: bool) -> None:
-    path = os.path.join(directory, name)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        if fsync:
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(directory)
-
-
 def _newest_snapshot(state_dir: str) -> tuple[int, str]:
     for lsn, path in reversed(numbered(state_dir, "snapshot-*.snap")):
         try:
@@ -178,20 +165,20 @@ def ship(target_lsn: int, state_dir: str, backup_dir: str, fsync: bool = True) -
         with open(snap_path, "rb") as f:
             data = f.read()
         name = os.path.basename(snap_path)
-        _write_atomically(backup_dir, name, data, fsync)
+        write_atomically(backup_dir, name, data, fsync)
         files = [BackupFile(name, "snapshot", snap_lsn, snap_lsn, len(data), zlib.crc32(data))]
         start = result.shipped_lsn = snap_lsn
         result.snapshot = name
     if target_lsn > start:
         data = HEADER.pack(MAGIC, start) + _records(state_dir, start, target_lsn)
         name = log_name(start)
-        _write_atomically(backup_dir, name, data, fsync)
+        write_atomically(backup_dir, name, data, fsync)
         files.append(BackupFile(name, "log", start, target_lsn, len(data), zlib.crc32(data)))
         result.segment, result.first_lsn, result.shipped_lsn = name, start, target_lsn
     if result.snapshot is None and result.segment is None:
         return result
     manifest = Manifest(files, result.shipped_lsn, time.time())
-    _write_atomically(backup_dir, MANIFEST, manifest.to_json(), fsync)
+    write_atomically(backup_dir, MANIFEST, manifest.to_json(), fsync)
     keep = {f.name for f in files} | {MANIFEST}
     for name in os.listdir(backup_dir):
         if name not in keep and (name.endswith((".snap", ".log", ".tmp"))):

@@ -34,18 +34,24 @@ def encode_snapshot(lsn: int, state: dict) -> bytes:
     return body + CRC.pack(zlib.crc32(body))
 
 
-def write_snapshot(state_dir: str, lsn: int, state: dict, fsync: bool = True) -> str:
-    path = os.path.join(state_dir, snapshot_name(lsn))
+def write_atomically(directory: str, name: str, data: bytes, fsync: bool = True) -> str:
+    """Write ``data`` to a temporary file, fsync it, rename it to ``name``: a crash leaves the old
+    file or the new one, never half of one. Returns the path."""
+    path = os.path.join(directory, name)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(encode_snapshot(lsn, state))
+        f.write(data)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:
-        fsync_dir(state_dir)
+        fsync_dir(directory)
     return path
+
+
+def write_snapshot(state_dir: str, lsn: int, state: dict, fsync: bool = True) -> str:
+    return write_atomically(state_dir, snapshot_name(lsn), encode_snapshot(lsn, state), fsync)
 
 
 def read_snapshot(path: str) -> tuple[int, dict]:

@@ -1,0 +1,55 @@
+"""``kvfleet blocks``' figures from the pure page table: top holders by blocks with their tail waste,
+their age a lower bound after a recovery (kept in memory only), and the report's two renderings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+from block_service.durable import DurablePageTable
+from block_service.page_table import PageTable
+from block_service.stats import TierBlocks
+from kvfleet.allocator import AllocateRequest
+
+
+def _filled() -> PageTable:
+    table = PageTable()
+    table.register_node("n0", 32, 16, 1 << 16)
+    for seq_id, tenant, tokens in [("s1", "a", 20), ("s2", "b", 64), ("s3", "a", 33), ("s4", "b", 33)]:
+        table.allocate("n0", seq_id, tenant, [], tokens)
+    return table
+
+
+def test_top_holders_rank_by_blocks_then_id_with_their_tail_waste() -> None:
+    holders = _filled().top_holders("n0", 3)
+    assert [(h.seq_id, h.tenant, h.num_blocks, h.num_tokens, h.tail_waste_tokens) for h in holders] == [
+        ("s2", "b", 4, 64, 0), ("s3", "a", 3, 33, 15), ("s4", "b", 3, 33, 15)]
+    assert all(h.age_s >= 0 and not h.age_at_least for h in holders)
+    assert _filled().top_holders("n0", 0) == []
+
+
+def test_after_a_restart_the_ages_of_recovered_sequences_are_lower_bounds(tmp_path: Path) -> None:
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    store.register_node("n0", 32, 16, 1 << 16)
+    store.snapshot()
+    store.allocate_many([AllocateRequest("n0", "old", "a", [], 40)])  # replayed from the log
+    store.sync()
+    reopened, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    assert [h.age_at_least for h in reopened.table.top_holders("n0", 5)] == [True]
+    reopened.table.allocate("n0", "fresh", "a", [], 16)
+    assert {h.seq_id: h.age_at_least for h in reopened.table.top_holders("n0", 5)} == {"old": True, "fresh": False}
+
+
+def test_the_report_renders_tiers_holders_waste_and_tenants() -> None:
+    table = _filled()
+    stats = table.node_stats("n0")
+    node = NodeBlocks(stats, [TierBlocks(tier="device", num_used=stats.num_used, num_cached=0,
+                                         num_free=stats.num_free)], table.top_holders("n0", 2))
+    report = BlocksReport([node], table.tenant_stats("n0"), 4)
+    data = to_json(report)
+    assert data["nodes"][0]["waste_tokens"] == 12 + 0 + 15 + 15 == node.waste_tokens
+    assert (data["nodes"][0]["used"], data["nodes"][0]["free"]) == (12, 20)
+    assert {t["tenant"]: t["charged"] for t in data["tenants"]} == {"a": 5, "b": 7}
+    text = render(report)
+    assert "device  12    0       20" in text and "waste: 42 token slots" in text
+    assert render(BlocksReport([], [])) == "no nodes registered"
