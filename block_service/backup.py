@@ -121,6 +121,8 @@ def _records(state_dir: str, start: int, end: int) -> bytes:
             continue  # wholly outside the range
         scan, records = scan_log(path)
         lsn = scan.start_lsn
+        if lsn == -1:  # a torn header: a log created as the process died, holding no record
+            continue
         try:
             for _, payload in records:
                 if lsn >= end:

@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet blocks: block_service at {args.block_service}: {err.code().name}: {err.details()}",
               file=sys.stderr)
         return 1
-    except BlockServiceError as err:  # e.g. an unknown --node
-        print(f"kvfleet blocks: {err}", file=sys.stderr)
+    except BlockServiceError as err:  # an unknown --node, or block_service unreachable
+        print(f"kvfleet blocks: block_service at {args.block_service}: {err}", file=sys.stderr)
         return 1
     print(json.dumps(to_json(report)) if args.json else render(report))
     return 0
