@@ -64,3 +64,35 @@ def test_prefix_cache_hits_match_transformers(windowed):
     again = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=MAX_NEW))[0]
     assert again.cached_tokens > 0
     assert first.new_token_ids == again.new_token_ids == want[3]
+
+
+def used_blocks_while_generating(model_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    """Greedy tokens and the pool's used blocks after every step (the allocator's public stats)."""
+    engine = LLMEngine(model_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+    engine.add_request("long", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens, used = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        used.append(engine.stats().blocks.num_used)
+        engine.allocator.page_table.check()
+    assert engine.stats().blocks.num_used == 0
+    return tokens, used
+
+
+def test_a_long_generation_holds_only_its_window(windowed):
+    """Mistral, window 24 in blocks of 16: 330 tokens would fill 21 blocks; the sequence holds the
+    blocks its window reaches (2-3) and the one it writes into, whatever its length. The blocks it
+    gave back were committed: they are cached, not freed."""
+    model_dir, _ = windowed("mistral")
+    prompt = random_prompt(30, seed=1)
+    tokens, used = used_blocks_while_generating(model_dir, prompt, 300)
+    assert tokens == transformers_greedy(model_dir, prompt, 300)
+    assert max(used) <= 4, used
+
+
+def test_a_model_with_a_full_attention_layer_gives_nothing_back(windowed):
+    """Qwen2 with max_window_layers 1: layer 0 attends in full, so every block stays."""
+    model_dir, _ = windowed("qwen2_mixed")
+    _, used = used_blocks_while_generating(model_dir, random_prompt(30, seed=2), 120)
+    assert max(used) == -(-150 // 16)
