@@ -47,10 +47,12 @@ def make_windowed_model(out: Path, name: str, seed: int = 0, windowed: bool = Tr
 
 
 @torch.inference_mode()
-def transformers_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+def transformers_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if ignore_eos:  # as the engine's ignore_eos: EOS is a token like any other
+        model.generation_config.eos_token_id = None
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+                         eos_token_id=None if ignore_eos else EOS_ID, pad_token_id=PAD_ID)
     return out[0, len(prompt):].tolist()
