@@ -1,6 +1,7 @@
 """A node's write-behind bookkeeping, applied item by item: growth, then commits, then releases.
 
-A compute node sends what its engine did since the last step in one batch (``ApplyMany``). One item
+A compute node sends what its engine did since the last step in one batch (``ApplyMany``):
+growth, commits, drops (a sliding-window sequence's blocks outside its window), releases. One item
 the page table cannot accept — a commit of a block that is not full, a release of a sequence already
 gone — must not cost the others: a rejected batch would lose its releases and leak their blocks
 until the node re-registers (issue 11). So each item is applied on its own; a bad one is refused
@@ -9,8 +10,8 @@ the rest is applied in the same order as a whole batch would be. The applied ite
 too, so that the log records exactly what changed (``DurablePageTable.apply``).
 
 Growth goes first because a node commits the reserve block it filled in the same batch as the
-top-up that tells block_service the sequence grew into it; commits come before releases so that a
-released prefix stays cached.
+top-up that tells block_service the sequence grew into it; commits come before drops and releases
+so that a dropped or released block is cached under its hash, not freed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from block_service.page_table import PageTable
 from kvfleet.allocator import Refusal
 from kvfleet.errors import BlockServiceError, InvalidArgument
 
-GROWTH, COMMIT, RELEASE = "growth", "commit", "release"
+GROWTH, COMMIT, DROP, RELEASE = "growth", "commit", "drop", "release"
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +64,7 @@ class Applied:
 
     growth: list[tuple[str, int]] = field(default_factory=list)
     commits: list[tuple[str, int, bytes]] = field(default_factory=list)
+    drops: list[tuple[str, int]] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
 
 
@@ -72,6 +74,7 @@ def apply_bookkeeping(
     commits: Sequence[tuple[str, int, bytes]],
     releases: Sequence[str],
     tenant: str | None = None,
+    drops: Sequence[tuple[str, int]] = (),
 ) -> tuple[ApplyResult, Applied]:
     """Apply each item on its own; a sequence named twice in the growth or the releases is refused
     the second time (a batch of the page table names a sequence once, and so does its log record)."""
@@ -105,6 +108,10 @@ def apply_bookkeeping(
             result.num_committed += answer
             if answer:
                 applied.commits.append(item)
+    for item, answer in zip(drops, each(DROP, drops, lambda d: d[0],
+                                        lambda d: table.drop_front([d], tenant), unique=True)):
+        if not isinstance(answer, ItemError):
+            applied.drops.append(item)
     for item, answer in zip(releases, each(RELEASE, releases, lambda s: s,
                                            lambda s: table.release([s], tenant), unique=True)):
         if not isinstance(answer, ItemError):

@@ -78,13 +78,17 @@ class BlockManagerClient:
         await self._call("ReleaseMany", pb.ReleaseManyRequest(seq_ids=seq_ids, tenant=tenant or ""))
 
     async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
-                    growth: Sequence[tuple[str, int]], tenant: str | None = None) -> ApplyResult:
-        """``extend`` (``growth``), ``commit`` and ``release`` in one call, in that order, item by
-        item: a bad item is refused alone and listed in ``ApplyResult.errors``, the rest applied."""
+                    growth: Sequence[tuple[str, int]], tenant: str | None = None,
+                    drops: Sequence[tuple[str, int]] = ()) -> ApplyResult:
+        """``extend`` (``growth``), ``commit``, ``drop_front`` (``drops``) and ``release`` in one
+        call, in that order, item by item: a bad item is refused alone and listed in
+        ``ApplyResult.errors``, the rest applied."""
         resp = await self._call("ApplyMany", pb.ApplyManyRequest(
             commits=wire.commit_request_to_pb(commits, tenant),
             releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),
-            growth=wire.extend_request_to_pb(growth, tenant)))
+            growth=wire.extend_request_to_pb(growth, tenant),
+            drops=pb.DropManyRequest(sequences=[pb.SequenceDrop(seq_id=s, num_blocks=n) for s, n in drops],
+                                     tenant=tenant or "")))
         return wire.apply_result_from_pb(resp)
 
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:

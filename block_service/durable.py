@@ -242,14 +242,17 @@ class DurablePageTable:
             self._log(rec.encode_release(seq_ids))
 
     def apply(self, growth: Sequence[tuple[str, int]], commits: Sequence[tuple[str, int, bytes]],
-              releases: Sequence[str], tenant: str | None = None) -> ApplyResult:
+              releases: Sequence[str], tenant: str | None = None,
+              drops: Sequence[tuple[str, int]] = ()) -> ApplyResult:
         """A node's bookkeeping item by item (``bookkeeping``); the log gets what was applied."""
         self._check_writable()
-        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant)
+        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant, drops)
         if applied.growth:
             self._log(rec.encode_extend(applied.growth))
         if applied.commits:
             self._log(rec.encode_commit(applied.commits))
+        if applied.drops:
+            self._log(rec.encode_extend(applied.drops, rec.DROP))
         if applied.releases:
             self._log(rec.encode_release(applied.releases))
         return result

@@ -40,6 +40,9 @@ class LocalBlockAllocator:
     def release(self, seq_ids: Sequence[str]) -> None:
         self.page_table.release(seq_ids)
 
+    def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
+        self.page_table.drop_front(drops)
+
     def stats(self) -> AllocatorStats:
         return self.page_table.allocator_stats(self.node_id)
 

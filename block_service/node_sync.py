@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service.validation import validate_tokens
+from kvfleet.allocator import DROPPED
 from kvfleet.errors import InvalidArgument
 from kvfleet.ids import check_id
 
@@ -79,10 +80,14 @@ def why_invalid(s: LiveSequence, num_blocks: int, block_size: int) -> str | None
         return str(err)
     if len(s.block_ids) != -(-n // block_size):
         return f"{len(s.block_ids)} blocks cannot hold {n} tokens in blocks of {block_size}"
-    bad = [b for b in s.block_ids if not isinstance(b, int) or not 0 <= b < num_blocks]
+    dropped = next((i for i, b in enumerate(s.block_ids) if b != DROPPED), len(s.block_ids))
+    held = s.block_ids[dropped:]  # the entries given back (drop_front) lead the table
+    bad = [b for b in held if not isinstance(b, int) or not 0 <= b < num_blocks]
     if bad:
         return f"block ids {bad[:5]} are outside the pool of {num_blocks} blocks"
-    if len(set(s.block_ids)) != len(s.block_ids):
+    if dropped * block_size > n:
+        return f"{dropped} dropped blocks are more than its {n} tokens fill"
+    if len(set(held)) != len(held):
         return "a block appears twice in its table"
     return None
 

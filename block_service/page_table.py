@@ -22,7 +22,7 @@ from block_service.node_sync import LiveSequence, SyncResult, plan_sync
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from block_service.validation import validate_hashes, validate_tokens
-from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, AllocatorStats, Refusal
 from kvfleet.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SeqState:
-    """A live sequence: its block table and how many tokens the table holds."""
+    """A live sequence: its block table and how many tokens the table holds. Entries of blocks
+    given back by ``drop_front`` (sliding window) are ``DROPPED``, always a prefix of the table."""
 
     seq_id: str
     node_id: str
@@ -52,6 +53,17 @@ class SeqState:
     # after a restart the age counts from the recovery and says so (``recovered``).
     since: float = field(default_factory=time.monotonic, compare=False, repr=False)
     recovered: bool = field(default=False, compare=False, repr=False)
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks the table holds (``DROPPED`` entries left out)."""
+        return [b for b in self.block_ids if b != DROPPED]
+
+    @property
+    def num_dropped(self) -> int:
+        """Leading entries given back (``drop_front``): full blocks, so ``num_dropped * block_size``
+        of the sequence's tokens are no longer held."""
+        return len(self.block_ids) - len(self.held)
 
 
 class PageTable:
@@ -107,15 +119,15 @@ class PageTable:
         self._release(plan.release)
         result.released += plan.release
         result.refused, result.listed = plan.refused, plan.listed
-        owners = node.pool.claim([(s.block_ids, s.tenant) for s in plan.take])
+        owners = node.pool.claim([([b for b in s.block_ids if b != DROPPED], s.tenant) for s in plan.take])
         for t, n in owners.items():
             node.ledger.charge_granted(t, n)
         for s in plan.take:
             old = self._seqs.get(s.seq_id)
             (result.adopted if old is None else result.updated).append(s.seq_id)
             if old is not None:
-                self._unreference(node, old.block_ids)
-            num_committed = sum(1 for b in s.block_ids if node.pool.hash[b] is not None)
+                self._unreference(node, old.held)
+            num_committed = sum(1 for b in s.block_ids if b != DROPPED and node.pool.hash[b] is not None)
             self._seqs[s.seq_id] = SeqState(s.seq_id, node_id, s.tenant, list(s.block_ids), s.num_tokens,
                                             num_committed)
             node.seq_ids[s.seq_id] = None
@@ -252,6 +264,8 @@ class PageTable:
                     f"sequence {seq.seq_id!r} holds {len(seq.block_ids)} blocks: block {i!r} is not one of them"
                 )
             b = seq.block_ids[i]
+            if b == DROPPED:
+                raise FailedPrecondition(f"block {i} of sequence {seq.seq_id!r} was given back (drop_front)")
             old = self._nodes[seq.node_id].pool.hash[b]
             if pending.setdefault((seq.node_id, b), h) != h:
                 raise InvalidArgument(f"block {i} of sequence {seq.seq_id!r} committed twice, two hashes")
@@ -279,7 +293,26 @@ class PageTable:
             seq = self._seqs.pop(seq_id)
             node = self._nodes[seq.node_id]
             del node.seq_ids[seq_id]
-            self._unreference(node, seq.block_ids)
+            self._unreference(node, seq.held)
+
+    def drop_front(self, drops: Sequence[tuple[str, int]], tenant: str | None = None) -> None:
+        """Give back blocks ``[0, n)`` of each ``(seq_id, n)`` (``BlockAllocator.drop_front``): a
+        sliding-window sequence's blocks outside every layer's window. Like a release, deepest
+        first, committed blocks to the prefix cache; the table keeps its positions (``DROPPED``).
+        The whole batch is validated first; ``n`` at or below what was dropped changes nothing."""
+        seqs = self._lookup([s for s, _ in drops], tenant)
+        for seq, (_, n) in zip(seqs, drops):
+            bs = self._nodes[seq.node_id].pool.block_size
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n * bs > seq.num_tokens:
+                raise InvalidArgument(
+                    f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens in blocks of {bs}: cannot drop "
+                    f"its first {n!r} blocks (only full blocks can be dropped)")
+        for seq, (_, n) in zip(seqs, drops):
+            gone = [b for b in seq.block_ids[:n] if b != DROPPED]
+            if not gone:
+                continue
+            seq.block_ids[:n] = [DROPPED] * n
+            self._unreference(self._nodes[seq.node_id], gone)
 
     @staticmethod
     def _unreference(node: NodeState, block_ids: list[int]) -> None:
@@ -323,6 +356,7 @@ class PageTable:
         pool = node.pool
         bs = pool.block_size
         tail_waste = sum(len(s.block_ids) * bs - s.num_tokens for s in map(self._seqs.get, node.seq_ids))
+        # (dropped entries count in both: a dropped block was full, so it adds no waste)
         return NodeStats(
             node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
             num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
@@ -340,8 +374,8 @@ class PageTable:
         for seq in map(self._seqs.get, node.seq_ids):
             acc = per.setdefault(seq.tenant, [0, 0, 0])
             acc[0] += 1
-            acc[1] += seq.num_tokens
-            acc[2] += len(seq.block_ids) * bs
+            acc[1] += seq.num_tokens - seq.num_dropped * bs
+            acc[2] += len(seq.held) * bs
         return [
             TenantStats(
                 tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
@@ -408,9 +442,12 @@ class PageTable:
             for seq_id in node.seq_ids:
                 seq = self._seqs[seq_id]
                 assert seq.node_id == node_id
-                assert len(set(seq.block_ids)) == len(seq.block_ids), f"{seq_id} holds a block twice"
+                held = seq.held
+                assert len(set(held)) == len(held), f"{seq_id} holds a block twice"
                 assert len(seq.block_ids) == -(-seq.num_tokens // pool.block_size), f"{seq_id} table size"
-                for b in seq.block_ids:
+                assert seq.block_ids[:seq.num_dropped] == [DROPPED] * seq.num_dropped, f"{seq_id}: drops not a prefix"
+                assert seq.num_dropped * pool.block_size <= seq.num_tokens, f"{seq_id}: dropped a block not full"
+                for b in held:
                     refs[b] += 1
             assert refs == pool.ref, f"node {node_id}: reference counts differ from the block tables"
             charged: dict[str, int] = {}

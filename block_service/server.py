@@ -75,11 +75,12 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     async def ApplyMany(self, request, context):
         growth = wire.extend_request_from_pb(request.growth)
         commits = wire.commit_request_from_pb(request.commits)
-        tenants = {_tenant(part) for part in (request.growth, request.commits, request.releases)} - {None}
+        tenants = {_tenant(part) for part in (request.growth, request.commits, request.drops, request.releases)} - {None}
         if len(tenants) > 1:
             raise InvalidArgument(f"the parts of one ApplyMany name different tenants: {sorted(tenants)}")
         tenant = tenants.pop() if tenants else None
-        result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant)
+        drops = [(d.seq_id, d.num_blocks) for d in request.drops.sequences]
+        result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant, drops)
         await self.store.flush()
         return wire.apply_result_to_pb(result)
 

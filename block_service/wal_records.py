@@ -8,6 +8,7 @@ the calls on the state they were made on gives the same block ids. Calls that ch
     EXTEND     op count:u32 (seq:str num_tokens:u32)*count
     COMMIT     op count:u32 (seq:str block_index:u32 hash[16])*count
     RELEASE    op count:u32 (seq:str)*count
+    DROP       op count:u32 (seq:str num_blocks:u32)*count      (drop_front: sliding-window blocks)
     REGISTER   op node:str num_blocks:u32 block_size:u32 bytes_per_block:u64
     DEREGISTER op node:str
     TENANTS    op replace_all:u8 json-list-of-tenant-configs
@@ -31,10 +32,10 @@ from kvfleet.allocator import AllocateRequest, Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.tenants import Tenant
 
-ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC = range(1, 9)
+ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC, DROP = range(1, 10)
 OP_NAMES = {ALLOCATE: "allocate", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node"}
+            SYNC: "sync_node", DROP: "drop_front"}
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -56,8 +57,9 @@ def encode_allocate(requests: Sequence[AllocateRequest]) -> bytes:
     return b"".join(parts)
 
 
-def encode_extend(growth: Sequence[tuple[str, int]]) -> bytes:
-    parts = [_OP_COUNT.pack(EXTEND, len(growth))]
+def encode_extend(growth: Sequence[tuple[str, int]], op: int = EXTEND) -> bytes:
+    """EXTEND (``(seq, num_tokens)``) or, same layout, DROP (``(seq, num_blocks)``)."""
+    parts = [_OP_COUNT.pack(op, len(growth))]
     for seq_id, n in growth:
         parts += (_s(seq_id), _U32.pack(n))
     return b"".join(parts)
@@ -133,7 +135,7 @@ def decode(payload: bytes) -> tuple[int, tuple]:
     """``(op, args)`` where ``args`` are the arguments of the page-table call."""
     r = _Reader(payload)
     op = payload[0]
-    if op in (ALLOCATE, EXTEND, COMMIT, RELEASE):
+    if op in (ALLOCATE, EXTEND, COMMIT, RELEASE, DROP):
         _, count = r.unpack(_OP_COUNT)
         items: list = []
         for _ in range(count):
@@ -142,7 +144,7 @@ def decode(payload: bytes) -> tuple[int, tuple]:
                 n, nh = r.unpack(_TOKENS_NHASH)
                 hashes = [r.raw(HASH_BYTES) for _ in range(nh)]
                 items.append(AllocateRequest(node, seq, tenant, hashes, n))
-            elif op == EXTEND:
+            elif op in (EXTEND, DROP):
                 items.append((r.str(), r.unpack(_U32)[0]))
             elif op == COMMIT:
                 items.append((r.str(), r.unpack(_U32)[0], r.raw(HASH_BYTES)))
@@ -177,4 +179,4 @@ def apply(table: PageTable, payload: bytes) -> int:
 
 _METHODS = {ALLOCATE: "allocate_many", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node"}
+            SYNC: "sync_node", DROP: "drop_front"}

@@ -11,12 +11,12 @@ Three rules keep the engine's step from waiting on the network:
   (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
   the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
   re-allocates after a preemption) falls back to asking then.
-- **Write-behind.** Commits, releases and reserve top-ups answer nothing the engine needs now:
+- **Write-behind.** Commits, drops, releases and reserve top-ups answer nothing the engine needs now:
   they are queued and sent together after a step. What others wait for goes at the end of its
   step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
   sharing the prefix may arrive any moment). Decode-time bookkeeping rides along with those, or
   goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
-  the block, a generated block's commit after at most ``defer_steps`` steps.
+  the block, a generated block's commit or a sliding window's drop after at most ``defer_steps``.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
   When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
   a top-up; block_service is only on the path when no reserve covers the growth.
@@ -37,9 +37,11 @@ given back when the answer lands; early, the grant is given back; claimed, the t
 engine's, which releases it itself (a request's stream ending passes ``claimed=False``).
 
 A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
-the reserve, one block ahead. ``num_tokens`` is the sequence's length at block_service (what was
-asked and granted). Bookkeeping waits in three queues (top-ups, commits, releases) until
-``take`` empties them into one ``ApplyMany``; ``end_step`` says when that is due.
+the reserve, one block ahead; entries the engine dropped (``drop_front``, a sliding window) are
+``DROPPED`` at once, so a sync lists the table as block_service will hold it after the drop.
+``num_tokens`` is the sequence's length at block_service (what was asked and granted).
+Bookkeeping waits in four queues (top-ups, commits, drops, releases) until ``take`` empties them
+into one ``ApplyMany``; ``end_step`` says when that is due.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
 TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
@@ -57,14 +59,16 @@ TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could nee
 class Bookkeeping:
     """One ``ApplyMany``, applied in this order: top-ups (they bring block_service's length of a
     sequence up to the blocks the engine fills, so the commits after them are of full blocks),
-    commits (a block is committed by its live sequence), releases."""
+    commits (a block is committed by its live sequence), drops (after the commits: a dropped
+    block is cached under its hash), releases."""
 
     topups: list[tuple[str, int]] = field(default_factory=list)       # (seq, tokens to extend to)
     commits: list[tuple[str, int, bytes]] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
+    drops: list[tuple[str, int]] = field(default_factory=list)        # (seq, leading blocks dropped)
 
     def __bool__(self) -> bool:
-        return bool(self.topups or self.commits or self.releases)
+        return bool(self.topups or self.commits or self.releases or self.drops)
 
 
 @dataclass(slots=True)
@@ -105,6 +109,7 @@ class AllocatorPolicy:
         self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
         self._commits: list[tuple[str, int, bytes]] = []
         self._releases: list[str] = []
+        self._drops: dict[str, int] = {}            # seq → leading blocks dropped (the latest count)
         self._growing: dict[str, int] = {}          # the short sequences of the extend under way
         self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
         self._in_step = False
@@ -231,6 +236,18 @@ class AllocatorPolicy:
         else:
             self._defer(self.defer_steps)
 
+    def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
+        """The engine gave back its sequences' leading blocks (sliding window): the tables mark
+        them ``DROPPED`` now, block_service hears it with the next batch (deferred like a
+        generated block's commit, which it always follows)."""
+        for seq_id, n in drops:
+            table = self._tables.get(seq_id)
+            if table is None or n <= 0:
+                continue
+            table.block_ids[:n] = [DROPPED] * n
+            self._drops[seq_id] = max(n, self._drops.get(seq_id, 0))
+            self._defer(self.defer_steps)
+
     def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
         """Give back what block_service holds or will hold for these sequences: a table the
         engine claimed (unless ``claimed`` is False: the engine may still be using it and
@@ -245,6 +262,7 @@ class AllocatorPolicy:
                     continue
                 del self._tables[seq_id]
                 self._topups.pop(seq_id, None)
+                self._drops.pop(seq_id, None)  # the release gives back the whole table
             elif seq_id in self._in_flight:
                 self._in_flight[seq_id] = True
                 continue
@@ -267,15 +285,15 @@ class AllocatorPolicy:
         return self._urgent or (self._due is not None and self._step >= self._due)
 
     def has_bookkeeping(self) -> bool:
-        return bool(self._commits or self._releases or self._topups)
+        return bool(self._commits or self._releases or self._topups or self._drops)
 
     def take(self) -> Bookkeeping:
         """Everything queued, to send now in one call."""
         self._urgent, self._due = False, None
         released = set(self._releases)
         batch = Bookkeeping([(s, n) for s, n in self._topups.items() if s not in released],
-                            self._commits, self._releases)
-        self._topups, self._commits, self._releases = {}, [], []
+                            self._commits, self._releases, list(self._drops.items()))
+        self._topups, self._commits, self._releases, self._drops = {}, [], [], {}
         return batch
 
     def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
@@ -304,6 +322,10 @@ class AllocatorPolicy:
         self._topups = topups
         self._commits = list(batch.commits) + self._commits
         self._releases = list(batch.releases) + self._releases
+        drops = {s: n for s, n in batch.drops if s in self._tables}
+        for s, n in self._drops.items():
+            drops[s] = max(n, drops.get(s, 0))
+        self._drops = drops
         self._urgent = True
 
     def take_for_sync(self) -> tuple[Bookkeeping, list[LiveSequence]]:
@@ -313,7 +335,8 @@ class AllocatorPolicy:
 
     def after_sync(self, batch: Bookkeeping, refused: Sequence[str]) -> Bookkeeping:
         """Of a batch taken for a sync that block_service did not get first, what to send after it:
-        its releases are moot (the sync released every sequence not listed), its commits and
+        its releases are moot (the sync released every sequence not listed) and so are its drops
+        (the listed tables have their dropped entries ``DROPPED`` already), its commits and
         top-ups of sequences still live and accepted are not (commits keep prefix hits; top-ups
         bring the reserve). Early allocations block_service refused are forgotten (nothing to
         release there); refused claimed sequences are the engine's to fail and release."""
@@ -322,7 +345,8 @@ class AllocatorPolicy:
         gone = set(refused)
         topups = [(s, n) for s, n in batch.topups if s in self._tables and s not in gone]
         held = {s: len(t.block_ids) for s, t in self._tables.items() if s not in gone}
-        commits = [c for c in batch.commits if c[0] in held and c[1] < held[c[0]]]
+        commits = [c for c in batch.commits if c[0] in held and c[1] < held[c[0]]
+                   and self._tables[c[0]].block_ids[c[1]] != DROPPED]
         return Bookkeeping(topups, commits, [])
 
     def live_sequences(self) -> list[LiveSequence]:

@@ -29,6 +29,7 @@ from compute_service.request_output import RequestOutput, StopChecker
 from compute_service.sampler import Sampler
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence
+from compute_service.sliding_window import droppable_window
 from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.weights import load_model, parse_dtype
 from kvfleet.allocator import AllocatorStats, BlockAllocator, Refusal
@@ -100,7 +101,8 @@ class LLMEngine:
             def allocator_factory(n: int, bs: int, bpb: int) -> BlockAllocator:
                 return LocalBlockAllocator.standalone(n, bs, bpb, node_id=config.node_id)
         self.allocator = allocator_factory(num_blocks, block_size, self.bytes_per_block)
-        self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants)
+        self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
+                                 droppable_window(mc.layer_windows))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
         kv_cache = allocate_kv_cache(mc, num_blocks, block_size, dtype, self.device)
@@ -209,6 +211,7 @@ class LLMEngine:
         for seq in batch.decodes:
             seq.num_computed += 1
         self.kv.commit_full_blocks([s for s, _ in batch.prefills] + batch.decodes)
+        self.kv.drop_outside_window([s for s, _ in batch.prefills] + batch.decodes)
         tokens = self.sampler.sample(logits, sampled)
         self._busy += time.perf_counter() - started
         for seq, token in zip(sampled, tokens):

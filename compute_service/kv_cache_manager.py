@@ -3,6 +3,14 @@ blocks, grow it, commit its full blocks under their chained hashes, and release 
 
 The allocator holds the page table (here or in block_service); this class only translates a
 sequence's progress into allocator calls, batched per step.
+
+**Sliding windows.** With ``window`` set (every layer of the model attends through a window, the
+widest being ``window`` tokens; ``sliding_window.droppable_window``), the blocks of a sequence
+wholly outside it are given back as it grows (``drop_front``), so a long sequence holds
+O(window / block_size) blocks. The next query is at position ``num_computed`` and sees keys
+``> num_computed - window``; later queries see less, so block ``i`` is never read again once
+``(i + 1) * block_size <= num_computed - window + 1``. The engine's table keeps those positions
+(stale ids, never read by a kernel); a model with a full-attention layer drops nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from kvfleet.block_hash import (
 
 
 class KVCacheManager:
-    def __init__(self, allocator: BlockAllocator, share_prefix_across_tenants: bool = False):
+    def __init__(self, allocator: BlockAllocator, share_prefix_across_tenants: bool = False,
+                 window: int | None = None):
         self.allocator = allocator
+        self.window = window
         self.block_size = allocator.block_size
         self.share_across_tenants = share_prefix_across_tenants
         self.seed = cluster_seed()
@@ -74,6 +84,20 @@ class KVCacheManager:
             seq.num_committed_blocks = num_full
         if commits:
             self.allocator.commit(commits)
+
+    def drop_outside_window(self, seqs: Iterable[Sequence]) -> None:
+        """Give back the blocks no layer will read again (one allocator call); after the step's
+        commits, so committed ones stay cached."""
+        if self.window is None:
+            return
+        drops: list[tuple[str, int]] = []
+        for seq in seqs:
+            n = min(max(0, seq.num_computed - self.window + 1) // self.block_size, len(seq.block_table))
+            if n > seq.num_dropped_blocks:
+                drops.append((seq.seq_id, n))
+                seq.num_dropped_blocks = n
+        if drops:
+            self.allocator.drop_front(drops)
 
     def release(self, seqs: Iterable[Sequence]) -> None:
         seqs = list(seqs)

@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    window: int | None = None  # sliding window in tokens (None: full), set per layer by CausalLM
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -55,10 +57,10 @@ class Attention(nn.Module):
         if p:
             out[:p] = kernels.paged_prefill(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
-                meta.prefill_query_start_loc, meta.scale)
+                meta.prefill_query_start_loc, meta.scale, window=self.window)
         if p < num_tokens:
             out[p:] = kernels.paged_decode(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale)
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale, window=self.window)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -93,6 +95,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        for layer, window in zip(self.layers, config.layer_windows):
+            layer.self_attn.window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compute_service.sliding_window import WindowConfigError, layer_windows
+
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 
 
@@ -33,6 +35,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     extra: dict = field(default_factory=dict)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -85,11 +88,10 @@ class ModelConfig:
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         max_pos = need("max_position_embeddings")
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        if model_type == "mistral" and sliding is not None and sliding < max_pos:
-            raise ModelLoadError(
-                f"{source}: sliding_window={sliding} < max_position_embeddings={max_pos}; "
-                "sliding-window attention is not supported")
+        try:
+            windows = layer_windows(raw, need("num_hidden_layers"))
+        except WindowConfigError as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = raw.get("rope_scaling") or None
@@ -115,4 +117,5 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             extra=raw,
+            layer_windows=windows,
         )

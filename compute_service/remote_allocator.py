@@ -186,7 +186,7 @@ class RemoteBlockAllocator:
 
     async def _send_bookkeeping(self, batch: Bookkeeping) -> None:
         self.num_rpcs += 1
-        result = await self.client.apply(batch.commits, batch.releases, batch.topups)
+        result = await self.client.apply(batch.commits, batch.releases, batch.topups, drops=batch.drops)
         lost = None
         for error in result.errors:  # refused alone: the rest of the batch was applied
             if error.code == "NOT_FOUND" and error.kind == "release":
@@ -352,6 +352,10 @@ class RemoteBlockAllocator:
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
         with self._lock:
             self._policy.commit(commits)
+
+    def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
+        with self._lock:
+            self._policy.drop_front(drops)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         """Give back the sequences' blocks. From the engine (its step thread): whatever it holds.

@@ -59,7 +59,7 @@ def _held_elsewhere(seq: Sequence, refusal: Refusal) -> bool:
 
         refused for good:  own + asked > allowed,  or nothing charged beyond its own table
     """
-    own = len(seq.block_table)
+    own = len(seq.block_table) - seq.num_dropped_blocks
     return own + refusal.blocks_asked <= refusal.blocks_allowed and refusal.blocks_charged > own
 
 

@@ -4,6 +4,8 @@
     num_computed:  tokens whose K/V is written in the pool (the next step starts there)
     num_allocated_tokens: tokens the page table has room for (a whole prompt is reserved at once)
     block_table:   block ids holding positions [0, len(block_table) * block_size)
+    num_dropped_blocks: leading entries of block_table given back (sliding window: outside every
+                   layer's window); the entries stay, stale, and no kernel reads them
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Sequence:
     num_allocated_tokens: int = 0      # tokens the page table holds room for (>= num_computed)
     block_hashes: list[bytes] = field(default_factory=list)   # of full blocks, chained
     num_committed_blocks: int = 0
+    num_dropped_blocks: int = 0        # leading blocks given back (sliding window)
     num_cached_tokens: int = 0         # prefix-cache hit at first admission (reported in usage)
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -73,4 +76,5 @@ class Sequence:
         self.block_table = []
         self.num_allocated_tokens = 0
         self.num_committed_blocks = 0
+        self.num_dropped_blocks = 0
         self.num_preemptions += 1

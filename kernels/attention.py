@@ -6,6 +6,10 @@
 - CPU prefill → ``cpu_prefill`` (compute-bound: each sequence's blocks gathered once, then float32
   GEMMs, 2-3× faster than ``scaled_dot_product_attention`` at long prompts).
 - ``KVFLEET_ATTENTION=reference`` forces the reference everywhere.
+
+``window`` (``None``: full attention) is a sliding window in tokens, as transformers masks it: a
+query at position ``p`` sees keys ``p - window < k <= p``. Every implementation reads neither the
+keys outside it nor their block-table entries.
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ def paged_decode(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV; returns ``[batch, num_heads, head_dim]``."""
-    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    assert window is None or window > 0, f"window must be positive or None, got {window}"
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, window)
     # The native kernel checks its arguments itself: this path runs per layer per step.
     if not query.is_cuda and not _use_reference() and cpu_kernels.supports(query, k_cache):
         return cpu_kernels.cpu_paged_decode(*args)
@@ -88,14 +94,16 @@ def paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over cached prefix + themselves; returns query's shape."""
     _check_cache(k_cache, v_cache)
+    assert window is None or window > 0, f"window must be positive or None, got {window}"
     # query: [total_new_tokens, num_heads, head_dim]; query_start_loc: [batch + 1]
     assert query.dim() == 3 and query.shape[2] == k_cache.shape[3]
     assert query.shape[1] % k_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
     assert query_start_loc.shape[0] == context_lens.shape[0] + 1 == block_tables.shape[0] + 1
-    args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale)
+    args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale, window)
     if _use_reference():
         return reference.paged_prefill_reference(*args)
     if query.is_cuda:

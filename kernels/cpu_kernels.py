@@ -3,12 +3,15 @@ store (``csrc/store_kv_cpu.cpp``), one extension registering ``torch.ops.kvfleet
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/kvfleet/torch_extensions``); later processes load the
-cached build in well under a second. If compiling fails, ``supports`` answers False and the dispatch
+cached build in well under a second. The build directory is named after a hash of the sources, so
+checkouts with different kernel sources (worktrees, branches) never rebuild over one another's
+cached build. If compiling fails, ``supports`` answers False and the dispatch
 falls back to the torch reference; the reason is logged once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -56,7 +59,8 @@ def load_extension() -> bool:
 
 def _build_dir(name: str) -> str:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/kvfleet/torch_extensions")
-    path = os.path.join(root, f"cpu_kernels_{name}")
+    digest = hashlib.sha256(b"".join(Path(src).read_bytes() for src in _SOURCES)).hexdigest()[:12]
+    path = os.path.join(root, f"cpu_kernels_{name}_{digest}")
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -83,6 +87,7 @@ def cpu_paged_decode(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
     num_splits: int = 0,
 ) -> torch.Tensor:
     """Native paged decode; same contract as ``reference.paged_decode_reference``.
@@ -93,7 +98,7 @@ def cpu_paged_decode(
     if not _loaded and not load_extension():
         raise RuntimeError("the native CPU kernels could not be built")
     return torch.ops.kvfleet_kernels.paged_decode_cpu.default(
-        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits
+        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, window or 0
     )
 
 

@@ -8,13 +8,16 @@ chunk multiplies only the keys its last row can see::
     keys →      0 .. prefix ..  | new tokens (causal)
     chunk 0 rows  x x x x x x x   x . . . . .       kv_end = prefix + rows of chunks 0..0
     chunk 1 rows  x x x x x x x   x x x x . .       kv_end grows by one chunk each time
+
+With a sliding window a chunk also starts its keys at the oldest one its first row sees
+(``kv_lo``), and masks, per row, the keys that fell out of that row's window.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.reference import gather_kv
+from kernels.reference import gather_kv, window_start
 
 SCORE_BUDGET = 2 << 20  # float32 scores per chunk (8 MiB: under malloc's mmap threshold, no page faults)
 
@@ -29,6 +32,7 @@ def cpu_paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_prefill_reference``."""
     total, num_heads, head_dim = query.shape
@@ -40,27 +44,35 @@ def cpu_paged_prefill(
         start, q_len = starts[b], starts[b + 1] - starts[b]
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], ctx, k_scale)  # [Hkv, ctx, D]
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        prefix = ctx - q_len
+        lo = window_start(prefix, window)
+        k = gather_kv(k_cache, block_tables[b], ctx, k_scale, lo)  # [Hkv, ctx - lo, D]: key j is position lo + j
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, lo)
         # q: [Hkv, G, q_len, D], scaled
         q = (query[start : start + q_len].float() * scale).view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3)
-        prefix = ctx - q_len
-        rows = max(16, SCORE_BUDGET // (num_heads * ctx))
-        buf = torch.empty(num_heads * min(rows, q_len) * ctx)  # scores of one chunk, reused
+        span = ctx - lo if window is None else min(ctx - lo, window + q_len)
+        rows = max(16, SCORE_BUDGET // (num_heads * span))
+        buf = torch.empty(num_heads * min(rows, q_len) * span)  # scores of one chunk, reused
         for r0 in range(0, q_len, rows):
             r1 = min(q_len, r0 + rows)
-            kv_end, m = prefix + r1, r1 - r0
-            # one bmm per KV head: [Hkv, G*m, D] @ [Hkv, D, kv_end] (a broadcast K would be copied G times)
-            scores = buf[: num_heads * m * kv_end].view(num_kv_heads, group * m, kv_end)
-            torch.bmm(q[:, :, r0:r1].reshape(num_kv_heads, group * m, head_dim), k[:, :kv_end].transpose(1, 2),
-                      out=scores)
-            positions = torch.arange(prefix + r0, prefix + r1)
-            hidden = torch.arange(prefix + r0 + 1, kv_end) > positions[:, None]  # causal part only: [m, ...]
-            scores.view(num_kv_heads, group, m, kv_end)[..., prefix + r0 + 1 :].masked_fill_(hidden, float("-inf"))
+            kv_lo, kv_end, m = window_start(prefix + r0, window), prefix + r1, r1 - r0
+            n = kv_end - kv_lo
+            # one bmm per KV head: [Hkv, G*m, D] @ [Hkv, D, n] (a broadcast K would be copied G times)
+            scores = buf[: num_heads * m * n].view(num_kv_heads, group * m, n)
+            torch.bmm(q[:, :, r0:r1].reshape(num_kv_heads, group * m, head_dim),
+                      k[:, kv_lo - lo:kv_end - lo].transpose(1, 2), out=scores)
+            positions = torch.arange(prefix + r0, prefix + r1)[:, None]
+            if window is None:  # the causal part only: [m, keys after the first row]
+                hidden = torch.arange(prefix + r0 + 1, kv_end) > positions
+                scores.view(num_kv_heads, group, m, n)[..., prefix + r0 + 1 - kv_lo :].masked_fill_(hidden, float("-inf"))
+            else:
+                keys = torch.arange(kv_lo, kv_end)
+                hidden = (keys > positions) | (keys <= positions - window)  # [m, n]
+                scores.view(num_kv_heads, group, m, n).masked_fill_(hidden, float("-inf"))
             # softmax in place; its denominator divides the [G*m, D] output instead of the scores
             scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-            o = torch.bmm(scores, v[:, :kv_end]).div_(scores.sum(dim=-1, keepdim=True))
+            o = torch.bmm(scores, v[:, kv_lo - lo:kv_end - lo]).div_(scores.sum(dim=-1, keepdim=True))
             out[start + r0 : start + r1] = o.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(
                 m, num_heads, head_dim)
     return out

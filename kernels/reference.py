@@ -9,6 +9,10 @@ KV pool layout of one layer (the engine slices it out of ``kv_cache[layer, 0|1]`
 A sequence's token at position ``p`` lives in block ``block_table[p // block_size]`` at offset
 ``p % block_size``. FP8 caches (``torch.float8_e4m3fn``) hold ``x / scale`` with one float32 scale per
 KV head. All arithmetic here is float32; outputs take the query's dtype.
+
+Sliding window (``window`` tokens, ``None``: full attention), as transformers masks it: a query at
+position ``p`` sees keys ``p - window < k <= p``. Keys older than every query's window are never
+read, nor are their block-table entries: the engine gives those blocks back as a sequence grows.
 """
 
 from __future__ import annotations
@@ -67,13 +71,21 @@ def store_kv_reference(
 
 
 def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: torch.Tensor | None
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: torch.Tensor | None,
+    start: int = 0,
 ) -> torch.Tensor:
-    """Float32 copy of one sequence's K or V: ``[num_kv_heads, context_len, head_dim]``."""
-    num_blocks_used = -(-context_len // cache.shape[2])
-    blocks = cache[block_table[:num_blocks_used].long()]  # [n, Hkv, bs, D]
-    kv = blocks.transpose(0, 1).flatten(1, 2)[:, :context_len]  # [Hkv, ctx, D]
+    """Float32 copy of one sequence's K or V at positions ``[start, context_len)``:
+    ``[num_kv_heads, context_len - start, head_dim]``; blocks before ``start``'s are not touched."""
+    bs = cache.shape[2]
+    first, num_blocks_used = start // bs, -(-context_len // bs)
+    blocks = cache[block_table[first:num_blocks_used].long()]  # [n, Hkv, bs, D]
+    kv = blocks.transpose(0, 1).flatten(1, 2)[:, start - first * bs:context_len - first * bs]  # [Hkv, ctx, D]
     return dequantize_kv(kv, scale, head_dim_index=0)
+
+
+def window_start(first_position: int, window: int | None) -> int:
+    """The oldest key a query at ``first_position`` (or later) can see."""
+    return 0 if window is None else max(0, first_position - window + 1)
 
 
 def paged_decode_reference(
@@ -85,8 +97,10 @@ def paged_decode_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence attends to its ``context_lens[b]`` cached tokens.
+    """One new token per sequence attends to its ``context_lens[b]`` cached tokens (the last
+    ``window`` of them with a sliding window).
 
     query: [batch, num_heads, head_dim] → out: [batch, num_heads, head_dim] (query's dtype).
     """
@@ -95,8 +109,9 @@ def paged_decode_reference(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     for b, ctx in enumerate(context_lens.tolist()):
-        k = gather_kv(k_cache, block_tables[b], ctx, k_scale)  # [Hkv, ctx, D]
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        lo = window_start(ctx - 1, window)
+        k = gather_kv(k_cache, block_tables[b], ctx, k_scale, lo)  # [Hkv, ctx - lo, D]
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, lo)
         q = query[b].float().view(num_kv_heads, group, head_dim)  # [Hkv, G, D]
         probs = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)  # [Hkv, G, ctx]
         out[b] = (probs @ v).view(num_heads, head_dim).to(query.dtype)
@@ -113,6 +128,7 @@ def paged_prefill_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their cached prefix and themselves.
 
@@ -124,6 +140,8 @@ def paged_prefill_reference(
         q0 (p3)  x x x x . .
         q1 (p4)  x x x x x .
         q2 (p5)  x x x x x x
+
+    With ``window`` 2 each row keeps only its last two keys: q0 sees 2..3, q1 3..4, q2 4..5.
     """
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[1]
@@ -134,14 +152,18 @@ def paged_prefill_reference(
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], ctx, k_scale)  # [Hkv, ctx, D]
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale)
+        lo = window_start(ctx - q_len, window)
+        k = gather_kv(k_cache, block_tables[b], ctx, k_scale, lo)  # [Hkv, ctx - lo, D]
+        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, lo)
         q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
-        if q_len == ctx:
+        if q_len == ctx and window is None:
             mask, causal = None, True
         else:
-            positions = torch.arange(ctx - q_len, ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device) <= positions[:, None]  # [q_len, ctx]
+            positions = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
+            keys = torch.arange(lo, ctx, device=query.device)
+            mask = keys <= positions  # [q_len, ctx - lo]
+            if window is not None:
+                mask &= keys > positions - window
             causal = False
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,

@@ -2,7 +2,11 @@
 
 A case is a shuffled pool whose unused slots hold NaN and whose block tables are padded with an
 out-of-range id, so a kernel that reads past a context poisons its output or faults. The truth is
-float64 attention over dense per-sequence K/V."""
+float64 attention over dense per-sequence K/V.
+
+With a sliding ``window`` the keys older than every query's window are NaN in the pool and the table
+entries of blocks wholly older than that are the out-of-range id too (the engine gives those blocks
+back): a kernel that reads outside the window poisons its output or faults."""
 
 from __future__ import annotations
 
@@ -26,14 +30,15 @@ class PagedCase:
     keys: list[torch.Tensor]  # per sequence [Hkv, ctx, D] float64, dequantised: the truth
     values: list[torch.Tensor]
     scale: float
+    window: int | None = None
 
     def decode_args(self):
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale,
-                self.k_scale, self.v_scale)
+                self.k_scale, self.v_scale, self.window)
 
     def prefill_args(self):
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
-                self.query_start_loc, self.scale, self.k_scale, self.v_scale)
+                self.query_start_loc, self.scale, self.k_scale, self.v_scale, self.window)
 
 
 def make_case(
@@ -47,8 +52,9 @@ def make_case(
     cache_dtype: torch.dtype | None = None,
     seed: int = 0,
     device: str = "cpu",
+    window: int | None = None,
 ) -> PagedCase:
-    """``q_lens`` None → a decode case (one query per sequence)."""
+    """``q_lens`` None → a decode case (one query per sequence); ``window``: a sliding window."""
     gen = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     fp8 = reference.is_fp8(cache_dtype)
@@ -76,13 +82,28 @@ def make_case(
         keys.append(_dense(k_cache, ids, ctx, k_scale))
         values.append(_dense(v_cache, ids, ctx, v_scale))
     q_lens = q_lens if q_lens is not None else [1] * len(context_lens)
+    for b, ctx in enumerate(context_lens):
+        if window is not None:
+            _poison_outside(k_cache, v_cache, tables[b], reference.window_start(ctx - q_lens[b], window),
+                            block_size, num_blocks + 1000)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return PagedCase(
         to(query), to(k_cache), to(v_cache), to(tables), to(torch.tensor(context_lens, dtype=torch.int32)),
-        to(starts), to(k_scale), to(v_scale), keys, values, head_dim**-0.5,
+        to(starts), to(k_scale), to(v_scale), keys, values, head_dim**-0.5, window,
     )
+
+
+def _poison_outside(k_cache, v_cache, table, first_seen: int, block_size: int, bad_id: int) -> None:
+    """NaN at positions ``< first_seen`` of one sequence; blocks wholly before it leave its table."""
+    for p in range(first_seen):
+        block = int(table[p // block_size])
+        if block != bad_id:
+            for cache in (k_cache, v_cache):
+                cache[block, :, p % block_size] = torch.full_like(cache[block, :, p % block_size], float("nan"),
+                                                                  dtype=torch.float32).to(cache.dtype)
+    table[: first_seen // block_size] = bad_id
 
 
 def _dense(cache, ids, ctx, scale):
@@ -103,7 +124,10 @@ def dense_attention(case: PagedCase) -> torch.Tensor:
         q = case.query[s:e].cpu().double().transpose(0, 1)  # [H, q_len, D]
         scores = q @ k.transpose(1, 2) * case.scale
         pos = torch.arange(ctx - q_len, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx) > pos, float("-inf"))
+        hidden = torch.arange(ctx) > pos
+        if case.window is not None:
+            hidden |= torch.arange(ctx) <= pos - case.window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[s:e] = (torch.softmax(scores, -1) @ v).transpose(0, 1)
     return out
 

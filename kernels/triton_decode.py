@@ -9,6 +9,9 @@ walks its split's tokens BLOCK_N at a time through the block table:
 It leaves unnormalised partial results: acc [batch, num_heads, num_splits, head_dim] and the running
 max / sum (base 2) [batch, num_heads, num_splits, 2].
 Pass 2, grid (batch, num_heads): merges the splits, divides by the sum, applies the FP8 V scale.
+
+With a sliding window (``WINDOW`` > 0) a split's range is clipped to the last ``WINDOW`` tokens; a
+split wholly before them reads nothing (empty: it weighs nothing in pass 2).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr,
     acc_ptr, ml_ptr,
-    qk_scale, tokens_per_split,
+    qk_scale, tokens_per_split, window,
     stride_qb, stride_qh,
     stride_cb, stride_ch, stride_co,
     stride_bt,
@@ -46,6 +49,8 @@ def _decode_split_kernel(
     context_len = tl.load(context_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
+    if window > 0:  # keys before context_len - window are out of the window: never read
+        start = tl.maximum(start, context_len - window)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -126,7 +131,8 @@ def default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int)
     return splits
 
 
-def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits):
+def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits,
+                   window):
     # query: [batch, num_heads, head_dim], rows contiguous
     # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
     # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
@@ -151,7 +157,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
         query, k_cache, v_cache, block_tables, context_lens,
         k_scale if k_scale is not None else dummy,
         acc, ml,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, tokens_per_split, window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -184,6 +190,7 @@ def triton_paged_decode(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_decode_reference``; ``num_splits`` None picks one per device."""
@@ -192,7 +199,7 @@ def triton_paged_decode(
     return _launch_decode(
         query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
         block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-        scale, _float(k_scale), _float(v_scale), num_splits,
+        scale, _float(k_scale), _float(v_scale), num_splits, window,
     )
 
 

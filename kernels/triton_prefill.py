@@ -8,6 +8,8 @@ pairs, so each K/V tile is read once for the whole GQA group:
 Sequence b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the packed query and the
 last ``q_len`` of its ``context_lens[b]`` positions; row r sees keys ``0..position`` (its K/V, like the
 whole prefix, is already in the cache), so a tile walks keys only up to its last row's position.
+With a sliding window (``window`` > 0) row r also drops keys ``<= position - window``, and a tile
+starts at the oldest key its first row sees: older keys and their block-table entries are never read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_score
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     k_scale_ptr, v_scale_ptr, out_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_co,
     stride_bt,
@@ -61,13 +63,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
     kv_end = context_len - q_len + last_row // GROUP + 1  # keys past the tile's last position are masked
+    # the oldest key the tile's first row sees (0 without a window)
+    kv_start = tl.where(window > 0, tl.maximum(context_len - q_len + row0 // GROUP - window + 1, 0), 0)
     head_base = kv_head * stride_ch
-    for t0 in range(0, kv_end, BLOCK_N):
+    for t0 in range(kv_start, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, t, t_mask, head_base,
                             d, d_mask, stride_cb, stride_co, BLOCK_SIZE, IS_FP8, USE_FP32)
         causal = t_mask[None, :] & (t[None, :] <= pos[:, None])
+        if window > 0:
+            causal = causal & (t[None, :] > pos[:, None] - window)
         s = tl.where(causal, tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_M, BLOCK_N]
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
@@ -79,7 +85,7 @@ def _prefill_kernel(
 
 
 def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                    k_scale, v_scale, max_q_len):
+                    k_scale, v_scale, max_q_len, window):
     # query: [total_new_tokens, num_heads, head_dim], rows contiguous; query_start_loc: [batch + 1] int32
     # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
     # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
@@ -102,7 +108,7 @@ def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_s
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -123,6 +129,7 @@ def triton_paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_prefill_reference``."""
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
@@ -135,5 +142,5 @@ def triton_paged_prefill(
     return _launch_prefill(
         query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
         block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-        query_start_loc, scale, k_scale, v_scale, max_q_len,
+        query_start_loc, scale, k_scale, v_scale, max_q_len, window,
     )

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 UNAVAILABLE = "unavailable"  # a refusal's reason when block_service did not answer
+# A block-table entry given back by ``drop_front``: outside every pool (and a valid uint32 on the wire
+# and in the log), so that a table keeps its positions (entry i holds tokens i*bs .. (i+1)*bs - 1).
+DROPPED = 0xFFFFFFFF
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,6 +108,13 @@ class BlockAllocator(Protocol):
 
     def release(self, seq_ids: Sequence[str]) -> None:
         """Drop the sequences; their committed blocks stay cached (deepest evicted first)."""
+
+    def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
+        """Per ``(seq_id, num_blocks)``: the sequence no longer needs blocks ``[0, num_blocks)`` of its
+        table (a sliding-window model: they hold only keys outside every layer's window). They are
+        given back as a release gives blocks back (committed ones stay cached); the table keeps its
+        positions, those entries becoming ``DROPPED``. ``num_blocks`` counts from the table's start,
+        so sending it again changes nothing; only full blocks can be dropped."""
 
     def stats(self) -> AllocatorStats:
         """Current figures of this node's pool."""

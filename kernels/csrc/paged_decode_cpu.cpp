@@ -12,6 +12,9 @@
 // With several splits per sequence (long contexts, few sequences), each item writes (m, l, acc) and a
 // second pass merges them. All arithmetic is float32; bf16/fp16/fp8 tiles are widened chunk by chunk.
 // The softmax scale and the FP8 K scale are folded into q, the FP8 V scale into the final output.
+// A sliding window (window > 0) keeps the last `window` tokens of each context: the splits cover only
+// those, and neither the older tokens nor their block-table entries are read (those blocks may be
+// given back already).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -306,7 +309,7 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
 template <typename T>
 void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-         const float* ks, const float* vs, int64_t num_splits, at::Tensor& out32) {
+         const float* ks, const float* vs, int64_t num_splits, int64_t window, at::Tensor& out32) {
   const int B = q32.size(0), H = q32.size(1), d = q32.size(2);
   const int Hkv = k_cache.size(1);
   const int G = H / Hkv;
@@ -321,8 +324,10 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
   const float* qd = q32.data_ptr<float>();
   float* od = out32.data_ptr<float>();
 
+  // the first token each sequence attends to: 0, or the oldest inside its window
+  auto first_token = [&](int b) { return window > 0 ? std::max<int>(0, lens[b] - (int)window) : 0; };
   int max_len = 0;
-  for (int b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  for (int b = 0; b < B; ++b) max_len = std::max(max_len, lens[b] - first_token(b));
   int S = (int)num_splits;
   if (S <= 0) {  // enough items to keep every thread busy, but no split shorter than 512 tokens
     const int threads = at::get_num_threads();
@@ -355,9 +360,9 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
       const int split = item % S;
       const int kvh = (item / S) % Hkv;
       const int b = item / S / Hkv;
-      const int len = lens[b];
+      const int lo = first_token(b), len = lens[b] - lo;
       const int per = ((len + S - 1) / S + W - 1) / W * W;
-      const int t0 = std::min(len, split * per), t1 = std::min(len, t0 + per);
+      const int t0 = lo + std::min(len, split * per), t1 = lo + std::min(len, split * per + per);
       const float qscale = (float)scale * LOG2E * (ks ? ks[kvh] : 1.f);
       for (int h = 0; h < G; ++h) {
         const float* src = qd + ((int64_t)b * H + kvh * G + h) * d;
@@ -433,7 +438,7 @@ at::Tensor head_scale(const std::optional<at::Tensor>& scale, int64_t num_kv_hea
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                        int64_t num_splits) {
+                        int64_t num_splits, int64_t window) {
   // query: [batch, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim]
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [batch, heads, dim], caches 4-D expected");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -446,6 +451,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
               context_lens.numel() == query.size(0), "one block table and context length per sequence");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention), got ", window);
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   const at::Tensor ks = head_scale(k_scale, k_cache.size(1));
@@ -455,10 +461,10 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   const at::Tensor q32 = query.to(at::kFloat).contiguous();
   at::Tensor out32 = at::empty(q32.sizes(), q32.options());
   switch (k_cache.scalar_type()) {
-    case at::kFloat: run<float>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
-    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
-    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
-    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, out32); break;
+    case at::kFloat: run<float>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
+    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
+    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
+    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out32.to(query.scalar_type());
@@ -467,7 +473,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 // Registered as torch.ops.kvfleet_kernels.paged_decode_cpu: no pybind, so the build stays small.
 TORCH_LIBRARY_FRAGMENT(kvfleet_kernels, m) {
   m.def("paged_decode_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int num_splits=0) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int num_splits=0, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_kernels, CPU, m) { m.impl("paged_decode_cpu", &paged_decode); }

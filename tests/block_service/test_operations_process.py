@@ -132,7 +132,8 @@ def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_
     assert all(h["age_s"] >= 0 for h in n0["top_holders"])
     assert {t["tenant"]: (t["charged"], t["quota"]) for t in report["tenants"]} == {"a": (7, 64), "b": (6, 16)}
 
-    assert unknown.returncode == 1 and unknown.stderr.strip() == f"kvfleet blocks: block_service at {address}: unknown node 'nope'"
+    assert unknown.returncode == 1
+    assert unknown.stderr.strip() == f"kvfleet blocks: block_service at {address}: unknown node 'nope'"
 
 
 def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:

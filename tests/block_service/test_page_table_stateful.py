@@ -107,6 +107,17 @@ class PageTableMachine(RuleBasedStateMachine):
         for s in seq_ids:
             del self.family[s]
 
+    @precondition(lambda self: self.family)
+    @rule(data=st.data())
+    def drop_front(self, data: st.DataObject) -> None:
+        """A sliding-window sequence gives back its leading full blocks (through ApplyMany, logged)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.family)))
+        seq = self.table.sequence(seq_id)
+        n = data.draw(st.integers(0, seq.num_tokens // self.table.block_size(seq.node_id)))
+        result = self.store.apply(growth=[], commits=[], releases=[], drops=[(seq_id, n)])
+        assert not result.errors
+        assert self.table.sequence(seq_id).num_dropped == max(n, seq.num_dropped)
+
     @rule(node=st.sampled_from(sorted(NODES)))
     def toggle_node(self, node: str) -> None:
         if node in self.table.node_ids():

@@ -15,7 +15,7 @@ from compute_service.allocator_policy import (
     AllocatorPolicy,
     LiveSequence,
 )
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 BS = 16
 H = [bytes([i]) * 16 for i in range(8)]  # stand-ins for block hashes
@@ -113,6 +113,25 @@ def test_a_release_is_urgent_and_drops_the_sequences_queued_topup():
     assert (batch.releases, batch.topups) == (["s"], [])
     assert policy.live_sequences() == []
     assert claimed(40, [0, 1, 2]).release(["s"]) is True  # between steps (an abort): send now
+
+
+def test_a_drop_marks_the_table_at_once_and_goes_with_the_deferred_bookkeeping():
+    """Sliding window: the table the node would sync shows the drop before block_service hears it;
+    the drop waits like a generated block's commit and goes after it in the same batch."""
+    policy = claimed(50, [0, 1, 2, 3])                    # prompt: 3 full blocks
+    policy.take()
+    policy.commit([("s", 3, H[3])])                       # a generated block
+    policy.drop_front([("s", 2)])
+    policy.drop_front([("s", 3)])
+    assert policy.live_sequences()[0].block_ids == [DROPPED] * 3 + [3]
+    assert steps_until_sent(policy) == DEFER_STEPS + 1
+    batch = policy.take()
+    assert (batch.commits, batch.drops) == ([("s", 3, H[3])], [("s", 3)])
+    policy.requeue(batch)                                 # not delivered: sent again, once
+    assert policy.take().drops == [("s", 3)]
+    policy.drop_front([("s", 4)])
+    policy.release(["s"])
+    assert policy.take().drops == []                      # the release gives back the whole table
 
 
 def test_without_a_reserve_extend_asks_one_block_ahead_then_exactly():

@@ -117,3 +117,28 @@ def test_prefill_in_row_chunks(monkeypatch):
 def test_prefill_fp8_cache():
     case = make_case([33, 200], q_lens=[33, 20], cache_dtype=torch.float8_e4m3fn)
     assert_close(kernels.paged_prefill(*case.prefill_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("window", [5, 16, 24, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_decode_and_prefill(window, dtype):
+    decode = make_case([1, 17, 40, 255, 1030], block_size=16, dtype=dtype, head_dim=64, window=window)
+    assert_close(cpu_kernels.cpu_paged_decode(*decode.decode_args()), dense_attention(decode))
+    assert_close(kernels.paged_decode(*decode.decode_args()), dense_attention(decode))
+    prefill = make_case([17, 300, 70, 1, 90], q_lens=[17, 45, 1, 1, 90], block_size=16, dtype=dtype,
+                        window=window)
+    assert_close(kernels.paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_sliding_window_split_kv(num_splits):
+    case = make_case([2, 40, 1500], block_size=32, head_dim=64, window=600)
+    out = cpu_kernels.cpu_paged_decode(*case.decode_args(), num_splits=num_splits)
+    assert_close(out, dense_attention(case))
+
+
+def test_sliding_window_prefill_row_chunks(monkeypatch):
+    """Long chunks are taken in row chunks: each chunk starts its keys at its own first row's window."""
+    monkeypatch.setattr(cpu_prefill, "SCORE_BUDGET", 1)  # 16 rows per chunk
+    case = make_case([300, 70], q_lens=[120, 70], num_heads=8, num_kv_heads=2, window=40)
+    assert_close(cpu_prefill.cpu_paged_prefill(*case.prefill_args()), dense_attention(case))

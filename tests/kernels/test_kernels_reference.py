@@ -69,3 +69,24 @@ def test_dispatch_reference_mode(monkeypatch):
     assert_close(kernels.paged_decode(*case.decode_args()), dense_attention(case))
     prefill = make_case([5, 64], q_lens=[5, 3])
     assert_close(kernels.paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
+
+
+# Windows shorter than a block, equal to one, and across blocks without being a multiple of one; the
+# case poisons every key older than the window (NaN, and released blocks leave the table).
+WINDOWS = [5, 16, 24, 40]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_reference(window):
+    decode = make_case([1, 17, 40, 255], block_size=16, window=window)
+    assert_close(reference.paged_decode_reference(*decode.decode_args()), dense_attention(decode))
+    prefill = make_case([17, 300, 70, 1, 90], q_lens=[17, 45, 1, 1, 90], block_size=16, window=window)
+    assert_close(reference.paged_prefill_reference(*prefill.prefill_args()), dense_attention(prefill))
+
+
+def test_sliding_window_changes_attention():
+    """The window is honoured, not ignored: the same case without it gives other outputs."""
+    case = make_case([100], block_size=16, window=24)
+    full = make_case([100], block_size=16)
+    assert not torch.allclose(dense_attention(case), dense_attention(full))
+    assert_close(reference.paged_decode_reference(*full.decode_args()), dense_attention(full))

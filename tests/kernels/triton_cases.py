@@ -92,3 +92,14 @@ def test_store_matches_reference(cache_dtype):
     reference.store_kv_reference(key, value, caches[2], caches[3], slots, scale, scale)
     for got, want in zip(caches[:2], caches[2:]):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("window", [5, 16, 24, 40])
+def test_sliding_window(window):
+    decode = make_case([1, 17, 40, 130], block_size=16, num_heads=4, num_kv_heads=2, device=DEVICE,
+                       window=window)
+    assert_close(triton_paged_decode(*decode.decode_args()), dense_attention(decode))
+    assert_close(triton_paged_decode(*decode.decode_args(), num_splits=3), dense_attention(decode))
+    prefill = make_case([17, 150, 70, 1], q_lens=[17, 45, 1, 1], block_size=16, num_heads=4, num_kv_heads=2,
+                        device=DEVICE, window=window)
+    assert_close(triton_paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
