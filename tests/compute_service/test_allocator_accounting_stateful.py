@@ -2,8 +2,8 @@
 allocator's bridge allows: ``AllocatorPolicy`` driven as ``RemoteBlockAllocator`` drives it, a real
 ``PageTable`` in process as block_service, and a small model of the engine and the request streams
 around them. At quiescence (everything queued sent and answered, no call in flight, the link up)
-block_service holds for the node exactly what ``live_sequences()`` lists, and a periodic
-reconciliation never finds a leak.
+block_service holds for the node exactly what ``live_sequences()`` lists, every early ask was
+answered, and a periodic reconciliation never finds a leak.
 
 How the bridge is played. Everything that runs under its flush lock (a flush, the engine's
 synchronous allocate or extend, a sync) is a generator here, queued in lock order; each ``yield``
@@ -102,26 +102,27 @@ class AccountingMachine(RuleBasedStateMachine):
         whose timeout cancels it wherever it stands."""
         asks = self.policy.take_asks()
         batch = self.policy.take() if self.up else Bookkeeping()
-        if batch:
-            yield from self.send_batch(batch, in_call)
-        if not asks:
-            return
         results: list = [None] * len(asks)
-        if self.up:
-            fate = yield
-            if fate != "unapplied":
-                try:
-                    results = self.table.allocate_many(asks)
-                except AlreadyExists:  # one id already live: nothing applied, each asks again
-                    pass
-            yield
-            if fate != "ok":
-                self.trouble()
-                if in_call:
-                    raise Lost  # cancelled before fold_asks: these asks stay in flight
-                results = [None] * len(asks)
-        self.kick(self.policy.fold_asks(asks, results))
-        self.wake(r.seq_id for r in asks)
+        try:
+            if batch:
+                yield from self.send_batch(batch, in_call)
+            if asks and self.up:
+                fate = yield
+                if fate != "unapplied":
+                    try:
+                        results = self.table.allocate_many(asks)
+                    except AlreadyExists:  # one id already live: nothing applied, each asks again
+                        pass
+                yield
+                if fate != "ok":
+                    results = [None] * len(asks)
+                    self.trouble()
+                    if in_call:
+                        raise Lost
+        finally:  # cancelled too: every ask taken is answered, its request woken
+            if asks:
+                self.kick(self.policy.fold_asks(asks, results))
+                self.wake(r.seq_id for r in asks)
 
     def send_batch(self, batch: Bookkeeping, in_call: bool):
         """``_send_batch``: one that did not reach block_service (or whose answer did not come
@@ -262,11 +263,13 @@ class AccountingMachine(RuleBasedStateMachine):
         return [r for r in self.requests.values() if r.in_engine and bool(r.block_table) == running]
 
     @precondition(lambda self: not self.engine_busy and self.engine_seqs(running=False))
-    @rule(data=st.data())
-    def engine_admits(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), mismatch=st.booleans())
+    def engine_admits(self, data: st.DataObject, mismatch: bool) -> None:
+        """The scheduler admits a waiting sequence: its early allocation if asked the same way
+        (``mismatch``: the engine hashed differently; the early one is given back), else a call."""
         r = data.draw(st.sampled_from(self.engine_seqs(running=False)))
         length = r.length or r.prompt
-        hashes = r.hashes(length)
+        hashes = r.hashes(length)[:0 if mismatch else None]
         self.policy.begin_step()
         early = self.policy.allocate(r.seq_id, hashes, length)
         if early is not None:
@@ -370,6 +373,8 @@ class AccountingMachine(RuleBasedStateMachine):
                 else:
                     break
         assert not self.queue, "the bridge did not settle"
+        waiting = [r.seq_id for r in self.requests.values() if r.stage == "asking"]
+        assert not waiting, f"preallocations never answered: {waiting}"
         held = {s[0]: list(s[3]) for s in self.table.to_dict()["sequences"] if s[1] == NODE}
         live = {s.seq_id: list(s.block_ids) for s in self.policy.live_sequences()}
         assert held == live, f"block_service holds {held}, the node knows {live}"
