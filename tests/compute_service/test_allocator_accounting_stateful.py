@@ -57,7 +57,7 @@ class Request:
     seq_id: str
     tenant: str
     prompt: int
-    stage: str = "asking"       # asking (preallocate awaits) → woken → submitted → gone
+    stage: str = "started"      # started (its task not run yet) → asking (preallocate awaits) → woken → submitted → gone
     ended: bool = False         # the stream ended (release claimed=False done)
     in_engine: bool = False     # the engine holds the request (added, not finished or aborted)
     block_table: list[int] = field(default_factory=list)  # what the engine was handed
@@ -187,14 +187,25 @@ class AccountingMachine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(sorted(TENANTS)), prompt=st.sampled_from(PROMPTS))
     def arrive(self, tenant: str, prompt: int) -> None:
-        """``preallocate``: with the link down it returns at once, else it asks and waits."""
+        """A start command: its task (``RequestStream.run``) runs later; a cancel in the same
+        message may end the request first."""
         self.count += 1
         r = Request(f"r{self.count}", tenant, prompt)
         self.requests[r.seq_id] = r
-        if not self.up:
+
+    @precondition(lambda self: any(r.stage == "started" for r in self.requests.values()))
+    @rule(data=st.data())
+    def run_starts(self, data: st.DataObject) -> None:
+        """``RequestStream.run``: nothing for a request that already ended; else ``preallocate``
+        (with the link down it returns at once, else it asks and waits)."""
+        r = data.draw(st.sampled_from([r for r in self.requests.values() if r.stage == "started"]))
+        if r.ended:
+            r.stage = "gone"
+        elif not self.up:
             r.stage = "woken"
-            return
-        self.kick(self.policy.ask(AllocateRequest(NODE, r.seq_id, tenant, r.hashes(prompt), prompt)))
+        else:
+            r.stage = "asking"
+            self.kick(self.policy.ask(AllocateRequest(NODE, r.seq_id, r.tenant, r.hashes(r.prompt), r.prompt)))
 
     @precondition(lambda self: any(r.stage == "woken" for r in self.requests.values()))
     @rule(data=st.data())
@@ -361,8 +372,23 @@ class AccountingMachine(RuleBasedStateMachine):
 
     @rule()
     def settle(self) -> None:
-        """Let every call finish and send what is queued, with every answer arriving; then
-        block_service holds exactly the node's live sequences."""
+        """Let every call finish and send what is queued, with every answer arriving, and the
+        engine take its aborts; then no preallocation waits, nothing is held for a request that
+        is over, and block_service holds exactly the node's live sequences."""
+        self.settle_bridge()
+        waiting = [r.seq_id for r in self.requests.values() if r.stage == "asking"]
+        assert not waiting, f"preallocations never answered: {waiting}"
+        while self.inbox:  # the engine takes its aborts (its calls need block_service no more)
+            self.engine_inbox()
+        self.settle_bridge()
+        orphans = [s.seq_id for s in self.policy.live_sequences()
+                   if self.requests[s.seq_id].ended and not self.requests[s.seq_id].in_engine]
+        assert not orphans, f"held for requests that are over: {orphans}"
+        held = {s[0]: list(s[3]) for s in self.table.to_dict()["sequences"] if s[1] == NODE}
+        live = {s.seq_id: list(s.block_ids) for s in self.policy.live_sequences()}
+        assert held == live, f"block_service holds {held}, the node knows {live}"
+
+    def settle_bridge(self) -> None:
         for _ in range(4):  # a flush's answers may queue more (a grant of a request that ended)
             self.kick()
             for _ in range(500):
@@ -373,11 +399,6 @@ class AccountingMachine(RuleBasedStateMachine):
                 else:
                     break
         assert not self.queue, "the bridge did not settle"
-        waiting = [r.seq_id for r in self.requests.values() if r.stage == "asking"]
-        assert not waiting, f"preallocations never answered: {waiting}"
-        held = {s[0]: list(s[3]) for s in self.table.to_dict()["sequences"] if s[1] == NODE}
-        live = {s.seq_id: list(s.block_ids) for s in self.policy.live_sequences()}
-        assert held == live, f"block_service holds {held}, the node knows {live}"
 
     def teardown(self) -> None:
         if hasattr(self, "table"):
