@@ -164,10 +164,15 @@ class RemoteBlockAllocator:
         with self._lock:
             asks = self._policy.take_asks()
             batch = self._policy.take() if self.link.up else Bookkeeping()
-        if batch:
-            await self._send_batch(batch)
-        if asks:
-            await self._send_asks(asks)
+        results: list = [None] * len(asks)
+        try:
+            if batch:
+                await self._send_batch(batch)
+            if asks:
+                results = await self._send_asks(asks)
+        finally:  # cancelled too (an engine call that timed out): every ask taken gets its answer
+            if asks:
+                self._answered(asks, results)
 
     async def _send_batch(self, batch: Bookkeeping) -> None:
         """Send a bookkeeping batch; one that did not reach block_service is queued again."""
@@ -201,15 +206,22 @@ class RemoteBlockAllocator:
         if lost is not None:  # block_service does not know a sequence the node holds
             self._trouble(NotFound(lost.line()))
 
-    async def _send_asks(self, asks: list[AllocateRequest]) -> None:
-        results: list = [None] * len(asks)
-        if self.link.up:
-            try:
-                self.num_rpcs += 1
-                results = await asyncio.wait_for(self.client.allocate_many(asks), ANSWER_TIMEOUT_S)
-            except Exception as e:  # e.g. one id already live: each asks again when admitted
-                if not self._trouble(e):
-                    log.warning("early allocation of %d sequences failed: %s", len(asks), e)
+    async def _send_asks(self, asks: list[AllocateRequest]) -> list:
+        """block_service's answers to early asks; ``None`` each where it gave none."""
+        if not self.link.up:
+            return [None] * len(asks)
+        try:
+            self.num_rpcs += 1
+            return await asyncio.wait_for(self.client.allocate_many(asks), ANSWER_TIMEOUT_S)
+        except Exception as e:  # e.g. one id already live: each asks again when admitted
+            if not self._trouble(e):
+                log.warning("early allocation of %d sequences failed: %s", len(asks), e)
+            return [None] * len(asks)
+
+    def _answered(self, asks: list[AllocateRequest], results: list) -> None:
+        """Fold the answers to early asks and wake their requests. An ask whose answer never came
+        (``None``) may have been granted all the same: the node then does not list it, and the
+        resync the trouble started releases it."""
         with self._lock:
             send = self._policy.fold_asks(asks, results)
         for request in asks:

@@ -91,6 +91,8 @@ class RequestStream:
 
     async def run(self) -> None:
         """Check, allocate early and hand the request to the engine; a problem ends it with an error."""
+        if self.ended:  # cancelled before this task ran (its start and cancel came in one message):
+            return      # its end released nothing, so nothing may be asked for it now
         request, node = self.request, self.node
         state = node.state
         if state != NodeState.READY:

@@ -24,7 +24,7 @@ from chaos_fuzz import (
 from chaos_load import LoadGenerator, send, send_raw
 from chaos_outcomes import NO_FAULT, OK, RequestSpec, Tally
 
-from kvfleet.v1 import inference_pb2_grpc
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2_grpc
 
 FLOOD_TOKENS = 200
 PROMPTS = {
@@ -77,6 +77,41 @@ def test_early_cancellations_leak_nothing(cluster, checker):
     cancels = [RequestSpec("early-cancel", key, f"p{i}", 160, cancel_after_s=ms / 1000)
                for key in ("sk-gold", "sk-small") for i in range(4) for ms in (5, 12, 20, 35, 50, 65, 80)]
     problems = _cancelling(cluster, checker, cancels, limit=84, min_cancelled=40)
+    assert not problems, report(problems)
+
+
+def test_a_start_and_its_cancel_in_one_message_leak_nothing(cluster, checker):
+    """The router writes the commands queued while it was writing in one ``NodeCommands``: a client
+    that leaves as its request is dispatched puts the start and the cancel in one message (issue
+    11: the soak's leaks of a prompt's early blocks). Here they are written to each node's Serve
+    stream directly, eight such pairs, then one request that runs to its end: its early allocation
+    was asked after theirs, so once it finished, theirs were answered too."""
+    prompt = checker.book.prompts["p1"]  # 40 tokens: two full blocks, shared by every pair
+
+    def start(request_id: str, max_tokens: int) -> compute_pb2.NodeCommand:
+        request = compute_pb2.ComputeRequest(request_id=request_id, tenant="gold", prompt_token_ids=prompt)
+        request.sampling.max_tokens = max_tokens
+        request.sampling.ignore_eos = True
+        return compute_pb2.NodeCommand(start=request)
+
+    async def scenario(name: str, port: int) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = compute_pb2_grpc.ComputeStub(channel).Serve()
+            for i in range(8):
+                await call.write(compute_pb2.NodeCommands(commands=[
+                    start(f"{name}-pair-{i}", 160), compute_pb2.NodeCommand(cancel=f"{name}-pair-{i}")]))
+            await call.write(compute_pb2.NodeCommands(commands=[start(f"{name}-last", 2)]))
+            finished = False
+            while not finished:
+                message = await call.read()
+                assert message is not grpc.aio.EOF, "the node ended the stream"
+                finished = any(e.request_id == f"{name}-last" and (e.HasField("error") or e.chunk.finish_reason)
+                               for e in message.events)
+            await call.done_writing()
+
+    for name, child in cluster.nodes.items():
+        asyncio.run(scenario(name, child.port))
+    problems = asyncio.run(checker.check(NO_FAULT, []))
     assert not problems, report(problems)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from compute_service import remote_allocator
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import BS, check_agrees, hashes
@@ -106,3 +107,34 @@ def test_sequences_block_service_refuses_after_a_sync_are_failed_in_the_engine(n
     assert allocator.live_sequences() == []
     assert node_sequences(on_loop, client) == 0
     served.table.check()
+
+
+
+def test_early_asks_taken_by_an_engine_call_that_timed_out_are_answered(node, served, monkeypatch):
+    """An engine call first sends what is queued, early allocations included. When block_service
+    does not answer it in time, its wait is cut where it stands: the early asks it had taken were
+    then never answered, and their requests never reached the engine (their preallocation waited
+    until the client gave up). They are answered "not now": each asks again when admitted."""
+    monkeypatch.setattr(remote_allocator, "ANSWER_TIMEOUT_S", 0.5)
+    allocator, on_loop, client = node
+    asks = allocator.client
+    arrived: list = []
+
+    def trace_context_of(seq_id: str):
+        """Called on the engine thread just before its call goes to the loop: a request arrives
+        then, so its early ask is queued when that call sends what is queued (the loop runs the
+        arrival, then the call, then the arrival's own flush, in that order)."""
+        if not arrived:
+            arrived.append(asyncio.run_coroutine_threadsafe(
+                allocator.preallocate("a", "t", list(range(40))), served.loop))
+        return None
+
+    allocator.trace_context_of = trace_context_of
+    asks.hold()  # the AllocateMany of the engine's call is not answered
+    answer = allocator.allocate("b", "t", [], 20)
+    assert isinstance(answer, Refusal) and answer.transient
+    arrived[0].result(10)  # a deadline, not a timing assertion: it waited for ever
+    asks.let_go()
+    wait_up(allocator, on_loop)
+    check_agrees(allocator, on_loop, client)
+    assert node_sequences(on_loop, client) == 0
