@@ -6,14 +6,21 @@ weights once and every sequence's KV. The engine then decodes batches of the sam
 context, in process; the figure is measured / estimated (1.0: the roofline is met; below: the
 engine loses time the roofline does not count — Python, kernel launches, attention at small sizes).
 
-    python bench/plan_vs_measured.py [--quick] [--json]
+The engine runs on one thread by default (``--threads``): the bandwidth probe copies on one, and
+on a shared machine two OpenMP threads that wait for each other at every barrier lose most of
+their time to other processes (measured here: 2.4 tokens/s on two threads, 18.5 on one, under a
+load average of 6 on 2 cores).
+
+    python bench/plan_vs_measured.py [--quick] [--json] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +46,8 @@ def cpu_model() -> str:
 
 def measure_decode(model: Path, batch: int, prompt_len: int, decode_steps: int) -> tuple[float, float]:
     """(decode tokens/s, mean context during the timed steps): ``batch`` prompts prefilled first,
-    ``WARM_UP`` decode steps, then ``decode_steps`` steps of one token for each, timed."""
+    ``WARM_UP`` decode steps, then ``decode_steps`` steps of one token for each, timed one by one;
+    the median step counts (a shared machine's stalls land in a few steps, not in every one)."""
     from compute_service.engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
@@ -52,20 +60,29 @@ def measure_decode(model: Path, batch: int, prompt_len: int, decode_steps: int) 
         engine.step()
     for _ in range(WARM_UP):  # the first steps at a new batch shape build their matmul primitives
         engine.step()
-    before = engine.stats().generated_tokens
-    started = time.perf_counter()
+    times = []
     for _ in range(decode_steps):
+        before = engine.stats().generated_tokens
+        started = time.perf_counter()
         engine.step()
-    elapsed = time.perf_counter() - started
-    return (engine.stats().generated_tokens - before) / elapsed, prompt_len + 1 + WARM_UP + decode_steps / 2
-
+        elapsed = time.perf_counter() - started
+        assert engine.stats().generated_tokens - before == batch, "a timed step was not a full decode step"
+        times.append(elapsed)
+    return batch / statistics.median(times), prompt_len + 1 + WARM_UP + decode_steps / 2
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model, two batch sizes (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the engine (default 1)")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     setup = QUICK if args.quick else FULL
+
+    import torch
+
+    torch.set_num_threads(args.threads)
 
     from kvfleet_cli.planning.capacity import CapacityRequest, capacity
     from kvfleet_cli.planning.cpu_device import measured_cpu
@@ -82,13 +99,15 @@ def main() -> int:
         step, bound = decode_step(shape, cpu, 1, kv_per_token, batch, round(context))
         rows.append(dict(batch=batch, context=round(context), estimated_tokens_per_s=batch / step, bound=bound,
                          measured_tokens_per_s=measured, ratio=measured * step / batch))
-    result = dict(cpu=cpu_model(), bandwidth_gb_s=cpu.bandwidth / 1e9, gflops=cpu.flops / 1e9,
+    result = dict(cpu=cpu_model(), threads=args.threads, load_average=os.getloadavg()[0],
+                  bandwidth_gb_s=cpu.bandwidth / 1e9, gflops=cpu.flops / 1e9,
                   model=setup["preset"], weights_bytes=shape.weights_bytes(), kv_bytes_per_token=kv_per_token,
                   rows=rows)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['cpu']}: copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s, float32 matmul "
+    print(f"{result['cpu']} ({args.threads} engine thread(s), load average {result['load_average']:.1f}): "
+          f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s, float32 matmul "
           f"{result['gflops']:.0f} GFLOP/s; model {setup['preset']} ({shape.weights_bytes() / 2**20:.1f} MiB of "
           f"weights, {kv_per_token:,} B KV per token)")
     print(f"{'batch':>5} {'context':>7} {'plan tok/s':>11} {'measured':>9} {'measured/plan':>13}  bound")
