@@ -16,18 +16,14 @@ from kvfleet_cli.planning.shapes import MLAShape, ModelShape, MoEShape
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 
 
-def read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{model_dir} has no config.json" if Path(model_dir).is_dir()
-                             else f"model directory {model_dir} does not exist")
+def _mla_config(model_dir: str | Path) -> dict | None:
+    """The raw config if it describes an MLA model, else None (the engine's parser then says
+    what is wrong with the directory)."""
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return raw
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) and "kv_lora_rank" in raw else None
 
 
 def _dtype(raw: dict) -> tuple[str, float]:
@@ -66,14 +62,15 @@ def _mla_shape(raw: dict, name: str) -> ModelShape:
 
 
 def shape_from_dir(model_dir: str | Path) -> ModelShape:
-    raw = read_config(model_dir)
     name = Path(model_dir).resolve().name
-    if "kv_lora_rank" in raw:
+    raw = _mla_config(model_dir)
+    if raw is not None:
         try:
             return _mla_shape(raw, name)
         except ValueError as exc:
             raise ModelLoadError(f"{model_dir}: {exc}") from None
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_dir(model_dir)  # validated: config.json exists and holds an object
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
     dtype, weight_bytes = _dtype(raw)
     return ModelShape(
         name, config.num_layers, config.hidden_size, config.intermediate_size,

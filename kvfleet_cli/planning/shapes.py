@@ -54,10 +54,11 @@ class ModelShape:
     moe: MoEShape | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                     "head_dim", "vocab_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{self.name}: {name} must be positive, got {getattr(self, name)}")
+        sizes = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                 "vocab_size", "max_position_embeddings")
+        bad = [f"{size} {getattr(self, size)}" for size in sizes if getattr(self, size) <= 0]
+        if bad:
+            raise ValueError(f"{self.name}: sizes must be positive, got {', '.join(bad)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: {self.num_heads} heads is not a multiple of {self.num_kv_heads} KV heads")
 

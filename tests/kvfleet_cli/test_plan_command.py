@@ -64,7 +64,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, args, says):
 
 def test_a_directory_without_config(capsys, tmp_path):
     code, _, err = run(capsys, "--model", str(tmp_path))
-    assert code == 2 and "has no config.json" in err
+    assert code == 2 and "config.json is missing" in err
 
 
 def test_force_plans_past_the_models_positions(capsys):
@@ -87,3 +87,13 @@ def test_an_mla_model_directory(capsys, tmp_path):
     preset = json.loads(out)
     for key in ("kv_bytes_per_token", "weights_bytes", "num_active_params", "max_concurrent_seqs"):
         assert from_dir[key] == preset[key], key
+
+
+@pytest.mark.parametrize("config, says", [
+    (dict(model_type="deepseek_v3", kv_lora_rank=512), "field 'num_attention_heads' must be an integer, got None"),
+    (dict(model_type="gpt2", n_layer=12), "model_type 'gpt2' is not supported"),
+])
+def test_a_config_the_plan_cannot_read_is_one_line(capsys, tmp_path, config, says):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run(capsys, "--model", str(tmp_path))
+    assert code == 2 and not out and says in err and err.count("\n") == 1
