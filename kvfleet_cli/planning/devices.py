@@ -50,10 +50,10 @@ def device_named(name: str) -> Device:
     return DEVICES[name]
 
 
-# The guide's sizing table, by target generated tokens/s (upper bound exclusive, verdict).
-GUIDE_TABLE = ((2000, "1 x A100-80G"), (5000, "2 x A100-80G with NVLink"),
-               (float("inf"), "H100s with InfiniBand (no count given)"))
-
-
+# The guide's sizing table, by target generated tokens/s: under 2,000; 2,000 to 5,000; above.
 def guide_verdict(tokens_per_s: float) -> str:
-    return next(verdict for bound, verdict in GUIDE_TABLE if tokens_per_s < bound)
+    if tokens_per_s < 2000:
+        return "1 x A100-80G"
+    if tokens_per_s <= 5000:
+        return "2 x A100-80G with NVLink"
+    return "H100s with InfiniBand (no count given)"

@@ -69,8 +69,8 @@ def test_a_model_without_room_for_one_sequence_says_so():
 
 
 @pytest.mark.parametrize("tokens, verdict", [(1999, "1 x A100-80G"), (2000, "2 x A100-80G with NVLink"),
-                                             (4999, "2 x A100-80G with NVLink"),
-                                             (5000, "H100s with InfiniBand (no count given)")])
+                                             (5000, "2 x A100-80G with NVLink"),
+                                             (5001, "H100s with InfiniBand (no count given)")])
 def test_the_guides_table(tokens, verdict):
     assert guide_verdict(tokens) == verdict
 
