@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compute": ("compute_service.main", "run a compute node: model, KV pool, Compute service, etcd membership"),
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
+    "plan": ("kvfleet_cli.plan_command", "size the KV cache and the hardware for a model, a device and a context"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
 }
 

@@ -46,6 +46,9 @@ PURE = [
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "kvfleet_cli.supervisor",
+    "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
+    "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
+    "kvfleet_cli.planning.model_dir", "kvfleet_cli.planning.cpu_device", "kvfleet_cli.plan_command",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
