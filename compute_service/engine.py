@@ -45,7 +45,7 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None     # None = the model's max_position_embeddings
+    max_model_len: int | None = None     # None = the model's context length (max_context_len)
     node_id: str = "local"
     share_prefix_across_tenants: bool = False
 
@@ -88,7 +88,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = parse_dtype(config.dtype)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
         pack_linears(model, config.max_num_batched_tokens)
         block_size = int(config.block_size)
