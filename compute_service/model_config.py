@@ -38,7 +38,17 @@ IGNORED_FIELDS = frozenset({
     "architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
     "initializer_range", "pad_token_id", "attention_dropout",  # dropout is off at inference
     "pretraining_tp",            # transformers 5 Llama no longer reads it
-    "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "id2label", "label2id",
+    "chunk_size_feed_forward",   # a memory saving: the same result computed in chunks
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "tokenizer_class",
+    "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "prefix",
+    "use_bfloat16", "tf_legacy_loss", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "sep_token_id", "decoder_start_token_id",
+}) | frozenset({  # transformers 4's generation defaults: sampling here comes from each request
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 })
 # transformers' Qwen2 always has q/k/v biases (and no o_proj bias) and reads no attention_bias
 IGNORED_PER_ARCH: dict[str, frozenset[str]] = {"qwen2": frozenset({"attention_bias"})}
