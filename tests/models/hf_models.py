@@ -31,6 +31,7 @@ ROPES = {
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=ORIGINAL),
 }
+ODD = dict(num_attention_heads=5, num_key_value_heads=1, head_dim=40, vocab_size=301)
 # name → (transformers config class, config fields)
 CASES: dict[str, tuple[str, dict]] = {
     **{f"rope_{name}": ("LlamaConfig", dict(rope_parameters={"rope_theta": 5000.0, **rope},
@@ -39,10 +40,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "attention_bias": ("LlamaConfig", dict(attention_bias=True)),
     "mlp_bias": ("LlamaConfig", dict(mlp_bias=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=24)),
-    "qwen3_bias_tied": ("Qwen3Config", dict(attention_bias=True, tie_word_embeddings=True)),
     # odd shapes: 5 query heads per KV head, head_dim 40 != hidden/heads, a vocabulary above the tokenizer's
-    "qwen2_odd": ("Qwen2Config", dict(num_attention_heads=5, num_key_value_heads=1, head_dim=40, vocab_size=301,
-                                      tie_word_embeddings=True)),
+    "qwen2_odd": ("Qwen2Config", dict(ODD, tie_word_embeddings=True)),
+    "qwen3_odd": ("Qwen3Config", dict(ODD, attention_bias=True, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
 }
 
