@@ -13,6 +13,7 @@ Pure: no torch (the tables are built in ``rope.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -74,8 +75,6 @@ def _number(params: dict, key: str, default: float | None) -> float | None:
 
 def _yarn_attention_factor(params: dict, factor: float) -> float:
     """transformers' ``get_mscale`` rule: 0.1·ln(factor)+1, or the mscale/mscale_all_dim ratio."""
-    import math
-
     given = _number(params, "attention_factor", None)
     if given is not None:
         return given
