@@ -67,6 +67,10 @@ class AsyncEngine:
             self.abort(request_id)  # it may have been added all the same
             raise
 
+    def check_prompt(self, ids: list[int], generated: list[int]) -> None:
+        """``LLMEngine.check_prompt`` (safe off the engine thread: it reads only fixed settings)."""
+        self.engine.check_prompt(ids, generated)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (a no-op once it finished)."""
         self._submit(lambda: self.engine.abort_request(request_id))

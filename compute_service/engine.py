@@ -46,7 +46,7 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None     # None = the model's max_position_embeddings
+    max_model_len: int | None = None     # None = the model's context length (max_context_len)
     node_id: str = "local"
     share_prefix_across_tenants: bool = False
 
@@ -89,7 +89,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = parse_dtype(config.dtype)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
         pack_linears(model, config.max_num_batched_tokens)
         block_size = int(config.block_size)
@@ -132,11 +132,24 @@ class LLMEngine:
         if not request_id or request_id in self.requests:
             raise ValueError(f"request_id must be non-empty and unique, got {request_id!r}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        generated = list(generated)
+        self.check_prompt(ids, generated)
+        seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
+        eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
+        request = _Request(seq, IncrementalDetokenizer(self.tokenizer), StopChecker(sampling, eos, self.max_model_len),
+                           on_output)
+        self._replay(request, generated)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def check_prompt(self, ids: list[int], generated: list[int] | tuple[int, ...] = ()) -> None:
+        """``ValueError`` naming why a prompt (plus output already delivered) cannot run here: an id
+        outside the vocabulary, too long for max_model_len or for the pool. Reads only what is fixed
+        at start, so a node may call it on its event loop before asking block_service for blocks."""
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        generated = list(generated)
-        bad = next((t for t in ids + generated if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in [*ids, *generated] if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         num_tokens = len(ids) + len(generated)
@@ -147,13 +160,6 @@ class LLMEngine:
         if need > self.allocator.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks but this node's pool has only "
                              f"{self.allocator.num_blocks}")
-        seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
-        eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
-        request = _Request(seq, IncrementalDetokenizer(self.tokenizer), StopChecker(sampling, eos, self.max_model_len),
-                           on_output)
-        self._replay(request, generated)
-        self.requests[request_id] = request
-        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)

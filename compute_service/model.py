@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Qwen2, Mistral) as one small model over a paged KV pool.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one small model over a paged KV pool.
 
 Tokens of all sequences in a step are packed into one ``[T]`` batch; attention reads and writes
 the pool through ``kernels`` (``store_kv``, ``paged_prefill``, ``paged_decode``). q/k/v and
@@ -38,8 +38,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: RMSNorm over each head's q and k, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -49,6 +52,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -68,8 +73,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -101,15 +106,15 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                    config.rope_theta, config.rope_scaling)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope,
+                                    config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (float32) for the packed tokens picked by
         ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]``."""
         x = self.embed_tokens(input_ids)
-        rope = self.rope.tables(positions, x.dtype)
+        rope = self.rope.tables(positions, x.dtype, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_cache[i], meta)
         x = self.norm(x[logits_indices])

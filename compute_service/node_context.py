@@ -103,6 +103,10 @@ class NodeContext:
     def reconciled_sequences(self) -> int:
         return self.status.reconciled()
 
+    def check_prompt(self, prompt: list[int], generated: list[int]) -> None:
+        """``ValueError`` if the engine would refuse this prompt: checked before any block is asked for."""
+        self.engine.check_prompt(prompt, generated)
+
     async def allocate_early(self, request_id: str, tenant: str, token_ids: list[int], trace_context: object) -> None:
         """Ask block_service for the request's blocks now (a no-op with an in-process pool)."""
         if self.early_blocks is not None:

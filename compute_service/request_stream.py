@@ -101,7 +101,8 @@ class RequestStream:
         try:
             prompt, resumed = check_request(request)
             sampling = sampling_from_proto(request.sampling)
-        except InvalidRequest as e:
+            node.check_prompt(prompt, resumed)  # a prompt too long is refused before blocks are asked for
+        except ValueError as e:  # InvalidRequest is one
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         self.span.set_attributes({"kvfleet.prompt_tokens": len(prompt), "kvfleet.resumed_tokens": len(resumed)})

@@ -11,6 +11,7 @@ from compute_service.model import CausalLM
 from compute_service.model_config import ModelConfig, ModelLoadError
 from compute_service.rope import RotaryEmbedding
 
+MAX_NAMED = 6  # tensors named in a refusal; the rest are counted
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,55 +37,100 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> CausalLM:
-    model_dir = Path(model_dir)
-    tensors = read_safetensors(model_dir)
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in sorted(names)[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in tensors:
-            raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
-        t = tensors[name]
+
+class _Checkpoint:
+    """The checkpoint's tensors, taken one by one: a missing or misshapen tensor is noted, and
+    whatever is never taken is left over (both refuse the model in ``done``)."""
+
+    def __init__(self, model_dir: Path, tensors: dict[str, torch.Tensor]):
+        self.model_dir, self.left = model_dir, dict(tensors)
+        self.missing: list[str] = []
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.left.pop(name, None)
+        if t is None:
+            self.missing.append(name)
+            return torch.zeros(shape)
         if tuple(t.shape) != shape:
-            raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            raise ModelLoadError(f"{self.model_dir}: weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
         return t
 
+    def take_copy(self, name: str, same_as: torch.Tensor) -> None:
+        """Use up ``name`` if the checkpoint holds it as an exact copy of ``same_as``."""
+        t = self.left.get(name)
+        if t is not None and t.shape == same_as.shape and torch.equal(t, same_as):
+            del self.left[name]
+
+    def cat(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        return torch.cat([self.take(n, s) for n, s in zip(names, shapes)])
+
+    def done(self) -> None:
+        if self.missing:
+            raise ModelLoadError(f"{self.model_dir}: the checkpoint lacks {len(self.missing)} tensor(s) the "
+                                 f"config needs: {_names(self.missing)}")
+        if self.left:
+            raise ModelLoadError(f"{self.model_dir}: the checkpoint has {len(self.left)} tensor(s) this config does "
+                                 f"not use (an unsupported feature?): {_names(list(self.left))}")
+
+
+def _layer_state(ckpt: _Checkpoint, c: ModelConfig, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i`` in the engine's naming, q/k/v and gate/up fused (weights and biases alike)."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    attn, mlp = src + "self_attn.", src + "mlp."
+    qkv = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+    state = {
+        dst + "self_attn.qkv_proj.weight": ckpt.cat([n + ".weight" for n in qkv], [(q, h), (kv, h), (kv, h)]),
+        dst + "self_attn.o_proj.weight": ckpt.take(attn + "o_proj.weight", (h, q)),
+        dst + "mlp.gate_up_proj.weight": ckpt.cat([n + ".weight" for n in gate_up], [(inter, h), (inter, h)]),
+        dst + "mlp.down_proj.weight": ckpt.take(mlp + "down_proj.weight", (h, inter)),
+        dst + "input_layernorm.weight": ckpt.take(src + "input_layernorm.weight", (h,)),
+        dst + "post_attention_layernorm.weight": ckpt.take(src + "post_attention_layernorm.weight", (h,)),
+    }
+    if c.qkv_bias:
+        state[dst + "self_attn.qkv_proj.bias"] = ckpt.cat([n + ".bias" for n in qkv], [(q,), (kv,), (kv,)])
+    if c.o_proj_bias:
+        state[dst + "self_attn.o_proj.bias"] = ckpt.take(attn + "o_proj.bias", (h,))
+    if c.mlp_bias:
+        state[dst + "mlp.gate_up_proj.bias"] = ckpt.cat([n + ".bias" for n in gate_up], [(inter,), (inter,)])
+        state[dst + "mlp.down_proj.bias"] = ckpt.take(mlp + "down_proj.bias", (h,))
+    if c.qk_norm:
+        state[dst + "self_attn.q_norm.weight"] = ckpt.take(attn + "q_norm.weight", (c.head_dim,))
+        state[dst + "self_attn.k_norm.weight"] = ckpt.take(attn + "k_norm.weight", (c.head_dim,))
+    return state
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> CausalLM:
+    """The model with every parameter filled from the checkpoint and every checkpoint tensor used."""
+    model_dir = Path(model_dir)
+    ckpt = _Checkpoint(model_dir, read_safetensors(model_dir))
     c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     state: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
-        "norm.weight": take("model.norm.weight", (c.hidden_size,)),
+        "embed_tokens.weight": ckpt.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+        "norm.weight": ckpt.take("model.norm.weight", (c.hidden_size,)),
     }
     if not c.tie_word_embeddings:
-        state["lm_head.weight"] = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        state["lm_head.weight"] = ckpt.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+    else:  # some tied checkpoints store the head anyway: a copy of the embedding is used up, else left over
+        ckpt.take_copy("lm_head.weight", state["embed_tokens.weight"])
     for i in range(c.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        state[dst + "self_attn.qkv_proj.weight"] = torch.cat([
-            take(attn + "q_proj.weight", (q, c.hidden_size)),
-            take(attn + "k_proj.weight", (kv, c.hidden_size)),
-            take(attn + "v_proj.weight", (kv, c.hidden_size))])
-        if c.attention_bias:
-            state[dst + "self_attn.qkv_proj.bias"] = torch.cat([
-                take(attn + "q_proj.bias", (q,)), take(attn + "k_proj.bias", (kv,)),
-                take(attn + "v_proj.bias", (kv,))])
-        state[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight", (c.hidden_size, q))
-        mlp = src + "mlp."
-        state[dst + "mlp.gate_up_proj.weight"] = torch.cat([
-            take(mlp + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-            take(mlp + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
-        state[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size))
-        state[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight", (c.hidden_size,))
-        state[dst + "post_attention_layernorm.weight"] = take(
-            src + "post_attention_layernorm.weight", (c.hidden_size,))
+        state.update(_layer_state(ckpt, c, i))
+    ckpt.done()
 
     with torch.device(device):
         model = CausalLM(c)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
-    assert not missing and not unexpected, (missing, unexpected)
+    if missing or unexpected:  # the mapping above and CausalLM disagree: a bug here, not the model's
+        raise ModelLoadError(f"{model_dir}: parameters left unfilled {missing}, unexpected {unexpected}")
     model = model.to(dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype (they are cast per use)
     with torch.device(device):
-        model.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        model.rope = RotaryEmbedding(c.head_dim, c.max_context_len, c.rope, c.max_position_embeddings)
     return model.eval()

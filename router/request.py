@@ -27,6 +27,19 @@ class TextTokenizer(Protocol):
 
 
 @dataclass(slots=True, frozen=True)
+class ModelVocabulary:
+    """The tokenizer's encoder with the MODEL's vocabulary size (config.json): a model may embed more
+    ids than its tokenizer produces (padded embeddings), and those are valid prompt tokens, while an
+    id past the embedding is not, whatever the tokenizer knows."""
+
+    tokenizer: TextTokenizer
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
+@dataclass(slots=True, frozen=True)
 class ParsedRequest:
     request_id: str          # the client's (or a generated) id, echoed in every chunk
     seq_id: str              # the id inside the cluster: unique even when two tenants reuse a request_id
@@ -60,9 +73,9 @@ def parse_request(req, tokenizer: TextTokenizer) -> ParsedRequest:
         ids = list(req.tokens.ids)
         if not ids:
             raise InvalidRequest("prompt tokens are empty")
-        bad = next((t for t in ids if t >= tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    bad = next((t for t in ids if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
     seq_id = f"{request_id}-{secrets.token_hex(SEQ_SUFFIX_HEX // 2)}"

@@ -23,7 +23,7 @@ from router.admission import Admission, Shed
 from router.node_stream import NodeStream
 from router.nodes import NodeTable
 from router.relay import Relay, RelayError
-from router.request import InvalidRequest, ParsedRequest, parse_request
+from router.request import InvalidRequest, ModelVocabulary, ParsedRequest, parse_request
 from router.running_ids import AlreadyRunning, RunningIds
 from router.tenants import AuthError, TenantDirectory
 
@@ -54,8 +54,9 @@ _STATUS: dict[type[Exception], grpc.StatusCode] = {
 
 
 class TokenizerSource:
-    """The model's tokenizer, from ``--model`` or else the model directory a READY node advertises
-    (the router runs next to the nodes, or mounts the same model volume)."""
+    """The model's tokenizer and vocabulary size (``ModelVocabulary``), from ``--model`` or else the
+    model directory a READY node advertises (the router runs next to the nodes, or mounts the same
+    model volume)."""
 
     def __init__(self, nodes: NodeTable, model_dir: str | None = None):
         self.nodes = nodes
@@ -68,13 +69,18 @@ class TokenizerSource:
             return self._tokenizer
         async with self._lock:
             if self._tokenizer is None:
-                from compute_service.tokenizer import Tokenizer  # tokenizers is slow to import
-
                 model_dir = self.model_dir or next((n.info.model for n in self.nodes.ready()), None)
                 if model_dir is None:
                     raise NoTokenizer("no READY compute node yet (its model directory gives the tokenizer)")
-                self._tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+                self._tokenizer = await asyncio.to_thread(_model_vocabulary, model_dir)
         return self._tokenizer
+
+
+def _model_vocabulary(model_dir: str) -> ModelVocabulary:
+    from compute_service.model_config import ModelConfig
+    from compute_service.tokenizer import Tokenizer  # tokenizers is slow to import
+
+    return ModelVocabulary(Tokenizer(model_dir), ModelConfig.from_dir(model_dir).vocab_size)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):

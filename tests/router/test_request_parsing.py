@@ -5,7 +5,7 @@ import pytest
 from kvfleet.ids import MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
 from kvfleet.v1 import inference_pb2
 from kvfleet.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
-from router.request import parse_request
+from router.request import ModelVocabulary, parse_request
 
 
 class ByteTokenizer:
@@ -29,6 +29,17 @@ def test_text_and_tokens():
     assert p.seq_id.startswith("r1-") and p.seq_id != parse_request(req(text="hi", request_id="r1"), ByteTokenizer()).seq_id
     p = parse_request(req(tokens=inference_pb2.TokenIds(ids=[1, 2, 259])), ByteTokenizer())
     assert p.prompt_ids == [1, 2, 259] and len(p.request_id) == 32  # generated
+
+
+def test_the_models_vocabulary_bounds_prompt_ids():
+    """A model embedding more ids than its tokenizer makes (301 > 260) takes them; one that embeds
+    fewer refuses a text whose tokens it has no embedding for."""
+    p = parse_request(req(tokens=inference_pb2.TokenIds(ids=[1, 265, 300])), ModelVocabulary(ByteTokenizer(), 301))
+    assert p.prompt_ids == [1, 265, 300]
+    with pytest.raises(InvalidRequest, match="token id 301 is outside the vocabulary"):
+        parse_request(req(tokens=inference_pb2.TokenIds(ids=[301])), ModelVocabulary(ByteTokenizer(), 301))
+    with pytest.raises(InvalidRequest, match="token id 195 is outside the vocabulary .0, 128."):
+        parse_request(req(text="\xff"), ModelVocabulary(ByteTokenizer(), 128))
 
 
 def test_zero_means_off():

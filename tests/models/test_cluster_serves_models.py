@@ -1,0 +1,42 @@
+"""New architectures and config features through a real 1-node cluster (etcd, block_service, a
+compute node, the router): the same greedy tokens as transformers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from compute_service.kv_pool import bytes_per_block
+from compute_service.model_config import ModelConfig
+from kvfleet_cli.local_cluster import LocalCluster
+from tests.cluster.cluster_helpers import block_pools, request, stream, tokens_of
+from tests.models.hf_models import build, prompt, reference_tokens
+
+MAX_NEW = 8
+NUM_BLOCKS = 12  # of 16 tokens: a 300-token prompt would not fit
+
+
+def serve(model_dir, work_dir, prompts):
+    pool = NUM_BLOCKS * bytes_per_block(ModelConfig.from_dir(model_dir), 16, torch.float32)
+    with LocalCluster(model_dir, 1, work_dir=work_dir, block_size=16, kv_cache_memory=pool) as cluster:
+        got = [tokens_of(stream(cluster.router_address, request(tokens=p, max_tokens=MAX_NEW, ignore_eos=True)))
+               for p in prompts]
+        with pytest.raises(grpc.RpcError) as refused:
+            stream(cluster.router_address, request(tokens=prompt(300, seed=3), max_tokens=MAX_NEW))
+        pools = block_pools(cluster)
+    return got, refused.value, pools
+
+
+def test_the_cluster_serves_what_transformers_computes(tmp_path):
+    """A Qwen3 with attention biases, tied embeddings, odd head shapes and a vocabulary (301) larger
+    than its tokenizer's (260): ids the model embeds are valid prompt tokens for the router. A prompt
+    longer than the context (256) is refused before block_service is asked for blocks it lacks."""
+    model_dir = build(tmp_path / "qwen3_odd", "qwen3_odd")
+    prompts = [prompt(3, seed=1), prompt(100, seed=2) + [265, 300]]
+    got, refused, pools = serve(model_dir, tmp_path / "cluster", prompts)
+    assert got == reference_tokens(model_dir, prompts, MAX_NEW)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len is 256" in refused.details()
+    (pool,) = pools.values()
+    assert pool.counters.refusals_pool == 0, "the too-long prompt never asked block_service for blocks"
+    assert pool.num_used == 0

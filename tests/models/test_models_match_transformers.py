@@ -1,0 +1,45 @@
+"""Every supported config feature, served by the paged engine, gives transformers' greedy tokens
+(float32, one prompt at a time) — prompts long enough to cross the RoPE scaling's original length."""
+
+from __future__ import annotations
+
+import pytest
+
+from compute_service.engine import EngineConfig, LLMEngine
+from kvfleet.sampling import SamplingParams
+from tests.models.hf_models import CASES, ROPES, build, prompt, reference_tokens
+
+MAX_NEW = 8
+PROMPTS = [prompt(n, seed=n) for n in (3, 40, 100)]
+
+
+def engine_tokens(model_dir, prompts, block_size: int = 16) -> list[list[int]]:
+    engine = LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=16 << 20))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    return [o.new_token_ids for o in outs]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_matches_transformers(tmp_path, case):
+    model_dir = build(tmp_path / case, case)
+    assert engine_tokens(model_dir, PROMPTS) == reference_tokens(model_dir, PROMPTS, MAX_NEW)
+
+
+@pytest.mark.parametrize("case", [f"rope_{name}" for name in ROPES])
+def test_legacy_rope_format_gives_the_same_tokens(tmp_path, case):
+    """transformers 4's ``rope_theta`` + ``rope_scaling`` describes the same model: the engine reads
+    it into the same rotation and both sides agree on the same tokens."""
+    current = build(tmp_path / "current", case)
+    legacy = build(tmp_path / "legacy", case, legacy=True)
+    want = reference_tokens(legacy, PROMPTS, MAX_NEW)
+    assert want == reference_tokens(current, PROMPTS, MAX_NEW)
+    assert engine_tokens(legacy, PROMPTS) == want
+
+
+@pytest.mark.parametrize("case", ["rope_yarn", "rope_llama3", "attention_bias"])
+def test_models_are_sensitive(tmp_path, case):
+    """The test models are strong enough that a wrong RoPE base changes transformers' own tokens
+    (so a wrongly scaled rotation could not pass the tests above by luck)."""
+    same = reference_tokens(build(tmp_path / "a", case), PROMPTS, MAX_NEW)
+    other = reference_tokens(build(tmp_path / "b", case, rope_theta_times=1.5), PROMPTS, MAX_NEW)
+    assert all(a != b for a, b in zip(same[1:], other[1:]))
