@@ -39,12 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from kvfleet.membership import etcd_client, watch_nodes
     from router.admission import Admission
+    from router.generation import Generations
+    from router.model_text import TokenizerSource
     from router.nodes import NodeTable
     from router.prefix_lookup import connect_prefix_lookup
     from router.priority_queue import PriorityQueue, QueueWeights
     from router.relay import Relay
     from router.routing import NodePicker, RoutingConfig
-    from router.server import TokenizerSource, build_server, dial_compute
+    from router.server import build_server, dial_compute
     from router.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.tenants)
@@ -55,8 +57,8 @@ async def serve(args: argparse.Namespace) -> None:
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
-    server = await build_server(args.listen, tenants, Admission(queue), relay, nodes,
-                                TokenizerSource(nodes, args.model), unix_socket=args.listen_unix)
+    generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model))
+    server = await build_server(args.listen, generations, nodes, unix_socket=args.listen_unix)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
