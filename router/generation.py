@@ -3,8 +3,9 @@
     authenticate (the door's) → parse + tokenize → claim the request id → queue → relay → release
 
 A door authenticates in its own way (gRPC metadata, an HTTP header), then opens a ``generation``
-and reads its chunks; every refusal is an exception (``REFUSALS`` before the first chunk,
-``RelayError`` from the relay), which each door maps to its own status in one table.
+and reads its chunks. Every refusal is an exception: those before the first chunk carry their gRPC
+status name in ``REFUSALS``, a ``RelayError`` carries its own; each door maps the status name to
+its answer in one table.
 """
 
 from __future__ import annotations
@@ -17,14 +18,27 @@ from opentelemetry import trace
 from kvfleet.tenants import Tenant
 from router.admission import Admission, Shed
 from router.model_text import NoTokenizer, TokenizerSource
-from router.relay import Relay
+from router.relay import Relay, RelayError
 from router.request import InvalidRequest, ParsedRequest, parse_request
 from router.running_ids import AlreadyRunning, RunningIds
 from router.tenants import AuthError, TenantDirectory
 
 tracer = trace.get_tracer(__name__)
 
-REFUSALS = (AuthError, InvalidRequest, Shed, AlreadyRunning, NoTokenizer)
+REFUSALS: dict[type[Exception], str] = {  # exception → gRPC status name
+    AuthError: "UNAUTHENTICATED",
+    InvalidRequest: "INVALID_ARGUMENT",
+    Shed: "RESOURCE_EXHAUSTED",
+    AlreadyRunning: "ALREADY_EXISTS",
+    NoTokenizer: "UNAVAILABLE",
+}
+
+
+def status_name(e: Exception) -> str | None:
+    """The gRPC status name of a refusal or a relay error; None for anything else."""
+    if isinstance(e, RelayError):
+        return e.code.name
+    return next((name for kind, name in REFUSALS.items() if isinstance(e, kind)), None)
 
 
 class Generations:

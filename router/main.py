@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen-unix", default=None, metavar="PATH",
                         help="also serve on this Unix domain socket, for clients on the same machine "
                              "(cheaper per streamed message than TCP loopback)")
+    parser.add_argument("--http-listen", default=None, metavar="ADDR",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on host:port")
+    parser.add_argument("--http-timeout-s", type=float, default=600.0,
+                        help="an HTTP request still unanswered after this long gets 504")
     parser.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
     parser.add_argument("--block-service", default=None, help="block_service host:port (prefix lookups)")
     parser.add_argument("--tenants", required=True, help="tenants YAML file")
@@ -59,6 +63,11 @@ async def serve(args: argparse.Namespace) -> None:
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
     generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model))
     server = await build_server(args.listen, generations, nodes, unix_socket=args.listen_unix)
+    http = None
+    if args.http_listen:
+        from router.http_door import Door, HttpServer
+
+        http = HttpServer(Door(generations, nodes, args.http_timeout_s), args.http_listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,11 +87,17 @@ async def serve(args: argparse.Namespace) -> None:
         await server.server.start()
         host = args.listen.rsplit(":", 1)[0]
         log.info("router serving kvfleet.v1.Inference on %s:%d (%d tenants)", host, server.port, len(tenants))
+        if http is not None:
+            http.start()
+            log.info("router serving the OpenAI-compatible HTTP API on http://%s:%d/v1",
+                     args.http_listen.rsplit(":", 1)[0], http.port)
         if args.port_file:
             with open(args.port_file, "w") as f:
                 f.write(str(server.port))
         await stop.wait()
         log.info("router stopping")
+        if http is not None:
+            await http.stop()
         await server.server.stop(grace=5)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -2,7 +2,7 @@
 
 The servicer is glue: authenticate from the call's metadata, then the one path every door shares
 (``router.generation``: check and tokenize, claim the request id, wait for a turn, relay). Every
-refusal is mapped to its status in ``_STATUS``, in one place.
+refusal carries its status (``router.generation.status_name``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,10 @@ from opentelemetry import trace
 
 from kvfleet import rpc
 from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
-from router.admission import Shed
-from router.generation import REFUSALS, Generations
-from router.model_text import NoTokenizer
+from router.generation import REFUSALS, Generations, status_name
 from router.node_stream import NodeStream
 from router.nodes import NodeTable
 from router.relay import RelayError
-from router.request import InvalidRequest
-from router.running_ids import AlreadyRunning
-from router.tenants import AuthError
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -40,16 +35,6 @@ def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
-_STATUS: dict[type[Exception], grpc.StatusCode] = {
-    AuthError: grpc.StatusCode.UNAUTHENTICATED,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    Shed: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,
-    NoTokenizer: grpc.StatusCode.UNAVAILABLE,
-}
-assert set(_STATUS) == set(REFUSALS)
-
-
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, generations: Generations):
         self.generations = generations
@@ -60,10 +45,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async with self.generations.generation(tenant, request) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except REFUSALS as e:
-            await context.abort(next(code for kind, code in _STATUS.items() if isinstance(e, kind)), str(e))
-        except RelayError as e:
-            await context.abort(e.code, str(e))
+        except (*REFUSALS, RelayError) as e:
+            await context.abort(grpc.StatusCode[status_name(e)], str(e))
 
 
 @dataclass(slots=True)
