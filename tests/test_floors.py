@@ -44,6 +44,7 @@ PURE = [
     "compute_service.block_link", "compute_service.block_sync", "kvfleet.backoff",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
+    "router.chat_template", "router.openai_requests", "router.openai_responses",
     "kvfleet_cli.supervisor",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
