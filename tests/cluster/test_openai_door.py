@@ -220,3 +220,18 @@ def test_no_template_timeout_and_no_node(model_dir, tmp_path):
         assert info.value.status_code == 503 and "no READY compute node" in info.value.message
     finally:
         cluster.stop()
+
+
+def test_kvfleet_generate_chat(cluster):
+    """``kvfleet generate --chat`` sends the chat form: its answer is the OpenAI door's."""
+    import subprocess
+    import sys
+
+    answer = client(cluster).chat.completions.create(model=model_id(cluster), messages=QUESTION, max_tokens=12,
+                                                     temperature=0)
+    out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", cluster.router_address,
+                          "--api-key", "sk-gold", "--chat", "--system", QUESTION[0]["content"], "--max-tokens", "12",
+                          QUESTION[1]["content"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip("\n") == answer.choices[0].message.content.rstrip("\n")
+    assert f"{answer.usage.prompt_tokens} prompt tokens" in out.stderr
