@@ -145,7 +145,8 @@ class Door:
         return await self._serve(request, "chat")
 
     async def _serve(self, request: Request, kind: str) -> Response:
-        span = tracer.start_span(f"POST {request.url.path}", kind=trace.SpanKind.SERVER)
+        # under the HTTP server span when FastAPI traces (it does when a tracer provider is set)
+        span = tracer.start_span(f"openai {kind}")
         stack = contextlib.AsyncExitStack()
         stack.callback(span.end)
         try:
