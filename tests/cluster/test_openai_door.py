@@ -12,38 +12,29 @@ import grpc
 import httpx2 as httpx
 import openai
 import pytest
-from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
+from cluster_helpers import BLOCK_SIZE, TENANTS, block_pools, random_prompt, request, stream, tokens_of
 
 from compute_service.tokenizer import Tokenizer
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
-from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
 
-TENANTS = DEMO_TENANTS + """\
-  - name: tiny
-    api_key: sk-tiny
-    quota_mib: 0.1
-    paid_level: 0
-    max_concurrent: 4
-"""
 QUESTION = [{"role": "system", "content": "Answer in Chinese. 请用中文回答 🙂"},
             {"role": "user", "content": "What is a KV cache?"}]
 
 
-def start(model, tmp, **kw) -> LocalCluster:
+def one_node(model, tmp, **kw) -> LocalCluster:
+    """A one-node cluster, not started (``with`` starts and stops it)."""
     tenants = tmp / "tenants.yaml"
     tenants.write_text(TENANTS)
     return LocalCluster(model, 1, tenants_file=tenants, work_dir=tmp / "cluster", block_size=BLOCK_SIZE,
-                        kv_cache_memory=16 << 20, **kw).start()
+                        kv_cache_memory=16 << 20, **kw)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    started = start(model_dir, tmp_path_factory.mktemp("openai"))
-    try:
+    with one_node(model_dir, tmp_path_factory.mktemp("openai")) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def client(cluster, key="sk-gold") -> openai.OpenAI:
@@ -195,8 +186,7 @@ def test_no_template_timeout_and_no_node(model_dir, tmp_path):
     config = json.loads((bare / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    cluster = start(bare, tmp_path, router_args=("--http-timeout-s", "2"))
-    try:
+    with one_node(bare, tmp_path, router_args=("--http-timeout-s", "2")) as cluster:
         c, model = client(cluster), model_id(cluster)
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
@@ -218,8 +208,6 @@ def test_no_template_timeout_and_no_node(model_dir, tmp_path):
         with pytest.raises(openai.InternalServerError) as info:
             c.completions.create(model=model, prompt="hi", max_tokens=4)
         assert info.value.status_code == 503 and "no READY compute node" in info.value.message
-    finally:
-        cluster.stop()
 
 
 def test_kvfleet_generate_chat(cluster):
