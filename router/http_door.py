@@ -33,6 +33,7 @@ from router.generation import Generations, status_name
 from router.nodes import NodeTable
 from router.openai_requests import ApiError, OpenAICall, parse_call
 from router.openai_responses import DONE, FINISH_REASONS, Answer, Usage, sse
+from router.server import CannotListen
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -250,7 +251,7 @@ def bind(listen: str) -> socket.socket:
         return socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                     reuse_port=False)
     except (OSError, ValueError) as e:
-        raise RuntimeError(f"cannot listen on {listen} for HTTP: {e}") from None
+        raise CannotListen(f"cannot listen on {listen} for HTTP: {e}") from None
 
 
 class HttpServer:

@@ -110,11 +110,15 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet import event_loop
     from kvfleet.tenants import TenantsFileError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
+    from router.server import CannotListen
 
     setup_tracing("kvfleet-router")
     try:
         event_loop.run(serve(args))
     except TenantsFileError as e:
+        log.error("%s", e)
+        return 2
+    except CannotListen as e:
         log.error("%s", e)
         return 2
     finally:

@@ -32,6 +32,10 @@ def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
     channel = rpc.channel(address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES)
     return channel, NodeStream(compute_pb2_grpc.ComputeStub(channel), address)
 
+class CannotListen(RuntimeError):
+    """An address to serve on is taken or malformed: the router says so in one line and exits."""
+
+
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
@@ -82,9 +86,9 @@ async def build_server(
     )
     port = server.add_insecure_port(listen)
     if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}")
+        raise CannotListen(f"cannot listen on {listen}")
     if unix_socket is not None and server.add_insecure_port(f"unix:{unix_socket}") == 0:
-        raise RuntimeError(f"cannot listen on the Unix socket {unix_socket}")
+        raise CannotListen(f"cannot listen on the Unix socket {unix_socket}")
     routed = RouterServer(server, port, nodes, health_servicer)
     await routed.update_health()
     return routed

@@ -179,18 +179,56 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_its_blocks(cluster, 
     assert 0 < node_generated(cluster) - before < 4000  # stopped, not run to the end
 
 
-def test_no_template_timeout_and_no_node(model_dir, tmp_path):
-    """A model without a chat template refuses chat; a request past --http-timeout-s gets 504; with
-    no READY node, 503 (and /health says so)."""
+def test_grpc_chat_refusals_name_the_field(cluster):
+    for messages, words in [([], "chat.messages is empty"),
+                            ([inference_pb2.ChatMessage(role="wizard", content="x")], "chat.messages[0].role")]:
+        req = inference_pb2.GenerateRequest(chat=inference_pb2.ChatMessages(messages=messages),
+                                            sampling=inference_pb2.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as info:
+            stream(cluster.router_address, req)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+
+
+def test_no_template_full_queue_timeout_and_no_node(model_dir, tmp_path):
+    """A model without a chat template refuses chat (both doors); a full queue is 429; a request
+    past --http-timeout-s gets 504; with no READY node, 503 (and /health says so)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     bare = make_model(tmp_path / "bare", "tiny", seed=11)
     config = json.loads((bare / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    with one_node(bare, tmp_path, router_args=("--http-timeout-s", "2")) as cluster:
+    # one request runs at a time, one more may wait
+    router_args = ("--http-timeout-s", "2", "--capacity", "1", "--queue-size", "1")
+    with one_node(bare, tmp_path, router_args=router_args) as cluster:
         c, model = client(cluster), model_id(cluster)
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
         assert "no chat template" in info.value.message
+        req = inference_pb2.GenerateRequest(chat=inference_pb2.ChatMessages(messages=[
+            inference_pb2.ChatMessage(role="user", content="hi")]), sampling=inference_pb2.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as info:
+            stream(cluster.router_address, req)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in info.value.details()
+
+        running = c.completions.create(model=model, prompt="long", max_tokens=4000, stream=True,
+                                       extra_body={"ignore_eos": True})
+        next(iter(running))  # it runs: the next two wait, or are shed
+
+        def short(_):
+            try:
+                return c.completions.create(model=model, prompt="short", max_tokens=2).usage.completion_tokens
+            except openai.RateLimitError as e:
+                return e
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(short, i) for i in range(2)]
+            while not any(f.done() for f in waiting):
+                time.sleep(0.05)
+            running.close()  # the one that waited now runs
+            outcomes = [f.result() for f in waiting]
+        [shed] = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+        assert shed.status_code == 429 and "queue is full" in shed.message
+        assert [o for o in outcomes if o is not shed] == [2]
         cluster.kill_node("node-0", signal.SIGSTOP)  # frozen: it never answers
         try:
             with pytest.raises(openai.InternalServerError) as info:
@@ -223,3 +261,19 @@ def test_kvfleet_generate_chat(cluster):
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == answer.choices[0].message.content.rstrip("\n")
     assert f"{answer.usage.prompt_tokens} prompt tokens" in out.stderr
+
+
+def test_a_taken_http_port_is_one_line_and_exit_2(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "router", "--listen", "127.0.0.1:0",
+                              "--http-listen", f"127.0.0.1:{port}", "--etcd", "http://127.0.0.1:1",
+                              "--tenants", str(tenants)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"cannot listen on 127.0.0.1:{port} for HTTP" in out.stderr
