@@ -158,17 +158,17 @@ class Door:
                 raise ApiError(404, f"The model {call.model!r} does not exist; this router serves {name!r}",
                                param="model", code="model_not_found")
             deadline = asyncio.get_running_loop().time() + self.timeout_s
-            with trace.use_span(span, end_on_exit=False):
-                async with asyncio.timeout_at(deadline):
-                    chunks = await stack.enter_async_context(
-                        self.generations.generation(tenant, generate_request(call)))
-                    first = await anext(chunks)
+            chunks, first = await _unless_gone(request, self._open(tenant, call, stack, span, deadline))
             answer = Answer(kind, first.request_id, name, call.include_usage)
             if call.stream:  # the background closes the stack too if the stream never started
                 return StreamingResponse(self._events(answer, first, chunks, stack, span, deadline),
                                          media_type="text/event-stream", background=BackgroundTask(_close, stack))
-            with trace.use_span(span, end_on_exit=False):
-                return await self._whole(request, answer, first, chunks, stack, deadline)
+            body = await _unless_gone(request, self._whole(answer, first, chunks, span, deadline))
+            await stack.aclose()
+            return JSONResponse(body)
+        except ClientGone:  # nobody reads an answer
+            await stack.aclose()
+            return Response(status_code=499)
         except BaseException as e:
             span.set_status(trace.StatusCode.ERROR, str(e))
             await stack.aclose()
@@ -176,29 +176,22 @@ class Door:
                 raise
             return error_response(e)
 
-    async def _whole(self, request: Request, answer: Answer, chunk, chunks, stack, deadline) -> JSONResponse:
-        """Collect the answer; a client that leaves meanwhile cancels it."""
-        async def collect():
-            text = [chunk.text]
-            last = chunk
+    async def _open(self, tenant, call: OpenAICall, stack, span, deadline):
+        """Wait for the request's turn and its first chunk: (the chunks, the first)."""
+        with trace.use_span(span, end_on_exit=False):
             async with asyncio.timeout_at(deadline):
-                async for later in chunks:
-                    text.append(later.text)
-                    last = later
-            return answer.complete("".join(text), finish_reason(last), usage_of(last))
+                chunks = await stack.enter_async_context(self.generations.generation(tenant, generate_request(call)))
+                return chunks, await anext(chunks)
 
-        async with stack:
-            work = asyncio.create_task(collect())
-            watch = asyncio.create_task(_cancel_on_disconnect(request, work))
-            try:
-                body = await work
-            except asyncio.CancelledError:
-                if watch.done():  # the client left: nobody reads an answer
-                    return Response(status_code=499)
-                raise
-            finally:
-                watch.cancel()
-        return JSONResponse(body)
+    @staticmethod
+    async def _whole(answer: Answer, chunk, chunks, span, deadline) -> dict:
+        """The rest of the chunks, as one answer (``stream: false``)."""
+        text = [chunk.text]
+        with trace.use_span(span, end_on_exit=False):
+            async with asyncio.timeout_at(deadline):
+                async for chunk in chunks:
+                    text.append(chunk.text)
+        return answer.complete("".join(text), finish_reason(chunk), usage_of(chunk))
 
     async def _events(self, answer: Answer, chunk, chunks, stack, span, deadline):
         """Server-sent events; the stack (the request's turn and its node) is closed when the
@@ -230,10 +223,30 @@ async def _close(stack: contextlib.AsyncExitStack) -> None:
         await stack.aclose()
 
 
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _unless_gone(request: Request, work):
+    """Await ``work``; if the client disconnects first, cancel it (its request leaves the queue,
+    or its node stops it) and raise ``ClientGone``. Streaming needs no watch: Starlette cancels
+    a stream whose client left."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 class _Server(uvicorn.Server):
