@@ -236,6 +236,16 @@ def test_no_template_full_queue_timeout_and_no_node(model_dir, tmp_path):
             assert info.value.status_code == 504
         finally:
             cluster.kill_node("node-0", signal.SIGCONT)
+        # past the deadline mid-stream: the status is sent, so the stream ends with an error event
+        events = iter(c.completions.create(model=model, prompt="hi", max_tokens=4000, stream=True,
+                                           extra_body={"ignore_eos": True}))
+        next(events)
+        cluster.kill_node("node-0", signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIError, match="took longer than the router's --http-timeout-s"):
+                list(events)
+        finally:
+            cluster.kill_node("node-0", signal.SIGCONT)
         cluster.kill_node("node-0", signal.SIGTERM)
         cluster.nodes["node-0"].process.wait(30)
         health = cluster.http_url.removesuffix("/v1") + "/health"
