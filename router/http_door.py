@@ -210,7 +210,7 @@ class Door:
                     try:
                         async with asyncio.timeout_at(deadline):
                             chunk = await anext(chunks)
-                    except (Exception, StopAsyncIteration) as e:
+                    except Exception as e:  # StopAsyncIteration too: a relay that ended without a finish
                         yield sse(api_error(e).body())
                         return
         finally:
