@@ -263,6 +263,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         self._generated += 1
         text = request.detokenizer.push(token)
+        if request.stop.last_token(seq, token) is not None:
+            text += request.detokenizer.flush()
         reason, text = request.stop.check(seq, token, text)
         request.text.append(text)
         if reason is not None:

@@ -47,6 +47,15 @@ class StopChecker:
         self.hold = max((len(s) for s in sampling.stop), default=1) - 1
         self.pending = ""   # never holds a whole stop string
 
+    def last_token(self, seq: Sequence, token: int) -> str | None:
+        """"stop" (eos) or "length" when ``token`` (just appended to ``seq``) ends the output
+        whatever its text; a stop string is found by ``check``."""
+        if token in self.eos:
+            return "stop"
+        if seq.num_output_tokens >= self.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
     def check(self, seq: Sequence, token: int, text: str) -> tuple[str | None, str]:
         """(finish reason or None, the text to emit now)."""
         self.pending += text
@@ -54,11 +63,7 @@ class StopChecker:
             hits = [i for i in (self.pending.find(s) for s in self.sampling.stop) if i >= 0]
             if hits:
                 return "stop", self.pending[:min(hits)]
-        reason = None
-        if token in self.eos:
-            reason = "stop"
-        elif seq.num_output_tokens >= self.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self.last_token(seq, token)
         cut = len(self.pending) if reason else max(len(self.pending) - self.hold, 0)
         emit, self.pending = self.pending[:cut], self.pending[cut:]
         return reason, emit

@@ -48,3 +48,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return after[len(before):]
         return ""
+
+    def flush(self) -> str:
+        """The text held back, at the end of the output: an unfinished character ends as
+        ``decode`` ends it (U+FFFD), so the pieces add up to the decode of every token."""
+        before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return after[len(before):]

@@ -13,7 +13,11 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a chat message, rendered by the model's chat template "
+                             "(the answer ends with the assistant's turn)")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     parser.add_argument("--router", default=os.environ.get("KVFLEET_ROUTER", DEFAULT_ROUTER),
                         help=f"router host:port (default $KVFLEET_ROUTER or {DEFAULT_ROUTER})")
     parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
@@ -32,19 +36,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def request_message(args: argparse.Namespace):
     from kvfleet.v1 import inference_pb2
 
-    return inference_pb2.GenerateRequest(
+    req = inference_pb2.GenerateRequest(
         request_id=args.request_id,
-        text=args.prompt,
         sampling=inference_pb2.SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         ),
     )
+    if not args.chat:
+        req.text = args.prompt
+        return req
+    if args.system is not None:
+        req.chat.messages.add(role="system", content=args.system)
+    req.chat.messages.add(role="user", content=args.prompt)
+    return req
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    if args.system is not None and not args.chat:
+        print("--system goes with --chat", file=sys.stderr)
+        return 2
     from kvfleet import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 

@@ -78,6 +78,7 @@ class LocalCluster:
         router_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
+        http: bool = True,
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -95,6 +96,7 @@ class LocalCluster:
         self.router_args = tuple(router_args)
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level
+        self.http_port = free_port() if http else None  # the router's OpenAI-compatible door
         self.etcd: EtcdServer | None = None
         self.block_service: Child | None = None
         self.nodes: dict[str, Child] = {}
@@ -113,6 +115,11 @@ class LocalCluster:
         """The router's Unix domain socket, for clients on this machine (``unix:PATH``); None when
         the work directory's path is too long for one."""
         return f"unix:{self._router_socket}" if self._router_socket else None
+
+    @property
+    def http_url(self) -> str | None:
+        """The router's OpenAI-compatible HTTP door (``.../v1``), None when not opened."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else None
 
     @property
     def block_service_address(self) -> str | None:
@@ -179,6 +186,8 @@ class LocalCluster:
                 argv += ["--block-service", self.block_service_address]
             if self._router_socket:
                 argv += ["--listen-unix", self._router_socket]
+            if self.http_port:
+                argv += ["--http-listen", f"127.0.0.1:{self.http_port}"]
             self.router = self._spawn("router", argv, port)
             self.wait_router(timeout)
         except BaseException:

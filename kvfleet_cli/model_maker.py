@@ -1,7 +1,9 @@
 """``kvfleet make-model``: a seeded, random-initialised Llama-family model directory that any Hugging
 Face tool can read (``config.json``, ``model.safetensors``, a byte-level ``tokenizer.json``).
 
-No download: the tokenizer is 256 byte tokens plus four specials, built with ``tokenizers``.
+No download: the tokenizer is 256 byte tokens plus four specials, built with ``tokenizers``. The
+chat template is ChatML with the specials as its markers: ``<s>`` opens a turn (``<|im_start|>``),
+``</s>`` ends it (``<|im_end|>``, also the model's eos, so generation stops at the end of a turn).
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message must come first') }}"
+    "{% endif %}"
+    "{{ bos_token + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
+)
 
 PRESETS: dict[str, dict] = {
     # tests: a few layers, hidden <= 128, GQA 4 query / 2 KV heads
@@ -134,6 +146,7 @@ def make_model(out: str | Path, preset: str = "tiny", architecture: str = "llama
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
         pad_token="<pad>", unk_token="<unk>", model_max_length=config["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
     ), indent=2))
     (out / "generation_config.json").write_text(json.dumps(dict(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID), indent=2))

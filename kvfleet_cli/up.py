@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
+        print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
         print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
         print("Ctrl-C stops everything; a process that dies is restarted.", flush=True)
         supervisor = Supervisor(cluster)

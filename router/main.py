@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen-unix", default=None, metavar="PATH",
                         help="also serve on this Unix domain socket, for clients on the same machine "
                              "(cheaper per streamed message than TCP loopback)")
+    parser.add_argument("--http-listen", default=None, metavar="ADDR",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on host:port")
+    parser.add_argument("--http-timeout-s", type=float, default=600.0,
+                        help="an HTTP request still unanswered after this long gets 504")
     parser.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
     parser.add_argument("--block-service", default=None, help="block_service host:port (prefix lookups)")
     parser.add_argument("--tenants", required=True, help="tenants YAML file")
@@ -39,12 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from kvfleet.membership import etcd_client, watch_nodes
     from router.admission import Admission
+    from router.generation import Generations
+    from router.model_text import TokenizerSource
     from router.nodes import NodeTable
     from router.prefix_lookup import connect_prefix_lookup
     from router.priority_queue import PriorityQueue, QueueWeights
     from router.relay import Relay
     from router.routing import NodePicker, RoutingConfig
-    from router.server import TokenizerSource, build_server, dial_compute
+    from router.server import build_server, dial_compute
     from router.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.tenants)
@@ -55,8 +61,13 @@ async def serve(args: argparse.Namespace) -> None:
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
-    server = await build_server(args.listen, tenants, Admission(queue), relay, nodes,
-                                TokenizerSource(nodes, args.model), unix_socket=args.listen_unix)
+    generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model))
+    server = await build_server(args.listen, generations, nodes, unix_socket=args.listen_unix)
+    http = None
+    if args.http_listen:
+        from router.http_door import Door, HttpServer
+
+        http = HttpServer(Door(generations, nodes, args.http_timeout_s), args.http_listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,11 +87,17 @@ async def serve(args: argparse.Namespace) -> None:
         await server.server.start()
         host = args.listen.rsplit(":", 1)[0]
         log.info("router serving kvfleet.v1.Inference on %s:%d (%d tenants)", host, server.port, len(tenants))
+        if http is not None:
+            http.start()
+            log.info("router serving the OpenAI-compatible HTTP API on http://%s:%d/v1",
+                     args.http_listen.rsplit(":", 1)[0], http.port)
         if args.port_file:
             with open(args.port_file, "w") as f:
                 f.write(str(server.port))
         await stop.wait()
         log.info("router stopping")
+        if http is not None:
+            await http.stop()
         await server.server.stop(grace=5)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -93,11 +110,15 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet import event_loop
     from kvfleet.tenants import TenantsFileError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
+    from router.server import CannotListen
 
     setup_tracing("kvfleet-router")
     try:
         event_loop.run(serve(args))
     except TenantsFileError as e:
+        log.error("%s", e)
+        return 2
+    except CannotListen as e:
         log.error("%s", e)
         return 2
     finally:

@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 
+def end_of_turn(token_ids, finish_reason, stop_token_ids):
+    """A node stops at its model's ``config.json`` eos only; the router ends the request at the
+    first of the model's other end-of-turn tokens too (``generation_config.json``, the tokenizer's
+    eos), as ``transformers`` would: (the tokens up to and including it, FINISH_REASON_STOP)."""
+    for i, token in enumerate(token_ids):
+        if token in stop_token_ids:
+            return list(token_ids[:i + 1]), inference_pb2.FINISH_REASON_STOP
+    return token_ids, finish_reason
+
+
 class RelayError(Exception):
     """The request cannot be served; ``code`` is the gRPC status for the client."""
 
@@ -159,11 +169,12 @@ class Relay:
                     over = True
                     raise NodeFailure.from_event(event.error)
                 chunk = event.chunk
-                progress.relayed(chunk.token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
+                token_ids, reason = end_of_turn(chunk.token_ids, chunk.finish_reason, req.stop_token_ids)
+                progress.relayed(token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
                 node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))
-                if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
-                    over = True
-                    yield self._last_chunk(req, progress, chunk.text, chunk.finish_reason, chunk.token_ids, node)
+                if reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    over = chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED  # else cancelled
+                    yield self._last_chunk(req, progress, chunk.text, reason, token_ids, node)
                     return
                 yield inference_pb2.GenerateChunk(
                     request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text, node_id=node.node_id

@@ -16,6 +16,7 @@ from typing import Protocol
 from kvfleet.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_HEX
 from kvfleet.sampling import SamplingParams
 from kvfleet.wire import InvalidRequest, sampling_from_proto
+from router.chat_template import ChatMessage, ChatTemplate
 
 MAX_PROMPT_CHARS = 4 << 20
 
@@ -45,6 +46,7 @@ class ParsedRequest:
     seq_id: str              # the id inside the cluster: unique even when two tenants reuse a request_id
     prompt_ids: list[int]
     sampling: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # the model's end-of-turn tokens (none with ignore_eos)
 
 
 def _request_id(value: str) -> str:
@@ -55,20 +57,33 @@ def _request_id(value: str) -> str:
     return value
 
 
-def parse_request(req, tokenizer: TextTokenizer) -> ParsedRequest:
-    """Check a ``kvfleet.v1.GenerateRequest`` and tokenize its prompt."""
+def _encode(text: str, tokenizer: TextTokenizer, what: str) -> list[int]:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"{what} is longer than {MAX_PROMPT_CHARS} characters")
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise InvalidRequest(f"{what} encodes to no tokens")
+    return ids
+
+
+def parse_request(req, tokenizer: TextTokenizer, chat: ChatTemplate | None = None,
+                  end_of_turn: frozenset[int] = frozenset()) -> ParsedRequest:
+    """Check a ``kvfleet.v1.GenerateRequest`` and tokenize its prompt; a chat is rendered with the
+    model's template ``chat`` first. Generation stops at the ``end_of_turn`` tokens unless
+    ``sampling.ignore_eos``."""
     request_id = _request_id(req.request_id)
     which = req.WhichOneof("prompt")
     if which is None:
-        raise InvalidRequest("prompt is missing: set either text or tokens")
+        raise InvalidRequest("prompt is missing: set text, tokens or chat")
     if which == "text":
         if not req.text:
             raise InvalidRequest("prompt text is empty")
-        if len(req.text) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(f"prompt text is longer than {MAX_PROMPT_CHARS} characters")
-        ids = tokenizer.encode(req.text)
-        if not ids:
-            raise InvalidRequest("prompt text encodes to no tokens")
+        ids = _encode(req.text, tokenizer, "prompt text")
+    elif which == "chat":
+        messages = [ChatMessage(m.role, m.content) for m in req.chat.messages]
+        if chat is None:
+            chat = ChatTemplate(None)
+        ids = _encode(chat.render(messages), tokenizer, "chat.messages rendered by the chat template")
     else:
         ids = list(req.tokens.ids)
         if not ids:
@@ -79,4 +94,5 @@ def parse_request(req, tokenizer: TextTokenizer) -> ParsedRequest:
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
     seq_id = f"{request_id}-{secrets.token_hex(SEQ_SUFFIX_HEX // 2)}"
-    return ParsedRequest(request_id, seq_id, ids, sampling_from_proto(req.sampling))
+    sampling = sampling_from_proto(req.sampling)
+    return ParsedRequest(request_id, seq_id, ids, sampling, frozenset() if sampling.ignore_eos else end_of_turn)

@@ -46,6 +46,7 @@ PURE = [
     "compute_service.model_config", "compute_service.rope_config",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
+    "router.chat_template", "router.openai_requests", "router.openai_responses",
     "kvfleet_cli.supervisor",
     "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
     "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",

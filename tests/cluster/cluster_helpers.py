@@ -7,8 +7,18 @@ import random
 import grpc
 
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+from kvfleet_cli.local_cluster import DEMO_TENANTS
 
 BLOCK_SIZE = 16
+
+# The demo tenants (gold, free) and one with a quota of 3 blocks of the test model.
+TENANTS = DEMO_TENANTS + """\
+  - name: tiny
+    api_key: sk-tiny
+    quota_mib: 0.1
+    paid_level: 0
+    max_concurrent: 4
+"""
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

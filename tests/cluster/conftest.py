@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import BLOCK_SIZE
+from cluster_helpers import BLOCK_SIZE, TENANTS
 
 from kvfleet_cli.etcd_server import EtcdServer
-from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
-
-# The demo tenants (gold, free) and one with a quota of 3 blocks of the test model.
-TENANTS = DEMO_TENANTS + """\
-  - name: tiny
-    api_key: sk-tiny
-    quota_mib: 0.1
-    paid_level: 0
-    max_concurrent: 4
-"""
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,38 @@ def test_one_trace_spans_router_compute_and_block_service(start_cluster):
     # block_service's server span of that allocation is its child, in the same trace
     served_by_block = [s for s in trace if s.service == "kvfleet-block-service" and s.name.endswith("AllocateMany")]
     assert served_by_block and all(parent(s) in allocations for s in served_by_block), names
+
+
+def test_the_http_door_traces_its_requests_as_the_grpc_door_does(start_cluster):
+    """One path, two doors: an OpenAI request's trace has the same queue, route and compute spans,
+    under the HTTP request's span, with the node's spans below, streaming or not."""
+    import httpx2 as httpx
+
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+               "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        cluster = start_cluster(1, env=env)
+        for streaming in (False, True):
+            answer = httpx.post(cluster.http_url + "/completions", headers={"authorization": "Bearer sk-gold"},
+                                json={"model": "tiny", "prompt": random_prompt(40, 3), "max_tokens": 5,
+                                      "ignore_eos": True, "stream": streaming}, timeout=60)
+            assert answer.status_code == 200
+        cluster.stop()
+        time.sleep(0.5)
+        spans = list(receiver.spans)
+
+    by_id = {s.span_id: s for s in spans}
+    requests = [s for s in spans if s.name == "openai completion" and s.service == "kvfleet-router"]
+    assert len(requests) == 2
+    for request_span in requests:
+        trace = [s for s in spans if s.trace_id == request_span.trace_id]
+        [root] = [s for s in trace if not s.parent_id]
+        assert root.service == "kvfleet-router"  # the HTTP request's own span (FastAPI's), or this one
+        assert request_span.attributes["kvfleet.tenant"] == "gold"
+        assert request_span.attributes["kvfleet.completion_tokens"] == 5
+        for name in ("queue", "route", "compute"):
+            [s] = [s for s in trace if s.name == name and s.service == "kvfleet-router"]
+            assert by_id[s.parent_id] is request_span
+        [call] = [s for s in trace if s.service == "kvfleet-router" and s.name == "compute"]
+        [served] = [s for s in trace if s.service == "kvfleet-compute" and s.name == "generate"]
+        assert by_id[served.parent_id] is call

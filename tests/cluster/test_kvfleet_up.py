@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from cluster_helpers import request, stream, tokens_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -155,6 +156,11 @@ def test_up_serves_and_ctrl_c_stops_everything(up):
     u.children()
     chunks = stream(address, request(text="hello from kvfleet up", max_tokens=5, ignore_eos=True))
     assert len(tokens_of(chunks)) == 5
+    # the OpenAI-compatible door, at the URL and with the model id that `up` prints
+    url, model = re.search(r"OpenAI-compatible HTTP API at (\S+) \(model '([^']+)'\)", u.text()).groups()
+    answer = openai.OpenAI(base_url=url, api_key="sk-gold", max_retries=0).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 5
     stop_and_check_nothing_is_left(u)
     assert "restarting" not in u.text()
 

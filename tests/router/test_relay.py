@@ -170,3 +170,19 @@ def test_a_client_leaving_cancels_the_request_on_its_node():
     assert list(asyncio.run(take_one()).token_ids) == [10]
     assert stub(nodes, "a").finished == [("r-1", True)]
     assert nodes.nodes["a"].num_in_flight == 0 and nodes.nodes["a"].active_blocks == 0
+
+
+def test_an_end_of_turn_token_the_node_does_not_stop_at_ends_the_request():
+    """The node stops at config.json's eos only; the router stops at the model's other end-of-turn
+    tokens (generation_config.json, the tokenizer's eos) and cancels the rest on the node."""
+    nodes = table({"a": [([10, 99, 11, 12], LENGTH)]})
+    req = ParsedRequest("r", "r-1", [1, 2, 3], SamplingParams(max_tokens=5), stop_token_ids=frozenset({99}))
+
+    async def collect():
+        return [c async for c in relay(nodes).run(req, TENANT)]
+
+    chunks = asyncio.run(collect())
+    assert [t for c in chunks for t in c.token_ids] == [10, 99]
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_STOP
+    assert chunks[-1].usage.completion_tokens == 2
+    assert stub(nodes, "a").finished == [("r-1", True)]  # cancelled on the node

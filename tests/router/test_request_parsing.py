@@ -1,5 +1,7 @@
 """GenerateRequest → ParsedRequest: every bad field is an InvalidRequest naming it."""
 
+import re
+
 import pytest
 
 from kvfleet.ids import MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
@@ -79,3 +81,24 @@ def test_longest_request_id_makes_a_sequence_id_block_service_takes():
 def test_negative_top_p_is_refused_not_disabled():
     with pytest.raises(InvalidRequest, match="top_p"):
         parse_request(req(text="x", sampling=dict(max_tokens=1, top_p=-0.5)), ByteTokenizer())
+
+
+def test_chat_is_rendered_by_the_models_template_and_stops_at_its_end_of_turn():
+    from kvfleet_cli.model_maker import CHAT_TEMPLATE
+    from router.chat_template import ChatTemplate
+
+    template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+    chat = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content="你好")])
+    p = parse_request(req(chat=chat), ByteTokenizer(), template, frozenset({257}))
+    assert p.prompt_ids == list("<s>user\n你好</s>\n<s>assistant\n".encode())
+    assert p.stop_token_ids == {257}
+    ignoring = parse_request(req(chat=chat, sampling=dict(max_tokens=4, ignore_eos=True)), ByteTokenizer(),
+                             template, frozenset({257}))
+    assert ignoring.stop_token_ids == frozenset()
+    for bad, error in [(inference_pb2.ChatMessages(), "chat.messages is empty"),
+                       (inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="bot", content="x")]),
+                        "chat.messages[0].role 'bot' is unknown")]:
+        with pytest.raises(InvalidRequest, match=re.escape(error)):
+            parse_request(req(chat=bad), ByteTokenizer(), template)
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        parse_request(req(chat=chat), ByteTokenizer())

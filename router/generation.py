@@ -1,0 +1,83 @@
+"""One path from a parsed request to its stream of chunks, for both doors (gRPC and HTTP).
+
+    authenticate (the door's) → parse + tokenize → claim the request id → queue → relay → release
+
+A door authenticates in its own way (gRPC metadata, an HTTP header), then opens a ``generation``
+and reads its chunks. Every refusal is an exception: those before the first chunk carry their gRPC
+status name in ``REFUSALS``, a ``RelayError`` carries its own; each door maps the status name to
+its answer in one table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from kvfleet.tenants import Tenant
+from router.admission import Admission, Shed
+from router.model_text import NoTokenizer, TokenizerSource
+from router.relay import Relay, RelayError
+from router.request import InvalidRequest, ParsedRequest, parse_request
+from router.running_ids import AlreadyRunning, RunningIds
+from router.tenants import AuthError, TenantDirectory
+
+tracer = trace.get_tracer(__name__)
+
+REFUSALS: dict[type[Exception], str] = {  # exception → gRPC status name
+    AuthError: "UNAUTHENTICATED",
+    InvalidRequest: "INVALID_ARGUMENT",
+    Shed: "RESOURCE_EXHAUSTED",
+    AlreadyRunning: "ALREADY_EXISTS",
+    NoTokenizer: "UNAVAILABLE",
+}
+
+
+def status_name(e: Exception) -> str | None:
+    """The gRPC status name of a refusal or a relay error; None for anything else."""
+    if isinstance(e, RelayError):
+        return e.code.name
+    return next((name for kind, name in REFUSALS.items() if isinstance(e, kind)), None)
+
+
+class Generations:
+    """The router's requests in flight: who runs which request id, and whose turn it is."""
+
+    def __init__(self, tenants: TenantDirectory, admission: Admission, relay: Relay, tokenizers: TokenizerSource):
+        self.tenants = tenants
+        self.admission = admission
+        self.relay = relay
+        self.tokenizers = tokenizers
+        self.running = RunningIds()
+
+    @contextlib.asynccontextmanager
+    async def generation(self, tenant: Tenant, request) -> AsyncIterator[AsyncIterator]:
+        """The chunks of ``request`` (a ``kvfleet.v1.GenerateRequest``) once it has its turn.
+        Leaving the block early (the client left) cancels it on its node and frees its turn."""
+        parsed = await self._admit(tenant, request)
+        try:
+            async with contextlib.aclosing(self.relay.run(parsed, tenant)) as chunks:
+                yield chunks
+        finally:
+            self.admission.finish(tenant.name)
+            self.running.release(tenant.name, parsed.request_id)
+
+    async def parse(self, request) -> ParsedRequest:
+        model = await self.tokenizers.get()
+        return parse_request(request, model.tokenizer, model.chat, model.end_of_turn)
+
+    async def _admit(self, tenant: Tenant, request) -> ParsedRequest:
+        """The request checked, its id marked running, and its turn; ``generation`` releases both."""
+        span = trace.get_current_span()
+        span.set_attribute("kvfleet.tenant", tenant.name)
+        parsed = await self.parse(request)
+        span.set_attribute("kvfleet.request_id", parsed.request_id)
+        self.running.claim(tenant.name, parsed.request_id)
+        try:
+            with tracer.start_as_current_span("queue", attributes={"kvfleet.tenant": tenant.name}):
+                await self.admission.wait(parsed.seq_id, tenant.name, self.tenants.normalised_paid_level(tenant))
+        except BaseException:  # shed, or the caller left while it waited
+            self.running.release(tenant.name, parsed.request_id)
+            raise
+        return parsed
