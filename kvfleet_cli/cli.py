@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
+    "convert-gguf": ("kvfleet_cli.convert_gguf", "convert a GGUF file into a Hugging Face model directory"),
+    "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
 }
 
 

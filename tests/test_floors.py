@@ -44,7 +44,7 @@ PURE = [
     "compute_service.block_link", "compute_service.block_sync", "kvfleet.backoff",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
-    "kvfleet_cli.supervisor",
+    "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
