@@ -47,6 +47,11 @@ MODELS = {
 MODELS_DIR = Path("models")
 
 
+def default_model_dir() -> Path:
+    """The model the demo and ``kvfleet up`` serve unless told otherwise."""
+    return MODELS_DIR / MODELS["smollm2"].directory
+
+
 class PullError(Exception):
     """Why a named model could not be made ready; one line."""
 
