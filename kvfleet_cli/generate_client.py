@@ -11,10 +11,11 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
-    parser.add_argument("--router", default=os.environ.get("KVFLEET_ROUTER", DEFAULT_ROUTER),
-                        help=f"router host:port (default $KVFLEET_ROUTER or {DEFAULT_ROUTER})")
+    parser.add_argument("--router", default=os.environ.get("KVFLEET_ROUTER"),
+                        help="router host:port (default $KVFLEET_ROUTER, else the cluster `kvfleet up` runs on "
+                             f"this machine, else {DEFAULT_ROUTER})")
     parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
-                        help="tenant API key (default $KVFLEET_API_KEY)")
+                        help="tenant API key (default $KVFLEET_API_KEY, else the demo key of `kvfleet up`'s cluster)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0)
@@ -39,14 +40,34 @@ def request_message(args: argparse.Namespace):
     )
 
 
+def find_router(args: argparse.Namespace) -> None:
+    """Fill in ``--router`` and ``--api-key`` from the local cluster's state file when not given."""
+    from kvfleet_cli.cluster_state import ClusterState
+
+    if args.router and args.api_key:
+        return
+    state = ClusterState.read()
+    if args.router is None:
+        args.router = state.router if state else DEFAULT_ROUTER
+    if args.api_key is None and state is not None and state.router == args.router:
+        args.api_key = state.api_key
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
     from kvfleet import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
+    find_router(args)
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
     with rpc.sync_channel(args.router) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=min(5.0, args.timeout))
+        except grpc.FutureTimeoutError:
+            print(f"kvfleet generate: no router answers at {args.router} (start a local cluster with `kvfleet up`, "
+                  "or pass --router)", file=sys.stderr)
+            return 1
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for chunk in stub.Generate(request_message(args), metadata=metadata, timeout=args.timeout):
