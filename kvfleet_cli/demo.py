@@ -28,7 +28,13 @@ def run(args: argparse.Namespace) -> int:
         hint = " (run `kvfleet models pull smollm2`)" if Path(args.model) == default_model_dir() else ""
         print(f"kvfleet demo: {args.model} is not a model directory (no config.json){hint}", file=sys.stderr)
         return 2
-    return run_in_process(args) if args.in_process else run_cluster(args)
+    from compute_service.model_config import ModelLoadError
+
+    try:
+        return run_in_process(args) if args.in_process else run_cluster(args)
+    except ModelLoadError as e:  # a directory with a config.json but no usable weights or tokenizer
+        print(f"kvfleet demo: {e}", file=sys.stderr)
+        return 2
 
 
 def run_cluster(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ PURE = [
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
+    "kvfleet_cli.cluster_state", "kvfleet.preflight",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
