@@ -19,9 +19,9 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from compute_service.model_config import ModelConfig, ModelLoadError
 from kvfleet_cli.gguf_tokenizer import GGUFTokenizerSpec, TokenizerMetadataError, write_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -49,66 +49,63 @@ class ConvertError(Exception):
     """A GGUF file this converter cannot turn into a model directory; the message is one line."""
 
 
-@dataclass(slots=True, frozen=True)
-class LlamaShape:
-    """The architecture figures read from ``llama.*`` metadata."""
+def llama_config(meta: dict, tok: GGUFTokenizerSpec, tied: bool) -> dict:
+    """``config.json`` from the file's ``llama.*`` metadata."""
+    import numpy as np
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
+    def need(key: str):
+        if f"llama.{key}" not in meta:
+            raise ConvertError(f"metadata llama.{key} is missing")
+        return meta[f"llama.{key}"]
 
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConvertError(f"{self.num_heads} heads, {self.num_kv_heads} KV heads do not divide "
-                               f"hidden size {self.hidden_size}")
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise ConvertError(f"rope scaling {meta['llama.rope.scaling.type']!r} is not supported")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta.get("llama.vocab_size", len(tok.tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(need("context_length")),
+        # GGUF stores float32: written the way a person wrote it (1e-05, not 9.99...e-06)
+        "rms_norm_eps": float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tied,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "torch_dtype": "float32",
+    }
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
-    @classmethod
-    def from_metadata(cls, meta: dict, vocab_size: int) -> "LlamaShape":
-        def need(key: str):
-            if f"llama.{key}" not in meta:
-                raise ConvertError(f"metadata llama.{key} is missing")
-            return meta[f"llama.{key}"]
+def checked(config: dict) -> ModelConfig:
+    """The engine's own validation of ``config.json``, before anything is written."""
+    try:
+        return ModelConfig.from_dict(config, source="the GGUF metadata")
+    except ModelLoadError as exc:
+        raise ConvertError(str(exc)) from None
 
-        if meta.get("llama.rope.scaling.type", "none") != "none":
-            raise ConvertError(f"rope scaling {meta['llama.rope.scaling.type']!r} is not supported")
-        heads = int(need("attention.head_count"))
-        # GGUF stores floats as float32: print them the way a person wrote them (1e-05, not 9.99...e-06)
-        import numpy as np
 
-        return cls(
-            vocab_size=int(meta.get("llama.vocab_size", vocab_size)),
-            hidden_size=int(need("embedding_length")),
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-            max_position_embeddings=int(need("context_length")),
-            rms_norm_eps=float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        )
-
-    def expected(self, hf_name: str) -> tuple[int, ...]:
-        """The Hugging Face shape of ``hf_name`` (rows = output features)."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        suffix = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
-        return {
-            "model.embed_tokens.weight": (self.vocab_size, h), "lm_head.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
-            "mlp.gate_proj.weight": (self.intermediate_size, h), "mlp.up_proj.weight": (self.intermediate_size, h),
-            "mlp.down_proj.weight": (h, self.intermediate_size),
-        }[suffix]
+def expected_shape(c: ModelConfig, hf_name: str) -> tuple[int, ...]:
+    """The Hugging Face shape of ``hf_name`` (rows = output features)."""
+    h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    suffix = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
+    return {
+        "model.embed_tokens.weight": (c.vocab_size, h), "lm_head.weight": (c.vocab_size, h),
+        "model.norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }[suffix]
 
 
 def unpermute_rope_rows(weights, num_heads: int):
@@ -149,7 +146,7 @@ def read_gguf(path: Path):
     return reader, meta
 
 
-def dequantized_tensors(reader, shape: LlamaShape) -> dict:
+def dequantized_tensors(reader, mc: ModelConfig) -> dict:
     """Hugging Face name -> float32 numpy array, q and k un-permuted, every shape checked."""
     import numpy as np
     from gguf import dequantize
@@ -163,45 +160,20 @@ def dequantized_tensors(reader, shape: LlamaShape) -> dict:
             weights = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except Exception as exc:  # an unknown quantization type, a short buffer
             raise ConvertError(f"tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be dequantized: {exc}") from None
-        if tuple(weights.shape) != shape.expected(name):
-            raise ConvertError(f"tensor {tensor.name!r} has shape {tuple(weights.shape)}, expected {shape.expected(name)}")
+        if tuple(weights.shape) != expected_shape(mc, name):
+            raise ConvertError(f"tensor {tensor.name!r} has shape {tuple(weights.shape)}, "
+                               f"expected {expected_shape(mc, name)}")
         if name.endswith("q_proj.weight"):
-            weights = unpermute_rope_rows(weights, shape.num_heads)
+            weights = unpermute_rope_rows(weights, mc.num_heads)
         elif name.endswith("k_proj.weight"):
-            weights = unpermute_rope_rows(weights, shape.num_kv_heads)
+            weights = unpermute_rope_rows(weights, mc.num_kv_heads)
         tensors[name] = np.ascontiguousarray(weights)
     required = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{suffix}" for i in range(shape.num_layers) for suffix in LAYER_TENSORS.values()}
+        f"model.layers.{i}.{suffix}" for i in range(mc.num_layers) for suffix in LAYER_TENSORS.values()}
     missing = sorted(required - tensors.keys())
     if missing:
         raise ConvertError(f"{len(missing)} tensors are missing, e.g. {missing[0]!r}")
     return tensors
-
-
-def model_config(shape: LlamaShape, tok: GGUFTokenizerSpec, tied: bool) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.rms_norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": tied,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-        "torch_dtype": "float32",
-    }
 
 
 def generation_config(tok: GGUFTokenizerSpec) -> dict:
@@ -224,9 +196,10 @@ def convert(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> 
         tok = GGUFTokenizerSpec.from_metadata(meta)
     except TokenizerMetadataError as exc:
         raise ConvertError(str(exc)) from None
-    shape = LlamaShape.from_metadata(meta, len(tok.tokens))
-    tensors = dequantized_tensors(reader, shape)
-    tied = "lm_head.weight" not in tensors
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    config = llama_config(meta, tok, tied)
+    mc = checked(config)
+    tensors = dequantized_tensors(reader, mc)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
@@ -235,9 +208,9 @@ def convert(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> 
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600; the directory is shared like any model
-        (tmp / "config.json").write_text(json.dumps(model_config(shape, tok, tied), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=2) + "\n")
-        write_tokenizer(tok, tmp, shape.max_position_embeddings)
+        write_tokenizer(tok, tmp, mc.max_position_embeddings)
         if out.exists():  # --force: the old directory goes only once the new one is complete
             old = out.parent / f".{out.name}.replaced-{os.getpid()}"
             out.rename(old)
