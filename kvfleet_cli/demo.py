@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvfleet_cli.demo_traffic import IN_PROCESS_PROMPTS
+from kvfleet_cli.demo_traffic import IN_PROCESS_PROMPTS, SYSTEM
 from kvfleet_cli.models_pull import default_model_dir
 
 
@@ -85,7 +85,9 @@ def run_in_process(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     for rid, prompt in names.items():
-        print(f"[{rid:<6}] prompt: {prompt!r}")
+        question = prompt.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
+        shared = " (under the shared system prompt)" if SYSTEM in prompt else ""
+        print(f"[{rid:<6}] asks: {question}{shared}")
     started = time.perf_counter()
     # the first prompt runs alone so that the second finds its prefix cached
     for batch in (["p0"], ["p1", "p2", "p3"]):
