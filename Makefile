@@ -34,7 +34,7 @@ $(STUBS): $(PROTOS) $(STAMP)
 	touch $(STUBS)
 
 # downloaded (~100 MB, cached in ~/.cache/kvfleet) and converted once per machine
-$(REAL_MODEL)/config.json: $(STAMP)
+$(REAL_MODEL)/config.json: | $(STAMP)
 	$(PY) -m kvfleet_cli models pull smollm2
 
 model: $(REAL_MODEL)/config.json
