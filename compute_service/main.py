@@ -109,6 +109,20 @@ def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
     return EarlyBlocks(preallocate, allocator.release, remote.trace_contexts)
 
 
+async def _unless_stopped(work, stop: asyncio.Event):
+    """``work``'s result, or None when ``stop`` is set first: a node waiting for a peer must still
+    obey Ctrl-C and SIGTERM."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -138,7 +152,14 @@ async def serve(args: argparse.Namespace) -> None:
     if args.block_service:
         from compute_service.block_registration import RemoteAllocatorFactory
 
-        remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
+        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop), stop)
+        if remote is None:  # Ctrl-C or SIGTERM while waiting for block_service: nothing was served
+            log.info("node %s stopped while waiting for block_service", args.node_id)
+            if registration is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(registration.close(), 2.0)
+                await client.close()
+            return
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
     engine_config, model_config = engine.config, engine.model_config

@@ -128,3 +128,30 @@ def test_generate_without_a_cluster(tmp_path):
     line = refused("generate", "--router", f"127.0.0.1:{port}", "hello", tmp_path=tmp_path)
     assert line == (f"kvfleet generate: no router answers at 127.0.0.1:{port} (start a local cluster with "
                     "`kvfleet up`, or pass --router)")
+
+
+def test_compute_waiting_for_block_service_stops_on_sigterm(tmp_path, model, taken_port):
+    """Something listens at the block_service address but does not answer gRPC: the node waits for
+    it, and a SIGTERM (Ctrl-C) meanwhile ends the wait and the process, at once and cleanly."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "node.log"
+    with open(log, "w") as out:
+        node = subprocess.Popen([sys.executable, "-m", "kvfleet_cli", "compute", "--node-id", "n1", "--model", str(model),
+                                 "--block-service", f"127.0.0.1:{taken_port}"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for block_service" not in log.read_text() and time.monotonic() < deadline:
+            assert node.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert "waiting for block_service" in log.read_text()
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(30) == 0, log.read_text()
+        assert "Traceback" not in log.read_text()
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
