@@ -6,9 +6,10 @@ STAMP := $(VENV)/.kvfleet-installed
 PROTOS := $(wildcard protos/kvfleet/v1/*.proto)
 STUBS := kvfleet/v1/.generated
 KERNELS := $(VENV)/.kvfleet-kernels-built
-DEMO_MODEL := models/demo-tiny
+# the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
+REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos demo test bench clean
+.PHONY: setup protos model demo test bench clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -16,7 +17,7 @@ setup: $(STAMP) $(KERNELS)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,convert]'
 	touch $(STAMP)
 
 # the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:
@@ -32,13 +33,16 @@ $(STUBS): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $(STUBS)
 
-$(DEMO_MODEL)/config.json: $(STAMP)
-	$(PY) -m kvfleet_cli make-model --out $(DEMO_MODEL) --preset tiny
+# downloaded (~100 MB, cached in ~/.cache/kvfleet) and converted once per machine
+$(REAL_MODEL)/config.json: | $(STAMP)
+	$(PY) -m kvfleet_cli models pull smollm2
 
-demo: setup protos $(DEMO_MODEL)/config.json
-	$(PY) -m kvfleet_cli demo --model $(DEMO_MODEL)
+model: $(REAL_MODEL)/config.json
 
-test: setup protos
+demo: setup protos $(REAL_MODEL)/config.json
+	$(PY) -m kvfleet_cli demo --model $(REAL_MODEL)
+
+test: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

@@ -45,8 +45,17 @@ def duration(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from kvfleet import event_loop
+    from kvfleet.preflight import PreflightError, check_port_free
     from kvfleet.tracing import setup_tracing, shutdown_tracing
+
+    try:
+        check_port_free(args.listen)  # before recovering the log, which may take a while
+    except PreflightError as e:
+        print(f"kvfleet block-service: {e}", file=sys.stderr)
+        return 2
 
     setup_tracing("kvfleet-block-service")  # before the server exists: its RPCs join request traces
     try:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between reconciliations of this node's blocks with block_service "
                              "(block_service releases what the node no longer holds; default 30)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
+    parser.add_argument("--dependency-timeout", type=_positive_float, default=60.0,
+                        help="seconds to wait at start for etcd and block_service to answer before giving up "
+                             "(default 60; once started, the node waits for them as long as it takes)")
 
 
 async def _watch_engine(async_engine, stop: asyncio.Event) -> None:
@@ -105,6 +109,20 @@ def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
     return EarlyBlocks(preallocate, allocator.release, remote.trace_contexts)
 
 
+async def _unless_stopped(work, stop: asyncio.Event):
+    """``work``'s result, or None when ``stop`` is set first: a node waiting for a peer must still
+    obey Ctrl-C and SIGTERM."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -134,7 +152,14 @@ async def serve(args: argparse.Namespace) -> None:
     if args.block_service:
         from compute_service.block_registration import RemoteAllocatorFactory
 
-        remote = await RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop)
+        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop), stop)
+        if remote is None:  # Ctrl-C or SIGTERM while waiting for block_service: nothing was served
+            log.info("node %s stopped while waiting for block_service", args.node_id)
+            if registration is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(registration.close(), 2.0)
+                await client.close()
+            return
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
     engine_config, model_config = engine.config, engine.model_config
@@ -214,13 +239,37 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("node %s stopped", args.node_id)
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """What a person can get wrong, answered before the model loads: the port, the model
+    directory, the peers' addresses (waited for a while: they may be starting too)."""
+    from compute_service.model_config import ModelConfig
+    from kvfleet.preflight import check_port_free, wait_reachable
+
+    check_port_free(args.listen)
+    ModelConfig.from_dir(args.model)
+    if args.etcd:
+        wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
+    if args.block_service:
+        wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
+
+
 def run(args: argparse.Namespace) -> int:
+    from compute_service.model_config import ModelLoadError
     from kvfleet import event_loop
+    from kvfleet.preflight import PreflightError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
+    try:
+        preflight(args)
+    except (PreflightError, ModelLoadError) as e:
+        print(f"kvfleet compute: {e}", file=sys.stderr)
+        return 2
     setup_tracing("kvfleet-compute")
     try:
         event_loop.run(serve(args))
+    except ModelLoadError as e:  # found while loading the weights or the tokenizer
+        print(f"kvfleet compute: {e}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()
     return 0

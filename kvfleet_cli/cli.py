@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
     "plan": ("kvfleet_cli.plan_command", "size the KV cache and the hardware for a model, a device and a context"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
+    "convert-gguf": ("kvfleet_cli.convert_gguf", "convert a GGUF file into a Hugging Face model directory"),
+    "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
 }
 
 

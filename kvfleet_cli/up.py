@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet_cli.models_pull import default_model_dir
 from kvfleet_cli.supervisor import Backoff, RestartPolicy
 
-DEFAULT_MODEL = "models/demo-tiny"
+TINY_MODEL = "models/demo-tiny"
 POLL_S = 0.2
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,9 @@ class Supervisor:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="compute nodes (default 2)")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"model directory (default {DEFAULT_MODEL}, made with make-model if missing)")
+    parser.add_argument("--model", default=None,
+                        help=f"model directory (default {default_model_dir()} when pulled (`kvfleet models pull "
+                             f"smollm2`), else {TINY_MODEL}, random weights, made if missing)")
     parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
@@ -85,13 +89,19 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         print("--nodes must be at least 1", file=sys.stderr)
         return 2
-    if not (Path(args.model) / "config.json").exists():
-        if args.model != DEFAULT_MODEL:
-            print(f"{args.model} is not a model directory (no config.json)", file=sys.stderr)
-            return 2
-        from kvfleet_cli.model_maker import make_model
+    if args.model is None:
+        real = default_model_dir()
+        args.model = str(real) if (real / "config.json").is_file() else TINY_MODEL
+        if args.model == TINY_MODEL:
+            print(f"{real} is not pulled (`kvfleet models pull smollm2`): serving {TINY_MODEL}, random weights",
+                  file=sys.stderr)
+            if not (Path(TINY_MODEL) / "config.json").is_file():
+                from kvfleet_cli.model_maker import make_model
 
-        make_model(args.model, preset="tiny")
+                make_model(TINY_MODEL, preset="tiny")
+    elif not (Path(args.model) / "config.json").is_file():
+        print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)
     stop = False
 
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     status = 0
+    state = None
     try:
         try:
             cluster.start()
@@ -108,13 +119,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvfleet up: the cluster did not start: {err}", file=sys.stderr)
             return 1
         _log_to(cluster.work_dir / "supervisor.log")
-        key = "sk-gold" if args.tenants is None else "<your api key>"
-        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes, "
+        key = "sk-gold" if args.tenants is None else None
+        state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir))
+        state_path = state.write()
+        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
-        print(f"try:  kvfleet generate --router {cluster.router_address} --api-key {key} \"Hello\"")
+        key_arg = "" if key else " --api-key <your api key>"
+        print(f"try:  kvfleet generate{key_arg} --chat \"What is the capital of France?\""
+              f"   (the router's address is in {state_path})")
         print("Ctrl-C stops everything; a process that dies is restarted.", flush=True)
         supervisor = Supervisor(cluster)
         while not stop:
@@ -131,5 +146,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # the summary is a courtesy; stopping is what matters
                 print(f"(no summary: {e})", file=sys.stderr)
         print("stopping the cluster ...", flush=True)
+        if state is not None:
+            state.remove()
         cluster.stop()
     return status

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout-s", type=float, default=120.0,
                         help="a node silent this long mid-request counts as failed (the request moves on)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    parser.add_argument("--dependency-timeout", type=float, default=60.0,
+                        help="seconds to wait at start for etcd (and block_service) to answer before giving up")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -106,12 +110,30 @@ async def serve(args: argparse.Namespace) -> None:
         await prefix.close()
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """A taken port, a model directory without a tokenizer, a peer nobody answers at: one line each."""
+    from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
+
+    check_port_free(args.listen)
+    if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
+        raise PreflightError(f"{args.model} is not a model directory (no tokenizer.json)")
+    wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
+    if args.block_service:
+        wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvfleet import event_loop
+    from kvfleet.preflight import PreflightError
     from kvfleet.tenants import TenantsFileError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
     from router.server import CannotListen
 
+    try:
+        preflight(args)
+    except PreflightError as e:
+        print(f"kvfleet router: {e}", file=sys.stderr)
+        return 2
     setup_tracing("kvfleet-router")
     try:
         event_loop.run(serve(args))

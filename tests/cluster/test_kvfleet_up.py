@@ -94,11 +94,13 @@ class Up:
 
     def __init__(self, model_dir: Path, tmp_path: Path, nodes: int):
         self.output = tmp_path / "up.out"
+        self.env = {**os.environ, "KVFLEET_STATE_FILE": str(tmp_path / "cluster.json")}  # not the user's
+        self.env.pop("KVFLEET_ROUTER", None)
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", str(nodes), "--model", str(model_dir),
                  "--work-dir", str(tmp_path / "work")],
-                stdout=out, stderr=subprocess.STDOUT, text=True,
+                stdout=out, stderr=subprocess.STDOUT, text=True, env=self.env,
             )
         self.seen: set[int] = set()
 
@@ -163,6 +165,24 @@ def test_up_serves_and_ctrl_c_stops_everything(up):
     assert answer.usage.completion_tokens == 5
     stop_and_check_nothing_is_left(u)
     assert "restarting" not in u.text()
+
+
+def test_generate_finds_the_cluster_up_started(up, tmp_path):
+    u = up(nodes=1)
+    address = u.address()
+    state = tmp_path / "cluster.json"
+    assert state.is_file()
+    done = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--max-tokens", "3", "--ignore-eos", "hi"],
+                          capture_output=True, text=True, env=u.env, timeout=120)  # no --router, no --api-key
+    assert done.returncode == 0, done.stderr
+    assert "[length: node node-0" in done.stderr and "3 generated" in done.stderr
+    stop_and_check_nothing_is_left(u)
+    assert not state.exists()
+    done = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", address, "hi"],
+                          capture_output=True, text=True, env=u.env, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"kvfleet generate: no router answers at {address} (start a local cluster with `kvfleet up`, "
+        "or pass --router)"]
 
 
 def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
