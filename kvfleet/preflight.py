@@ -32,18 +32,20 @@ def host_port(address: str) -> tuple[str, int]:
     return parsed.hostname, port
 
 
-def check_port_free(listen: str) -> None:
-    """Raise if nothing could listen on ``listen`` now (port 0, "any port", always passes).
+def check_port_free(listen: str, purpose: str = "") -> None:
+    """Raise if nothing could listen on ``listen`` now (port 0, "any port", always passes);
+    ``purpose`` (e.g. "HTTP") is named in the error when a process listens on several ports.
 
     gRPC servers bind with SO_REUSEPORT, so a second one would silently share a taken port; a
     plain bind without it fails on a port any other process listens on."""
     host, port = host_port(listen)
     if port == 0:
         return
+    where = f"{listen} for {purpose}" if purpose else listen
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise PreflightError(f"cannot listen on {listen}: unknown host {host!r} ({exc.strerror})") from None
+        raise PreflightError(f"cannot listen on {where}: unknown host {host!r} ({exc.strerror})") from None
     family, _, _, _, sockaddr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "taken"
@@ -51,7 +53,7 @@ def check_port_free(listen: str) -> None:
             probe.bind(sockaddr)
         except OSError as exc:
             why = "the port is taken by another process" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise PreflightError(f"cannot listen on {listen}: {why}") from None
+            raise PreflightError(f"cannot listen on {where}: {why}") from None
 
 
 def reachable(address: str, timeout_s: float = 1.0) -> str | None:

@@ -115,6 +115,8 @@ def preflight(args: argparse.Namespace) -> None:
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
     check_port_free(args.listen)
+    if args.http_listen:
+        check_port_free(args.http_listen, "HTTP")
     if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
         raise PreflightError(f"{args.model} is not a model directory (no tokenizer.json)")
     wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
