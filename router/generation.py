@@ -63,7 +63,8 @@ class Generations:
         timer = self.metrics.request(tenant.name, time.monotonic()) if self.metrics is not None else None
         parsed = await self._admit(tenant, request, timer)
         try:
-            async with contextlib.aclosing(self._chunks(parsed, tenant, timer)) as chunks:
+            relayed = self.relay.run(parsed, tenant) if timer is None else self._timed(parsed, tenant, timer)
+            async with contextlib.aclosing(relayed) as chunks:
                 yield chunks
         finally:
             self.admission.finish(tenant.name)
@@ -73,17 +74,16 @@ class Generations:
         model = await self.tokenizers.get()
         return parse_request(request, model.tokenizer, model.chat, model.end_of_turn)
 
-    async def _chunks(self, parsed: ParsedRequest, tenant: Tenant, timer: RequestTimer | None) -> AsyncIterator:
+    async def _timed(self, parsed: ParsedRequest, tenant: Tenant, timer: RequestTimer) -> AsyncIterator:
         """The relay's chunks, each seen by ``timer`` (latencies, and the usage of the last)."""
         async with contextlib.aclosing(self.relay.run(parsed, tenant)) as chunks:
             async for chunk in chunks:
-                if timer is not None:
-                    now = time.monotonic()
-                    timer.tokens(len(chunk.token_ids), now)
-                    if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
-                        reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
-                        timer.finished(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
-                                       chunk.usage.cached_tokens, reason.removeprefix("FINISH_REASON_").lower(), now)
+                now = time.monotonic()
+                timer.tokens(len(chunk.token_ids), now)
+                if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
+                    timer.finished(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                                   chunk.usage.cached_tokens, reason.removeprefix("FINISH_REASON_").lower(), now)
                 yield chunk
 
     async def _admit(self, tenant: Tenant, request, timer: RequestTimer | None = None) -> ParsedRequest:
