@@ -37,12 +37,8 @@ def block_stats(address: str):
     return asyncio.run(read())
 
 
-@pytest.fixture
-def cluster(start_cluster):
-    return start_cluster(NUM_NODES)
-
-
-def test_scraped_counters_are_the_requests_usage(cluster):
+def test_scraped_counters_are_the_requests_usage(start_cluster):
+    cluster = start_cluster(NUM_NODES)
     urls = cluster.metrics_urls
     assert set(urls) == {"block_service", "router", *cluster.nodes}
     nodes_before = {n: scrape(urls[n]) for n in cluster.nodes}
@@ -82,7 +78,8 @@ def test_scraped_counters_are_the_requests_usage(cluster):
         assert total(samples, "kvfleet:num_requests_running", node=n) == 0
 
 
-def test_block_service_figures_are_its_stats(cluster):
+def test_block_service_figures_are_its_stats(start_cluster):
+    cluster = start_cluster(1)
     # a prompt of five blocks for a tenant allowed three: refused for its quota
     with pytest.raises(grpc.RpcError) as refused:
         stream(cluster.router_address, request(tokens=random_prompt(80, seed=6), max_tokens=2), "sk-tiny")
@@ -103,7 +100,7 @@ def test_block_service_figures_are_its_stats(cluster):
             assert total(samples, "kvfleet:tenant_blocks_quota", **labels) == t.blocks_allowed
         assert total(samples, "kvfleet:block_refusals_total", reason="quota", **labels) == t.counters.refusals_quota
     assert total(samples, "kvfleet:block_refusals_total", tenant="tiny", reason="quota") > 0
-    assert total(samples, "kvfleet:block_service_operations_total", operation="RegisterNode") >= NUM_NODES
+    assert total(samples, "kvfleet:block_service_operations_total", operation="RegisterNode") >= 1
     assert total(samples, "kvfleet:block_service_operations_total", operation="Stats") >= 1
     assert total(samples, "kvfleet:wal_fsync_seconds_count") > 0
     assert total(samples, "kvfleet:snapshot_age_seconds") >= 0
