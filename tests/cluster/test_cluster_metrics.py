@@ -4,6 +4,7 @@ requests' own (their usage, their count) and block_service's own (its Stats answ
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import grpc
@@ -86,8 +87,14 @@ def test_block_service_figures_are_its_stats(start_cluster):
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     stream(cluster.router_address, request(tokens=random_prompt(40, seed=7), max_tokens=3), "sk-gold")
 
-    nodes, tenants = block_stats(cluster.block_service_address)  # the cluster is idle: nothing changes meanwhile
+    # a node gives its blocks back just after the last chunk: wait until block_service holds no sequence
+    deadline = time.monotonic() + 60
+    while (stats := block_stats(cluster.block_service_address)) and any(n.num_sequences for n in stats[0]):
+        assert time.monotonic() < deadline, stats[0]
+        time.sleep(0.2)
     samples = scrape(cluster.metrics_urls["block_service"])
+    nodes, tenants = block_stats(cluster.block_service_address)
+    assert (nodes, tenants) == stats  # nothing moved while it was scraped
     assert {n.node_id for n in nodes} == set(cluster.nodes)
     for n in nodes:
         for state, value in (("used", n.num_used), ("cached", n.num_cached), ("free", n.num_free)):
