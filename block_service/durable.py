@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
@@ -162,6 +162,7 @@ class DurablePageTable:
         self._snapshot_lock = asyncio.Lock()
         self._failed: BaseException | None = None
         self.last_snapshot = time.monotonic()
+        self.on_write: Callable[[float], None] | None = None  # seconds of each group commit (metrics)
 
     @classmethod
     def open(cls, state_dir: str, fsync: bool = True) -> tuple[DurablePageTable, RecoveryReport]:
@@ -274,8 +275,11 @@ class DurablePageTable:
         return self._writer.size if self._writer else 0
 
     def _write(self, data: bytes, lsn: int) -> None:
+        started = time.perf_counter()
         try:
             self._writer.write(data)
+            if self.on_write is not None:
+                self.on_write(time.perf_counter() - started)
         except OSError as err:
             self._failed = err
             log.critical("write-ahead log write failed: %s; refusing further changes", err)

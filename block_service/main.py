@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvfleet.metrics_server import add_metrics_argument
+
 log = logging.getLogger("block_service")
 
 
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ship the log to --backup-dir this often (default 5m)")
     parser.add_argument("--snapshot-log-mib", type=float, default=1024.0,
                         help="also snapshot when the log grows past this size")
+    add_metrics_argument(parser)
 
 
 def duration(text: str) -> float:
@@ -48,11 +51,14 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from kvfleet import event_loop
+    from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     try:
         check_port_free(args.listen)  # before recovering the log, which may take a while
+        if args.metrics_port is not None:
+            check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")
     except PreflightError as e:
         print(f"kvfleet block-service: {e}", file=sys.stderr)
         return 2
@@ -99,7 +105,7 @@ async def serve(args: argparse.Namespace) -> int:
         store.sync()
         log.info("configured %d tenants from %s", len(tenants), args.tenants)
 
-    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES)
+    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=_serve_metrics(args, store))
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(store), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -132,6 +138,30 @@ async def serve(args: argparse.Namespace) -> int:
         await _ship(store, args.backup_dir)
     log.info("stopped cleanly at log record %d", store.lsn)
     return 0
+
+
+def _serve_metrics(args: argparse.Namespace, store) -> list:
+    """With ``--metrics-port``: the metrics endpoint started, the store's log writes observed, and
+    the interceptor that counts operations (for the gRPC server) returned; else nothing."""
+    if args.metrics_port is None:
+        return []
+    import asyncio
+
+    from block_service import metrics
+    from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
+    from kvfleet.rpc_metrics import CallCounter
+    from kvfleet.v1 import block_manager_pb2
+
+    m = metrics.BlockServiceMetrics()
+
+    async def read():
+        return metrics.sample(store)
+
+    m.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
+    store.on_write = m.wal_fsync.observe
+    serve_metrics(m.registry, metrics_listen(args.listen, args.metrics_port), "block_service")
+    methods = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name
+    return [CallCounter(m.operations, methods)]
 
 
 async def _ship(store, backup_dir: str) -> None:

@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 
+from kvfleet.metrics_server import add_metrics_argument
+
 log = logging.getLogger(__name__)
 
 
@@ -63,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between reconciliations of this node's blocks with block_service "
                              "(block_service releases what the node no longer holds; default 30)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
+    add_metrics_argument(parser)
     parser.add_argument("--dependency-timeout", type=_positive_float, default=60.0,
                         help="seconds to wait at start for etcd and block_service to answer before giving up "
                              "(default 60; once started, the node waits for them as long as it takes)")
@@ -171,6 +174,8 @@ async def serve(args: argparse.Namespace) -> None:
     node = NodeContext(status, async_engine, allocator.block_size, args.stream_interval,
                        _early_blocks(remote, allocator, engine_config.share_prefix_across_tenants))
 
+    if args.metrics_port is not None:
+        _serve_metrics(args, node, status, allocator.block_size)
     server = rpc.server()
     servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
@@ -239,13 +244,31 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("node %s stopped", args.node_id)
 
 
+def _serve_metrics(args: argparse.Namespace, node, status, block_size: int) -> None:
+    """The metrics endpoint, from the start of the warm-up on (``kvfleet:node_state`` tells)."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry
+
+    from compute_service import metrics
+    from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
+
+    registry = CollectorRegistry()
+    read = partial(metrics.sample, node, status, block_size)
+    registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
+    serve_metrics(registry, metrics_listen(args.listen, args.metrics_port), f"node {args.node_id}")
+
+
 def preflight(args: argparse.Namespace) -> None:
     """What a person can get wrong, answered before the model loads: the port, the model
     directory, the peers' addresses (waited for a while: they may be starting too)."""
     from compute_service.model_config import ModelConfig
+    from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import check_port_free, wait_reachable
 
     check_port_free(args.listen)
+    if args.metrics_port is not None:
+        check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")
     ModelConfig.from_dir(args.model)
     if args.etcd:
         wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)

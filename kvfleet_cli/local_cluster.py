@@ -79,6 +79,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
         http: bool = True,
+        metrics: bool = True,
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -97,6 +98,8 @@ class LocalCluster:
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level
         self.http_port = free_port() if http else None  # the router's OpenAI-compatible door
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}  # child name → its Prometheus endpoint's port
         self.etcd: EtcdServer | None = None
         self.block_service: Child | None = None
         self.nodes: dict[str, Child] = {}
@@ -120,6 +123,18 @@ class LocalCluster:
     def http_url(self) -> str | None:
         """The router's OpenAI-compatible HTTP door (``.../v1``), None when not opened."""
         return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else None
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's Prometheus endpoint, by child name (empty when metrics are off)."""
+        return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+
+    def _metrics_args(self, name: str) -> list[str]:
+        """``--metrics-port`` on a port picked now, so that a restart serves it where it was."""
+        if not self.metrics:
+            return []
+        port = self.metrics_ports[name] = free_port()
+        return ["--metrics-port", str(port)]
 
     @property
     def block_service_address(self) -> str | None:
@@ -174,6 +189,7 @@ class LocalCluster:
                 self.block_service = self._spawn("block_service", [
                     "block-service", "--listen", f"127.0.0.1:{port}",
                     "--tenants", self.tenants_file, "--state-dir", str(self.work_dir / "block_state"),
+                    *self._metrics_args("block_service"),
                 ], port)
                 self._wait_port(self.block_service, timeout)
             for i in range(self.num_nodes):
@@ -181,7 +197,8 @@ class LocalCluster:
             self.wait_ready(list(self.nodes), timeout)
             port = free_port()
             argv = ["router", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
-                    "--tenants", self.tenants_file, "--model", self.model_dir, *self.router_args]
+                    "--tenants", self.tenants_file, "--model", self.model_dir, *self._metrics_args("router"),
+                    *self.router_args]
             if self.block_service:
                 argv += ["--block-service", self.block_service_address]
             if self._router_socket:
@@ -199,7 +216,8 @@ class LocalCluster:
         port = free_port()
         argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
                 "--node-id", node_id, "--block-size", str(self.block_size),
-                "--kv-cache-memory", str(self.kv_cache_memory), *self.compute_args, *extra]
+                "--kv-cache-memory", str(self.kv_cache_memory), *self._metrics_args(node_id), *self.compute_args,
+                *extra]
         if self.block_service:
             argv += ["--block-service", self.block_service_address]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)

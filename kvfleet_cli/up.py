@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
+        print("Prometheus metrics:" + "".join(f"\n  {name:<14} {url}" for name, url in cluster.metrics_urls.items()))
         key_arg = "" if key else " --api-key <your api key>"
         print(f"try:  kvfleet generate{key_arg} --chat \"What is the capital of France?\""
               f"   (the router's address is in {state_path})")

@@ -11,12 +11,15 @@ its answer in one table.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
 from kvfleet.tenants import Tenant
+from kvfleet.v1 import inference_pb2
 from router.admission import Admission, Shed
+from router.metrics import RequestMetrics, RequestTimer
 from router.model_text import NoTokenizer, TokenizerSource
 from router.relay import Relay, RelayError
 from router.request import InvalidRequest, ParsedRequest, parse_request
@@ -44,20 +47,24 @@ def status_name(e: Exception) -> str | None:
 class Generations:
     """The router's requests in flight: who runs which request id, and whose turn it is."""
 
-    def __init__(self, tenants: TenantDirectory, admission: Admission, relay: Relay, tokenizers: TokenizerSource):
+    def __init__(self, tenants: TenantDirectory, admission: Admission, relay: Relay, tokenizers: TokenizerSource,
+                 metrics: RequestMetrics | None = None):
         self.tenants = tenants
         self.admission = admission
         self.relay = relay
         self.tokenizers = tokenizers
+        self.metrics = metrics
         self.running = RunningIds()
 
     @contextlib.asynccontextmanager
     async def generation(self, tenant: Tenant, request) -> AsyncIterator[AsyncIterator]:
         """The chunks of ``request`` (a ``kvfleet.v1.GenerateRequest``) once it has its turn.
         Leaving the block early (the client left) cancels it on its node and frees its turn."""
-        parsed = await self._admit(tenant, request)
+        timer = self.metrics.request(tenant.name, time.monotonic()) if self.metrics is not None else None
+        parsed = await self._admit(tenant, request, timer)
         try:
-            async with contextlib.aclosing(self.relay.run(parsed, tenant)) as chunks:
+            relayed = self.relay.run(parsed, tenant) if timer is None else self._timed(parsed, tenant, timer)
+            async with contextlib.aclosing(relayed) as chunks:
                 yield chunks
         finally:
             self.admission.finish(tenant.name)
@@ -67,7 +74,19 @@ class Generations:
         model = await self.tokenizers.get()
         return parse_request(request, model.tokenizer, model.chat, model.end_of_turn)
 
-    async def _admit(self, tenant: Tenant, request) -> ParsedRequest:
+    async def _timed(self, parsed: ParsedRequest, tenant: Tenant, timer: RequestTimer) -> AsyncIterator:
+        """The relay's chunks, each seen by ``timer`` (latencies, and the usage of the last)."""
+        async with contextlib.aclosing(self.relay.run(parsed, tenant)) as chunks:
+            async for chunk in chunks:
+                now = time.monotonic()
+                timer.tokens(len(chunk.token_ids), now)
+                if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
+                    timer.finished(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                                   chunk.usage.cached_tokens, reason.removeprefix("FINISH_REASON_").lower(), now)
+                yield chunk
+
+    async def _admit(self, tenant: Tenant, request, timer: RequestTimer | None = None) -> ParsedRequest:
         """The request checked, its id marked running, and its turn; ``generation`` releases both."""
         span = trace.get_current_span()
         span.set_attribute("kvfleet.tenant", tenant.name)
@@ -76,7 +95,10 @@ class Generations:
         self.running.claim(tenant.name, parsed.request_id)
         try:
             with tracer.start_as_current_span("queue", attributes={"kvfleet.tenant": tenant.name}):
+                queued = time.monotonic()
                 await self.admission.wait(parsed.seq_id, tenant.name, self.tenants.normalised_paid_level(tenant))
+                if timer is not None:
+                    timer.queued(tenant.paid_level, time.monotonic() - queued)
         except BaseException:  # shed, or the caller left while it waited
             self.running.release(tenant.name, parsed.request_id)
             raise

@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from kvfleet.metrics_server import add_metrics_argument
+
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
     parser.add_argument("--dependency-timeout", type=float, default=60.0,
                         help="seconds to wait at start for etcd (and block_service) to answer before giving up")
+    add_metrics_argument(parser)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -65,7 +68,8 @@ async def serve(args: argparse.Namespace) -> None:
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
-    generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model))
+    request_metrics = _serve_metrics(args, tenants, queue, picker, nodes) if args.metrics_port is not None else None
+    generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model), request_metrics)
     server = await build_server(args.listen, generations, nodes, unix_socket=args.listen_unix)
     http = None
     if args.http_listen:
@@ -110,13 +114,35 @@ async def serve(args: argparse.Namespace) -> None:
         await prefix.close()
 
 
+def _serve_metrics(args: argparse.Namespace, tenants, queue, picker, nodes):
+    """The metrics endpoint started; returns the ``RequestMetrics`` the requests are observed into."""
+    import time
+
+    from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
+    from router import metrics
+
+    request_metrics = metrics.RequestMetrics()
+    paid_levels = {name: tenants.by_name(name).paid_level for name in tenants.names()}
+
+    async def read() -> metrics.RouterSample:
+        waiting = metrics.tenant_queues(queue.waiting(), queue.running_by_tenant(), paid_levels, time.monotonic())
+        return metrics.RouterSample(waiting, dict(picker.decisions), len(nodes.ready()))
+
+    request_metrics.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
+    serve_metrics(request_metrics.registry, metrics_listen(args.listen, args.metrics_port), "router")
+    return request_metrics
+
+
 def preflight(args: argparse.Namespace) -> None:
     """A taken port, a model directory without a tokenizer, a peer nobody answers at: one line each."""
+    from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
     check_port_free(args.listen)
     if args.http_listen:
         check_port_free(args.http_listen, "HTTP")
+    if args.metrics_port is not None:
+        check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")
     if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
         raise PreflightError(f"{args.model} is not a model directory (no tokenizer.json)")
     wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)

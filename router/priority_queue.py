@@ -72,6 +72,14 @@ class PriorityQueue:
         """Requests running for ``tenant``, or for all tenants."""
         return self._num_running if tenant is None else self._running.get(tenant, 0)
 
+    def waiting(self) -> list[QueuedRequest]:
+        """The queued requests in arrival order (a copy: for metrics and reports)."""
+        return list(self._queued.values())
+
+    def running_by_tenant(self) -> dict[str, int]:
+        """Requests running per tenant (a copy)."""
+        return dict(self._running)
+
     def score(self, item: QueuedRequest, now: float) -> float:
         oldest = next(iter(self._queued.values()), item).enqueued_at
         longest_wait = max(now - min(oldest, item.enqueued_at), 0.0)

@@ -18,6 +18,7 @@ Pure logic: loads and clocks are passed in.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,13 +59,15 @@ class RouteDecision:
     node_id: str
     cost: float
     cached_prefix_blocks: int
-    reason: str  # "kv": lowest cost; "hot_spot": least loaded instead of a far busier winner
+    reason: str  # "kv": lowest cost; "hot_spot": least loaded instead of a far busier winner;
+                 # "warmup": lowest cost among the candidates left after the ramp left a warming node out
 
 
 class NodePicker:
     def __init__(self, config: RoutingConfig = RoutingConfig(), rng: random.Random | None = None):
         self.config = config
         self._rng = rng or random.Random()
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (node id, reason) → decisions, for metrics
 
     def share(self, node: NodeLoad, now: float) -> float:
         """The probability that ``node`` is a candidate: ramps to 1 over the warm-up window."""
@@ -93,7 +96,8 @@ class NodePicker:
             winner = self._rng.choice([n for n in candidates if n.active_blocks == least_active])
             reason = "hot_spot"
         else:
-            reason = "kv"
+            reason = "warmup" if len(candidates) < len(nodes) else "kv"
+        self.decisions[winner.node_id, reason] += 1
         return RouteDecision(
             node_id=winner.node_id,
             cost=self.cost(winner, num_prompt_blocks),

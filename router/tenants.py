@@ -39,6 +39,9 @@ class TenantDirectory:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
     def by_name(self, name: str) -> Tenant:
         return self._by_name[name]
 

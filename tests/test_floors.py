@@ -49,6 +49,8 @@ PURE = [
     "router.chat_template", "router.openai_requests", "router.openai_responses",
     "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
     "kvfleet_cli.cluster_state", "kvfleet.preflight",
+    "kvfleet.metric_families", "kvfleet.metrics_server", "block_service.metrics", "compute_service.metrics",
+    "router.metrics",
     "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
     "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
     "kvfleet_cli.planning.model_dir", "kvfleet_cli.planning.cpu_device", "kvfleet_cli.plan_command",

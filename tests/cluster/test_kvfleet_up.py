@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -163,6 +164,11 @@ def test_up_serves_and_ctrl_c_stops_everything(up):
     answer = openai.OpenAI(base_url=url, api_key="sk-gold", max_retries=0).chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5, extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 5
+    # every service's Prometheus endpoint, at the URL `up` prints for it
+    urls = dict(re.findall(r"^  (\S+) +(http://\S+/metrics)$", u.text(), re.MULTILINE))
+    assert set(urls) == {"block_service", "node-0", "node-1", "router"}, u.text()
+    for url in urls.values():
+        assert "# TYPE kvfleet:" in urllib.request.urlopen(url, timeout=30).read().decode()
     stop_and_check_nothing_is_left(u)
     assert "restarting" not in u.text()
 

@@ -83,3 +83,20 @@ def test_bad_config():
                dict(warmup_min_share=0), dict(hot_spot_margin_blocks=-1)]:
         with pytest.raises(ValueError):
             RoutingConfig(**kw)
+
+
+def test_decisions_are_counted_by_node_and_reason():
+    """The router's metrics read these counts: every decision once, with the reason it was made."""
+    p = picker(prefix_weight=10.0, hot_spot_ratio=2.0, hot_spot_margin_blocks=4)
+    p.choose([node("a", active=3, cached=8), node("b", active=0)], 10, 0)
+    p.choose([node("hot", active=30, cached=10), node("cool", active=5)], 10, 0)
+    assert p.decisions == {("a", "kv"): 1, ("cool", "hot_spot"): 1}
+
+
+def test_a_decision_narrowed_by_the_warm_up_ramp_says_so():
+    # "new" just turned READY: it is a candidate with probability 0.1, so most decisions leave it out
+    p = picker(warmup_s=30.0, warmup_min_share=0.1)
+    nodes = [node("old", active=5), node("new", active=0, since=0.0)]
+    reasons = Counter(p.choose(nodes, 4, now=0.0).reason for _ in range(200))
+    assert reasons["warmup"] > 100 and set(reasons) <= {"warmup", "kv"}
+    assert sum(p.decisions.values()) == 200

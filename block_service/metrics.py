@@ -1,0 +1,93 @@
+"""block_service's Prometheus metrics: the page table's own figures, sampled at scrape time.
+
+    sample(store) on the event loop ─▶ BlockServiceSample (copied stats) ─▶ families() in the HTTP thread
+
+The nodes export vLLM's names for their own pools (``kvfleet:kv_cache_usage_perc``, the prefix
+cache); block_service exports what vLLM has not, under ``pool_*`` names so that the two are never
+summed: every pool by state and fragmentation, per-tenant blocks charged against the quota, refusals
+by tenant and reason, the write-ahead log and the snapshot's age. Operations by kind
+and the log's write latency are observed as they happen (``BlockServiceMetrics``): an RPC interceptor
+counts calls, the durable store reports each group commit's write + fsync time.
+Labels are node ids and tenant names, both bounded by configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+from block_service.stats import NodeStats, TenantStats
+from kvfleet.metric_families import PREFIX, counter, gauge
+from kvfleet.metrics_server import FSYNC_BUCKETS
+
+
+@dataclass(slots=True, frozen=True)
+class BlockServiceSample:
+    nodes: list[NodeStats]
+    tenants: list[TenantStats]
+    log_records: int                # records durable since the first start
+    log_bytes: int                  # size of the current log (since the last snapshot)
+    snapshot_age_s: float | None    # None: durability off, no snapshots
+
+
+def sample(store, now: float | None = None) -> BlockServiceSample:
+    """The figures of a ``DurablePageTable``, copied; call on the event loop that owns it."""
+    table = store.table
+    node_ids = table.node_ids()
+    now = time.monotonic() if now is None else now
+    return BlockServiceSample(
+        nodes=[table.node_stats(n) for n in node_ids],
+        tenants=[t for n in node_ids for t in table.tenant_stats(n)],
+        log_records=store.durable_lsn, log_bytes=store.log_bytes,
+        snapshot_age_s=now - store.last_snapshot if store.state_dir else None,
+    )
+
+
+def families(s: BlockServiceSample) -> Iterator[Metric]:
+    node = ("node",)
+    yield gauge("pool_usage_perc", "Share of the node's KV blocks in use by live sequences (0-1)", node,
+                [((n.node_id,), n.num_used / n.num_blocks if n.num_blocks else 0.0) for n in s.nodes])
+    yield gauge("pool_blocks", "KV blocks of the node's pool by state (used + cached + free = total)",
+                ("node", "state"),
+                [((n.node_id, state), v) for n in s.nodes
+                 for state, v in (("used", n.num_used), ("cached", n.num_cached), ("free", n.num_free))])
+    yield gauge("pool_fragmentation_perc", "Share of the used blocks' token slots holding no token (0-1)",
+                node, [((n.node_id,), n.fragmentation) for n in s.nodes])
+    yield gauge("num_sequences", "Live sequences holding blocks on the node", node,
+                [((n.node_id,), n.num_sequences) for n in s.nodes])
+    yield counter("reconciled_releases", "Sequences released because their node no longer held them", node,
+                  [((n.node_id,), n.counters.reconciled_releases) for n in s.nodes])
+    tenant = ("tenant", "node")
+    yield gauge("tenant_blocks_charged", "Blocks charged to the tenant on the node", tenant,
+                [((t.tenant, t.node_id), t.blocks_charged) for t in s.tenants])
+    yield gauge("tenant_blocks_quota", "Blocks the tenant may hold on the node (absent: unlimited)", tenant,
+                [((t.tenant, t.node_id), t.blocks_allowed) for t in s.tenants if t.blocks_allowed is not None])
+    yield gauge("tenant_blocks_reserved", "Blocks reserved for the tenant on the node", tenant,
+                [((t.tenant, t.node_id), t.blocks_reserved) for t in s.tenants])
+    yield gauge("tenant_sequences", "The tenant's live sequences on the node", tenant,
+                [((t.tenant, t.node_id), t.num_sequences) for t in s.tenants])
+    yield counter("block_refusals", "Block requests refused, by tenant, node and reason (pool or quota)",
+                  ("tenant", "node", "reason"),
+                  [((t.tenant, t.node_id, reason), v) for t in s.tenants
+                   for reason, v in (("pool", t.counters.refusals_pool), ("quota", t.counters.refusals_quota))])
+    yield counter("wal_records", "Write-ahead log records durable since the first start", (), [((), s.log_records)])
+    yield gauge("wal_bytes", "Size of the write-ahead log since the last snapshot", (), [((), s.log_bytes)])
+    if s.snapshot_age_s is not None:
+        yield gauge("snapshot_age_seconds", "Seconds since the last full snapshot", (), [((), s.snapshot_age_s)])
+
+
+class BlockServiceMetrics:
+    """block_service's registry: the sampled families (registered by the caller, who owns the
+    loop) plus what is observed as it happens."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.operations = Counter(PREFIX + "block_service_operations", "BlockManager calls by operation",
+                                  ["operation"], registry=self.registry)
+        self.wal_fsync = Histogram(PREFIX + "wal_fsync_seconds",
+                                   "One group commit of the write-ahead log: write + fsync",
+                                   buckets=FSYNC_BUCKETS, registry=self.registry)

@@ -1,0 +1,76 @@
+"""A compute node's Prometheus metrics: the engine's own figures, sampled at scrape time.
+
+    sample() on the event loop (the engine thread answers) ─▶ NodeSample ─▶ families() in the HTTP thread
+
+The engine is vLLM's counterpart, so its figures take vLLM's names with the ``kvfleet:`` prefix:
+requests running and waiting, the KV cache's usage, prefix-cache queries and hits (in tokens: the
+cache works in whole blocks, so both count ``block_size`` tokens per block), preemptions. Request
+level counts (prompt and generation tokens as the client was charged, latencies) are the router's,
+where a request's whole life, failovers included, is seen; the node's token counters are named
+``node_*`` so that a sum over both never counts a token twice. The pool's figures come from the
+node's allocator, which for a remote pool asks block_service (the reading costs the engine thread
+one small RPC per scrape). Every family carries the ``node`` label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.metrics_core import Metric
+
+from kvfleet.allocator import AllocatorStats
+from kvfleet.metric_families import counter, gauge
+
+
+@dataclass(slots=True, frozen=True)
+class NodeSample:
+    node_id: str
+    state: str                    # WARMING / READY / DRAINING
+    block_size: int
+    num_in_flight: int            # request streams open on the node
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    generated_tokens: int
+    prompt_tokens_computed: int   # prefilled here (prefix-cache hits are not computed)
+    busy_seconds: float           # spent in model steps
+    blocks: AllocatorStats
+
+
+def families(s: NodeSample) -> Iterator[Metric]:
+    node = ("node",)
+    key = (s.node_id,)
+    b = s.blocks
+    yield gauge("num_requests_running", "Requests in the engine's running batch", node, [(key, s.num_running)])
+    yield gauge("num_requests_waiting", "Requests waiting in the engine for blocks or a batch slot", node,
+                [(key, s.num_waiting)])
+    yield gauge("kv_cache_usage_perc", "Share of the node's KV blocks used by live sequences (0-1)", node,
+                [(key, b.num_used / b.num_blocks if b.num_blocks else 0.0)])
+    yield gauge("kv_cache_blocks", "The node's KV blocks by state (used + cached + free = total)", ("node", "state"),
+                [((s.node_id, state), v) for state, v in (("used", b.num_used), ("cached", b.num_cached),
+                                                          ("free", b.num_free))])
+    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)", node,
+                  [(key, b.prefix_queries * s.block_size)])
+    yield counter("prefix_cache_hits", "Of those, tokens found cached (whole blocks)", node,
+                  [(key, b.prefix_hits * s.block_size)])
+    yield counter("num_preemptions", "Running sequences preempted to free blocks", node, [(key, s.num_preemptions)])
+    yield counter("node_generation_tokens", "Tokens the node's engine generated (warm-up included)", node,
+                  [(key, s.generated_tokens)])
+    yield counter("node_prompt_tokens_computed", "Prompt tokens the node prefilled (cache hits excluded)", node,
+                  [(key, s.prompt_tokens_computed)])
+    yield counter("node_busy_seconds", "Seconds the engine spent in model steps", node, [(key, s.busy_seconds)])
+    yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
+    yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
+                [((s.node_id, s.state), 1)])
+
+
+async def sample(node, status, block_size: int) -> NodeSample:
+    """The node's figures now (a ``NodeContext`` and its ``NodeStatus``); run on the node's loop."""
+    stats = await node.engine_stats()
+    return NodeSample(
+        node_id=status.node_id, state=status.state.value, block_size=block_size,
+        num_in_flight=status.num_in_flight, num_running=stats.num_running, num_waiting=stats.num_waiting,
+        num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
+        prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
+    )

@@ -1,0 +1,42 @@
+"""A node's metrics are its engine's figures under vLLM's names, in vLLM's units."""
+
+from __future__ import annotations
+
+from compute_service import metrics
+from kvfleet.allocator import AllocatorStats
+from kvfleet.metric_families import registry_of
+
+
+def _sample(**kw) -> metrics.NodeSample:
+    figures = dict(node_id="node-0", state="READY", block_size=16, num_in_flight=3, num_running=2, num_waiting=1,
+                   num_preemptions=4, generated_tokens=120, prompt_tokens_computed=300, busy_seconds=1.5,
+                   blocks=AllocatorStats(num_blocks=64, num_free=40, num_cached=8, num_used=16, prefix_queries=10,
+                                         prefix_hits=6))
+    return metrics.NodeSample(**{**figures, **kw})
+
+
+def test_vllm_names_carry_the_engine_figures():
+    r = registry_of(metrics.families(_sample()))
+    node = {"node": "node-0"}
+    assert r.get_sample_value("kvfleet:num_requests_running", node) == 2
+    assert r.get_sample_value("kvfleet:num_requests_waiting", node) == 1
+    assert r.get_sample_value("kvfleet:kv_cache_usage_perc", node) == 16 / 64
+    assert r.get_sample_value("kvfleet:num_preemptions_total", node) == 4
+    assert r.get_sample_value("kvfleet:node_generation_tokens_total", node) == 120
+    assert r.get_sample_value("kvfleet:node_prompt_tokens_computed_total", node) == 300
+    assert r.get_sample_value("kvfleet:node_state", {**node, "state": "READY"}) == 1
+
+
+def test_prefix_cache_counts_tokens_of_whole_blocks():
+    r = registry_of(metrics.families(_sample(block_size=32)))
+    assert r.get_sample_value("kvfleet:prefix_cache_queries_total", {"node": "node-0"}) == 10 * 32
+    assert r.get_sample_value("kvfleet:prefix_cache_hits_total", {"node": "node-0"}) == 6 * 32
+
+
+def test_blocks_by_state_add_up_and_an_empty_pool_is_not_a_division_by_zero():
+    r = registry_of(metrics.families(_sample()))
+    assert sum(r.get_sample_value("kvfleet:kv_cache_blocks", {"node": "node-0", "state": s})
+               for s in ("used", "cached", "free")) == 64
+    empty = AllocatorStats(num_blocks=0, num_free=0, num_cached=0, num_used=0, prefix_queries=0, prefix_hits=0)
+    r = registry_of(metrics.families(_sample(blocks=empty)))
+    assert r.get_sample_value("kvfleet:kv_cache_usage_perc", {"node": "node-0"}) == 0
