@@ -84,11 +84,11 @@ def test_store_matches_reference(cache_dtype):
     caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(4)]
     key, value = torch.randn(6, 2, 40), torch.randn(6, 2, 40)
     slots = torch.tensor([0, 17, -1, 79, 33, 2])
-    scale = torch.tensor([0.01, 0.03]) if cache_dtype == torch.float8_e4m3fn else None
-    cpu_kernels.cpu_store_kv(key, value, caches[0], caches[1], slots, scale, scale)
-    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scale, scale)
-    for got, want in zip(caches[:2], caches[2:]):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    scales = [torch.zeros(shape[:3]) for _ in range(4)] if cache_dtype == torch.float8_e4m3fn else [None] * 4
+    cpu_kernels.cpu_store_kv(key, value, caches[0], caches[1], slots, scales[0], scales[1])
+    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scales[2], scales[3])
+    for got, want in zip(caches[:2] + scales[:2], caches[2:] + scales[2:]):
+        assert got is want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_store_rejects_slot_outside_pool():
