@@ -79,6 +79,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
         http: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -91,6 +92,7 @@ class LocalCluster:
         self.tenants_file = str(tenants_file)
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
+        self.kv_cache_dtype = kv_cache_dtype
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
         self.router_args = tuple(router_args)
@@ -199,7 +201,8 @@ class LocalCluster:
         port = free_port()
         argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
                 "--node-id", node_id, "--block-size", str(self.block_size),
-                "--kv-cache-memory", str(self.kv_cache_memory), *self.compute_args, *extra]
+                "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
+                *self.compute_args, *extra]
         if self.block_service:
             argv += ["--block-service", self.block_service_address]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)
