@@ -113,3 +113,28 @@ def test_sliding_window_changes_attention():
     full = make_case([100], block_size=16)
     assert not torch.allclose(dense_attention(case), dense_attention(full))
     assert_close(reference.paged_decode_reference(*full.decode_args()), dense_attention(full))
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_fp8_reference(window):
+    """FP8 with its per-row scales through a window: poisoned scales of the keys outside it (NaN)
+    must not be read either. The truth is attention over the dequantised cache, so the float32
+    tolerance applies: quantisation error is bounded separately (test_fp8_quantization_error_per_row)."""
+    fp8 = torch.float8_e4m3fn
+    decode = make_case([1, 17, 40, 255], block_size=16, cache_dtype=fp8, window=window)
+    assert_close(reference.paged_decode_reference(*decode.decode_args()), dense_attention(decode))
+    prefill = make_case([17, 300, 70, 1, 90], q_lens=[17, 45, 1, 1, 90], block_size=16, cache_dtype=fp8,
+                        window=window)
+    assert_close(reference.paged_prefill_reference(*prefill.prefill_args()), dense_attention(prefill))
+
+
+def test_fp8_scales_are_required_and_per_row():
+    """An FP8 cache without its scale caches, or with per-head scales, is refused (it would be read
+    at the wrong magnitude)."""
+    case = make_case([20], cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="scale"):
+        kernels.store_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), case.k_cache, case.v_cache,
+                         torch.tensor([0]), None, None)
+    with pytest.raises(AssertionError):
+        kernels.store_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), case.k_cache, case.v_cache,
+                         torch.tensor([0]), torch.ones(2), torch.ones(2))

@@ -103,3 +103,14 @@ def test_sliding_window(window):
     prefill = make_case([17, 150, 70, 1], q_lens=[17, 45, 1, 1], block_size=16, num_heads=4, num_kv_heads=2,
                         device=DEVICE, window=window)
     assert_close(triton_paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_fp8(window):
+    fp8 = torch.float8_e4m3fn
+    decode = make_case([1, 17, 40, 130], block_size=16, cache_dtype=fp8, device=DEVICE, window=window)
+    assert_close(triton_paged_decode(*decode.decode_args()), dense_attention(decode))
+    assert_close(triton_paged_decode(*decode.decode_args(), num_splits=3), dense_attention(decode))
+    prefill = make_case([17, 150, 70, 1], q_lens=[17, 45, 1, 1], block_size=16, cache_dtype=fp8, device=DEVICE,
+                        window=window)
+    assert_close(triton_paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
