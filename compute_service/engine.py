@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from compute_service.cpu_linear import pack_linears
+from compute_service.kv_cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.kv_pool import (
     allocate_kv_cache,
     bytes_per_block,
+    kv_cache_dtype,
     num_blocks_for,
     parse_block_size,
 )
@@ -43,6 +45,7 @@ class EngineConfig:
     block_size: int | str = 256
     kv_cache_memory: int | None = None   # bytes; None = a fraction of free memory
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"         # auto (= dtype), float32, bfloat16, float16, fp8_e4m3
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -53,8 +56,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.block_size = parse_block_size(self.block_size)
         parse_dtype(self.dtype)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+
+
+def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
+    """``'1088 B/token (float32 4096, bfloat16 2048, float16 2048, fp8_e4m3 1088)'``: what a token
+    costs in the pool here, beside every dtype it could have been."""
+    cost = {name: kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name) for name in ELEMENT_BYTES}
+    return f"{cost[chosen]} B/token (" + ", ".join(f"{name} {n}" for name, n in cost.items()) + ")"
 
 
 @dataclass(slots=True)
@@ -88,13 +99,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir)
         self.device = torch.device(config.device)
         dtype = parse_dtype(config.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.device)  # FP8 here? checked first
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
         pack_linears(model, config.max_num_batched_tokens)
         block_size = int(config.block_size)
-        self.bytes_per_block = bytes_per_block(mc, block_size, dtype)
-        num_blocks = num_blocks_for(mc, block_size, dtype, self.device, config.kv_cache_memory)
+        self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
+        num_blocks = num_blocks_for(mc, block_size, kv_dtype, self.device, config.kv_cache_memory)
         if allocator_factory is None:
             from block_service.local_allocator import LocalBlockAllocator
 
@@ -105,15 +118,16 @@ class LLMEngine:
                                  droppable_window(mc.layer_windows))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
-        kv_cache = allocate_kv_cache(mc, num_blocks, block_size, dtype, self.device)
-        self.runner = ModelRunner(model, kv_cache, block_size, self.device)
+        kv_cache, kv_scales = allocate_kv_cache(mc, num_blocks, block_size, kv_dtype, self.device)
+        self.runner = ModelRunner(model, kv_cache, block_size, self.device, kv_scales)
         self.sampler = Sampler(self.device)
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
         self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
-        log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d",
-                 mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len)
+        log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, KV cache %s: %s",
+                 mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len,
+                 self.kv_cache_dtype, kv_memory_per_token(mc, self.kv_cache_dtype))
 
     # -- requests ---------------------------------------------------------------------------------
 

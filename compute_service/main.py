@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
     parser.add_argument("--block-size", default="256", help="tokens per block (16-2048, multiple of 16) or chat/code/document")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV pool dtype: auto (= --dtype), float32, bfloat16, float16 or fp8_e4m3 "
+                             "(float8_e4m3fn with a float32 scale per token and KV head: about half of bfloat16)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
@@ -95,7 +98,8 @@ def _build_engine(args: argparse.Namespace, remote):
     from compute_service.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                          device=args.device, max_num_seqs=args.max_num_seqs, node_id=args.node_id)
+                          kv_cache_dtype=args.kv_cache_dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                          node_id=args.node_id)
     return LLMEngine(args.model, config, allocator_factory=remote)
 
 
@@ -260,12 +264,20 @@ def _serve_metrics(args: argparse.Namespace, node, status, block_size: int) -> N
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What a person can get wrong, answered before the model loads: the port, the model
-    directory, the peers' addresses (waited for a while: they may be starting too)."""
+    """What a person can get wrong, answered before the model loads: the KV cache dtype (a known
+    name, FP8 where this torch and device hold it), the port, the model directory, the peers'
+    addresses (waited for a while: they may be starting too)."""
+    import torch
+
+    from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
     from kvfleet.metrics_server import metrics_listen
-    from kvfleet.preflight import check_port_free, wait_reachable
+    from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
+    try:
+        kv_cache_dtype(args.kv_cache_dtype, args.dtype, torch.device(args.device))
+    except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
+        raise PreflightError(str(e)) from None
     check_port_free(args.listen)
     if args.metrics_port is not None:
         check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")

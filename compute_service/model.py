@@ -45,8 +45,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: [2, num_blocks, kv_heads, block_size, head_dim]
+        # kv_scales (FP8 caches only): [2, num_blocks, kv_heads, block_size]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -56,16 +57,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
         if p:
             out[:p] = kernels.paged_prefill(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
-                meta.prefill_query_start_loc, meta.scale, window=self.window)
+                meta.prefill_query_start_loc, meta.scale, k_scale, v_scale, window=self.window)
         if p < num_tokens:
             out[p:] = kernels.paged_decode(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale, window=self.window)
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale,
+                k_scale, v_scale, window=self.window)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -89,8 +92,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta, kv_scales=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, kv_scales)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -110,12 +113,14 @@ class CausalLM(nn.Module):
                                     config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (float32) for the packed tokens picked by
-        ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]``."""
+        ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]`` (an FP8
+        cache with its per-row scales in ``kv_scales`` ``[layers, 2, num_blocks, kv_heads, block_size]``)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype, meta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta, None if kv_scales is None else kv_scales[i])
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

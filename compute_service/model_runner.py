@@ -12,9 +12,11 @@ from compute_service.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device):
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 kv_scales: torch.Tensor | None = None):
         self.model = model
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales  # FP8 pools: one float32 scale per (layer, K/V, block, kv head, offset)
         self.block_size = block_size
         self.device = device
         self.scale = model.config.head_dim ** -0.5
@@ -58,7 +60,7 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=dev))
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev), self.kv_scales)
         return logits, sampled
 
     def _slots(self, seq: Sequence, start: int, n: int) -> torch.Tensor:

@@ -7,6 +7,10 @@
   GEMMs, 2-3× faster than ``scaled_dot_product_attention`` at long prompts).
 - ``KVFLEET_ATTENTION=reference`` forces the reference everywhere.
 
+FP8 caches (``float8_e4m3fn``) come with ``k_scale``/``v_scale``: scale caches ``[num_blocks,
+num_kv_heads, block_size]`` float32, one scale per token and KV head, which ``store_kv`` writes and
+the attention calls read; other dtypes take none.
+
 ``window`` (``None``: full attention) is a sliding window in tokens, as transformers masks it: a
 query at position ``p`` sees keys ``p - window < k <= p``. Every implementation reads neither the
 keys outside it nor their block-table entries.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import quantize_kv
+from kernels.reference import prepare_store
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ def cpu_paged_decode(
     window: int | None = None,
     num_splits: int = 0,
 ) -> torch.Tensor:
-    """Native paged decode; same contract as ``reference.paged_decode_reference``.
+    """Native paged decode; same contract as ``reference.paged_decode_reference`` (FP8: the scale
+    caches ``[num_blocks, Hkv, block_size]``, each row widened times its scale).
 
     The kernel checks shapes, strides and dtypes itself (this runs once per layer per step, so the
     Python side stays a bare call). ``num_splits`` 0 lets it split long contexts across threads.
@@ -114,8 +115,6 @@ def cpu_store_kv(
     """Native KV store; same contract as ``reference.store_kv_reference``."""
     if not _loaded and not load_extension():
         raise RuntimeError("the native CPU kernels could not be built")
-    if key.dtype != k_cache.dtype:  # FP8: x / scale, clamped; other dtypes: a cast
-        key = quantize_kv(key, k_cache.dtype, k_scale)
-        value = quantize_kv(value, v_cache.dtype, v_scale)
+    key, value = prepare_store(key, value, k_cache, slot_mapping, k_scale, v_scale)
     torch.ops.kvfleet_kernels.store_kv_cpu.default(key, value, k_cache, v_cache, slot_mapping)
 

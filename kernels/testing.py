@@ -25,7 +25,7 @@ class PagedCase:
     block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with an out-of-range id
     context_lens: torch.Tensor  # [batch] int32
     query_start_loc: torch.Tensor  # [batch + 1] int32
-    k_scale: torch.Tensor | None  # [Hkv] float32, FP8 only
+    k_scale: torch.Tensor | None  # [num_blocks, Hkv, block_size] float32 scale caches, FP8 only
     v_scale: torch.Tensor | None
     keys: list[torch.Tensor]  # per sequence [Hkv, ctx, D] float64, dequantised: the truth
     values: list[torch.Tensor]
@@ -67,15 +67,18 @@ def make_case(
     k_cache = torch.full(shape, float("nan"), dtype=torch.float32).to(cache_dtype)
     v_cache = torch.full(shape, float("nan"), dtype=torch.float32).to(cache_dtype)
     k_scale = v_scale = None
-    if fp8:
-        k_scale = torch.rand(num_kv_heads, generator=gen) * 0.02 + 0.005
-        v_scale = torch.rand(num_kv_heads, generator=gen) * 0.02 + 0.005
+    if fp8:  # unused slots' scales are NaN too
+        k_scale = torch.full(shape[:3], float("nan"))
+        v_scale = torch.full(shape[:3], float("nan"))
     keys, values = [], []
     for b, ctx in enumerate(context_lens):
         ids = [perm.pop() for _ in range(blocks_per_seq[b])]
         tables[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        if fp8:  # rows of different magnitudes: each row's scale must meet its own row
+            k = k * torch.rand(ctx, num_kv_heads, 1, generator=gen) * 3
+            v = v * torch.rand(ctx, num_kv_heads, 1, generator=gen) * 3
         slots = torch.tensor(ids).repeat_interleave(block_size)[:ctx] * block_size + torch.arange(ctx) % block_size
         reference.store_kv_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         # The truth is what the cache holds, dequantised, in float64.
@@ -108,7 +111,9 @@ def _poison_outside(k_cache, v_cache, table, first_seen: int, block_size: int, b
 
 def _dense(cache, ids, ctx, scale):
     x = cache[torch.tensor(ids)].double().transpose(0, 1).flatten(1, 2)[:, :ctx]
-    return x if scale is None else x * scale.double().view(-1, 1, 1)
+    if scale is None:
+        return x
+    return x * scale[torch.tensor(ids)].double().transpose(0, 1).flatten(1, 2)[:, :ctx, None]
 
 
 def dense_attention(case: PagedCase) -> torch.Tensor:

@@ -8,7 +8,8 @@ walks its split's tokens BLOCK_N at a time through the block table:
 
 It leaves unnormalised partial results: acc [batch, num_heads, num_splits, head_dim] and the running
 max / sum (base 2) [batch, num_heads, num_splits, 2].
-Pass 2, grid (batch, num_heads): merges the splits, divides by the sum, applies the FP8 V scale.
+Pass 2, grid (batch, num_heads): merges the splits, divides by the sum. FP8 rows are widened times
+their scales as they are loaded (``triton_tiles.load_kv_tile``).
 
 With a sliding window (``WINDOW`` > 0) a split's range is clipped to the last ``WINDOW`` tokens; a
 split wholly before them reads nothing (empty: it weighs nothing in pass 2).
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
 from kernels.reference import is_fp8
 from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
@@ -31,17 +33,17 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     acc_ptr, ml_ptr,
     qk_scale, tokens_per_split, window,
     stride_qb, stride_qh,
     stride_cb, stride_ch, stride_co,
+    stride_sb, stride_sh,
     stride_bt,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh, stride_ms,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_K_SCALE: tl.constexpr, USE_FP32: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,8 +62,6 @@ def _decode_split_kernel(
     # q: [BLOCK_G, BLOCK_D], with softmax scale and log2(e) folded in (exponentials are base 2)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_K_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     q = q * qk_scale
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -71,8 +71,9 @@ def _decode_split_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, t, t_mask, head_base,
-                            d, d_mask, stride_cb, stride_co, BLOCK_SIZE, IS_FP8, USE_FP32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + b * stride_bt,
+                            t, t_mask, head_base, d, d_mask, stride_cb, stride_co, kv_head * stride_sh, stride_sb,
+                            BLOCK_SIZE, IS_FP8, USE_FP32)
         s = tl.where(t_mask[None, :], tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_G, BLOCK_N]
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
@@ -85,12 +86,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    acc_ptr, ml_ptr, v_scale_ptr, out_ptr,
-    num_splits, num_kv_groups,
+    acc_ptr, ml_ptr, out_ptr,
+    num_splits,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh, stride_ms,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -107,8 +108,6 @@ def _decode_reduce_kernel(
     acc = tl.load(acc_ptr + base + sp[:, None] * stride_as + d[None, :],
                   mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    if HAS_V_SCALE:
-        o = o * tl.load(v_scale_ptr + head // num_kv_groups)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -152,31 +151,30 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    dummy = context_lens  # stands in for absent scale pointers
+    k_scale, v_scale = scale_pointers(k_cache, k_scale, v_scale)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens,
-        k_scale if k_scale is not None else dummy,
+        query, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
         acc, ml,
         scale * LOG2E, tokens_per_split, window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1),
         block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_K_SCALE=k_scale is not None, USE_FP32=fp32,
-        IS_FP8=is_fp8(k_cache.dtype),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
     )
     out = torch.empty_like(query)
     _decode_reduce_kernel[(batch, num_heads)](
-        acc, ml, v_scale if v_scale is not None else dummy, out,
-        num_splits, group,
+        acc, ml, out,
+        num_splits,
         acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HAS_V_SCALE=v_scale is not None,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
 
@@ -199,10 +197,17 @@ def triton_paged_decode(
     return _launch_decode(
         query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
         block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-        scale, _float(k_scale), _float(v_scale), num_splits, window,
+        scale, k_scale, v_scale, num_splits, window,
     )
 
 
-def _float(scale: torch.Tensor | None) -> torch.Tensor | None:
-    return None if scale is None else scale.float().contiguous()
+def scale_pointers(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale caches a kernel reads (FP8), or a 3-D stand-in never read (other dtypes)."""
+    reference.check_scales(k_cache, k_scale, v_scale)
+    if k_scale is None:
+        dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k_cache.device)
+        return dummy, dummy
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+    return k_scale, v_scale
 

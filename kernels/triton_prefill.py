@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import is_fp8
-from kernels.triton_decode import LOG2E, interpreting
+from kernels.triton_decode import LOG2E, interpreting, scale_pointers
 from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
 
@@ -30,10 +30,11 @@ def _prefill_kernel(
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_co,
+    stride_sb, stride_sh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SCALE: tl.constexpr, USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
+    USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,8 +55,6 @@ def _prefill_kernel(
     pos = context_len - q_len + i  # [BLOCK_M]
     q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     q = q * qk_scale
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -69,8 +68,9 @@ def _prefill_kernel(
     for t0 in range(kv_start, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, t, t_mask, head_base,
-                            d, d_mask, stride_cb, stride_co, BLOCK_SIZE, IS_FP8, USE_FP32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + b * stride_bt,
+                            t, t_mask, head_base, d, d_mask, stride_cb, stride_co, kv_head * stride_sh, stride_sb,
+                            BLOCK_SIZE, IS_FP8, USE_FP32)
         causal = t_mask[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
             causal = causal & (t[None, :] > pos[:, None] - window)
@@ -78,8 +78,6 @@ def _prefill_kernel(
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    if HAS_SCALE:
-        o = o * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -97,24 +95,23 @@ def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_s
     assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_tables.stride(1) == 1 and query_start_loc.shape == (batch + 1,) and block_size % 16 == 0
-    assert (k_scale is None) == (v_scale is None)
     fp32 = k_cache.dtype == torch.float32 or interpreting()  # exact fp32 dots, as in triton_decode
     out = torch.empty_like(query)
     if total == 0:
         return out
     block_m, block_n = (64, 64) if head_dim <= 128 else (32, 32)
     grid = (batch, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
-    dummy = context_lens
+    k_scale, v_scale = scale_pointers(k_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale, out,
         scale * LOG2E, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SCALE=k_scale is not None, USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
+        USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
     )
     return out
 
@@ -134,11 +131,6 @@ def triton_paged_prefill(
     """Same contract as ``reference.paged_prefill_reference``."""
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query.shape[0] else 0  # one sync
-    if k_scale is not None or v_scale is not None:
-        num_kv_heads = k_cache.shape[1]
-        ones = torch.ones(num_kv_heads, dtype=torch.float32, device=query.device)
-        k_scale = ones if k_scale is None else k_scale.float().contiguous()
-        v_scale = ones if v_scale is None else v_scale.float().contiguous()
     return _launch_prefill(
         query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
         block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),

@@ -3,7 +3,8 @@
     key/value [num_tokens, num_kv_heads, head_dim] ──slot_mapping──▶ cache[slot // bs, head, slot % bs, :]
 
 One program per (token, kv head) copies one head_dim row of K and one of V. FP8 caches are quantised in
-torch first (x / per-head scale, clamped), so the kernel only ever moves bytes of the cache's own type.
+torch first (x / its row's scale, the scales written to the scale caches), so the kernel only ever
+moves bytes of the cache's own type.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import is_fp8, quantize_kv
+from kernels.reference import is_fp8, prepare_store
 
 
 @triton.jit
@@ -64,8 +65,7 @@ def triton_store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Same contract as ``reference.store_kv_reference``; negative slots are skipped."""
-    key = quantize_kv(key, k_cache.dtype, k_scale)
-    value = quantize_kv(value, v_cache.dtype, v_scale)
+    key, value = prepare_store(key, value, k_cache, slot_mapping, k_scale, v_scale)
     if is_fp8(k_cache.dtype):  # move FP8 as bytes: no float8 arithmetic in the kernel
         key, value = key.view(torch.uint8), value.view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)

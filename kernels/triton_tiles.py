@@ -3,6 +3,9 @@
 the tile against the query rows, fold it into the online softmax (base-2 exponentials).
 
     positions t -> block_table[t // BLOCK_SIZE] -> tile [BLOCK_N, BLOCK_D] of (block, kv head)
+
+FP8 rows are widened times their own scale, read from the scale caches ``[num_blocks, Hkv, block_size]``
+at (block, kv head, t % BLOCK_SIZE).
 """
 
 import triton
@@ -10,17 +13,23 @@ import triton.language as tl
 
 
 @triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, block_row_ptr, t, t_mask, head_base, d, d_mask,
-                 stride_cb, stride_co, BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, USE_FP32: tl.constexpr):
+def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row_ptr, t, t_mask, head_base, d,
+                 d_mask, stride_cb, stride_co, scale_head_base, stride_sb,
+                 BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, USE_FP32: tl.constexpr):
     block = tl.load(block_row_ptr + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     # offsets: [BLOCK_N, BLOCK_D] into one (block, kv head) tile each row
     offs = block[:, None] * stride_cb + head_base + (t % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-    if IS_FP8 and not USE_FP32:  # tensor cores take FP8 tiles widened to bf16, q stays close to exact
-        k = k.to(tl.bfloat16)
-        v = v.to(tl.bfloat16)
+    if IS_FP8:
+        # row scales: [BLOCK_N], one per (block, kv head, offset)
+        scale_offs = block * stride_sb + scale_head_base + t % BLOCK_SIZE
+        k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_offs, mask=t_mask, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=t_mask, other=0.0)[:, None]
+        if not USE_FP32:  # tensor cores take FP8 tiles widened to bf16 (8 mantissa bits hold e4m3's 3)
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
     return k, v
 
 

@@ -80,6 +80,7 @@ class LocalCluster:
         log_level: str = "INFO",
         http: bool = True,
         metrics: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -92,6 +93,7 @@ class LocalCluster:
         self.tenants_file = str(tenants_file)
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
+        self.kv_cache_dtype = kv_cache_dtype
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
         self.router_args = tuple(router_args)
@@ -216,8 +218,8 @@ class LocalCluster:
         port = free_port()
         argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
                 "--node-id", node_id, "--block-size", str(self.block_size),
-                "--kv-cache-memory", str(self.kv_cache_memory), *self._metrics_args(node_id), *self.compute_args,
-                *extra]
+                "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
+                *self._metrics_args(node_id), *self.compute_args, *extra]
         if self.block_service:
             argv += ["--block-service", self.block_service_address]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)

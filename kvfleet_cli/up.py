@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from compute_service.kv_cache_dtype import KV_CACHE_DTYPES
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.models_pull import default_model_dir
@@ -75,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
 
 
@@ -89,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         print("--nodes must be at least 1", file=sys.stderr)
         return 2
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        print(f"kvfleet up: --kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}",
+              file=sys.stderr)
+        return 2
     if args.model is None:
         real = default_model_dir()
         args.model = str(real) if (real / "config.json").is_file() else TINY_MODEL
@@ -102,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     elif not (Path(args.model) / "config.json").is_file():
         print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
-    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory)
+    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
+                           kv_cache_dtype=args.kv_cache_dtype)
     stop = False
 
     def on_signal(*_):

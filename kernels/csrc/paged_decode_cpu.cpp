@@ -11,7 +11,8 @@
 //   acc[g]     += p[g][t] * v[t]     (each V row read once for the whole group)
 // With several splits per sequence (long contexts, few sequences), each item writes (m, l, acc) and a
 // second pass merges them. All arithmetic is float32; bf16/fp16/fp8 tiles are widened chunk by chunk.
-// The softmax scale and the FP8 K scale are folded into q, the FP8 V scale into the final output.
+// The softmax scale is folded into q. FP8 rows are widened times their own scale (one float per
+// token and KV head, in scale caches laid out like the cache minus head_dim: row element index / d).
 // A sliding window (window > 0) keeps the last `window` tokens of each context: the splits cover only
 // those, and neither the older tokens nor their block-table entries are read (those blocks may be
 // given back already).
@@ -101,9 +102,10 @@ inline vf exp2v(vf x) {
   return p * two_n;
 }
 
-// Widen `rows` rows of `d` elements into float rows of stride `dp` (zero padded).
+// Widen `rows` rows of `d` elements into float rows of stride `dp` (zero padded); FP8 rows are
+// multiplied by their scale `row_scale[r]`.
 template <typename T>
-void widen(const T* src, int rows, int d, int dp, float* dst) {
+void widen(const T* src, int rows, int d, int dp, float* dst, const float* row_scale) {
   for (int r = 0; r < rows; ++r) {
     const T* s = src + (int64_t)r * d;
     float* o = dst + (int64_t)r * dp;
@@ -123,11 +125,12 @@ void widen(const T* src, int rows, int d, int dp, float* dst) {
 #endif
       for (; i < d; ++i) o[i] = static_cast<float>(c10::Half(s[i].x, c10::Half::from_bits()));
     } else {  // float8_e4m3fn: the 7 magnitude bits placed at float bit 20, times 2^(127-7)
+      const float factor = 1.329227995784916e36f * (row_scale ? row_scale[r] : 1.f);  // 2^120 * scale
       for (; i < d; ++i) {
         uint32_t bits = (uint32_t)(s[i].x & 0x7F) << 20;
         float mag;
         std::memcpy(&mag, &bits, 4);
-        mag *= 1.329227995784916e36f;  // 2^120
+        mag *= factor;
         o[i] = (s[i].x & 0x80) ? -mag : mag;
       }
     }
@@ -136,7 +139,7 @@ void widen(const T* src, int rows, int d, int dp, float* dst) {
 }
 
 struct Item {
-  const float* q;   // [G][dp], already times softmax scale * log2(e) * k_scale
+  const float* q;   // [G][dp], already times softmax scale * log2(e)
   float* acc;       // [G][dp]
   float* m;         // [G] running max (base 2)
   float* l;         // [G] running sum
@@ -177,9 +180,11 @@ inline int segments(const int32_t* table, const Geometry& g, int bi, int off, in
 // that q[h] (scores) and acc[h] (values) stay in registers while the chunk's rows come from L1; the
 // rows `lookahead` tokens on are prefetched meanwhile (the next tile can be anywhere in the pool, and
 // the hardware prefetcher stops at every 4 KiB page).
+// FP8: `k_sc`, `v_sc` point at this KV head's scales (element `at` of a tile has scale `at / d`).
 template <typename T, int NV>
-void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const int32_t* table,
-            int t_begin, int t_end, float* buf, float* s, const float* zero_row) {
+void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const float* k_sc,
+            const float* v_sc, const int32_t* table, int t_begin, int t_end, float* buf, float* s,
+            const float* zero_row) {
   const int nv = NV ? NV : g.dp / W;
   const int G = g.G;
   const int bs = g.block_size;
@@ -200,13 +205,14 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
         prefetch_slice(head + ahead[i].at, (int64_t)ahead[i].rows * g.d * sizeof(T), part, G);
     };
     // rows[r]: row r of the chunk as float32, in place (float32 tiles) or widened into buf
-    auto gather_rows = [&](const T* head) {
+    auto gather_rows = [&](const T* head, const float* sc) {
       for (int i = 0, r = 0; i < num_segs; ++i) {
         const float* src;
         if (direct) {
           src = reinterpret_cast<const float*>(head + segs[i].at);
         } else {
-          widen(head + segs[i].at, segs[i].rows, g.d, g.dp, buf + (int64_t)r * g.dp);
+          widen(head + segs[i].at, segs[i].rows, g.d, g.dp, buf + (int64_t)r * g.dp,
+                sc ? sc + segs[i].at / g.d : nullptr);
           src = buf + (int64_t)r * g.dp;
         }
         for (int j = 0; j < segs[i].rows; ++j) rows[r++] = src + (int64_t)j * g.dp;
@@ -215,7 +221,7 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     };
 
     // scores[h][r] = q[h] . k[r]
-    gather_rows(k_head);
+    gather_rows(k_head, k_sc);
     for (int h = 0; h < G; ++h) {
       vf qv[NV ? NV : MAX_NV];
       for (int j = 0; j < nv; ++j) qv[j] = load(it.q + (int64_t)h * g.dp + j * W);
@@ -265,7 +271,7 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     }
 
     // acc[h] += p[h][r] * v[r]
-    gather_rows(v_head);
+    gather_rows(v_head, v_sc);
     int h = 0;
     for (; h + 2 <= G; h += 2) {  // two heads per pass: each V row load feeds 2 * nv independent FMAs
       float* a0 = it.acc + (int64_t)h * g.dp;
@@ -363,7 +369,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
       const int lo = first_token(b), len = lens[b] - lo;
       const int per = ((len + S - 1) / S + W - 1) / W * W;
       const int t0 = lo + std::min(len, split * per), t1 = lo + std::min(len, split * per + per);
-      const float qscale = (float)scale * LOG2E * (ks ? ks[kvh] : 1.f);
+      const float qscale = (float)scale * LOG2E;
       for (int h = 0; h < G; ++h) {
         const float* src = qd + ((int64_t)b * H + kvh * G + h) * d;
         for (int i = 0; i < dp; ++i) qg[h * dp + i] = i < d ? src[i] * qscale : 0.f;
@@ -375,16 +381,18 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
         const Item it{qg, acc, m, l};
         const T* kh = k_base + kvh * head_stride;
         const T* vh = v_base + kvh * head_stride;
+        const float* ksh = ks ? ks + kvh * geo.block_size : nullptr;
+        const float* vsh = vs ? vs + kvh * geo.block_size : nullptr;
         const int32_t* table = tables + (int64_t)b * max_blocks;
         switch (dp / W) {
-          case 4: attend<T, 4>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
-          case 8: attend<T, 8>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
-          default: attend<T, 0>(it, geo, kh, vh, table, t0, t1, buf, s, zero); break;
+          case 4: attend<T, 4>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
+          case 8: attend<T, 8>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
+          default: attend<T, 0>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
         }
       }
       if (S == 1) {
         for (int h = 0; h < G; ++h) {
-          const float inv = l[h] > 0.f ? (vs ? vs[kvh] : 1.f) / l[h] : 0.f;
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
           float* o = od + ((int64_t)b * H + kvh * G + h) * d;
           for (int i = 0; i < d; ++i) o[i] = acc[h * dp + i] * inv;
         }
@@ -418,7 +426,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
           const float* a = part_acc + (item * G + h) * dp;
           for (int i = 0; i < d; ++i) o[i] += w * a[i];
         }
-        const float inv = L > 0.f ? (vs ? vs[kvh] : 1.f) / L : 0.f;
+        const float inv = L > 0.f ? 1.f / L : 0.f;
         float* dst = od + ((int64_t)b * H + kvh * G + h) * d;
         for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
       }
@@ -428,11 +436,17 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
 
 }  // namespace
 
-// Per-head FP8 scale as contiguous float32 [num_kv_heads], or none (1.0).
-at::Tensor head_scale(const std::optional<at::Tensor>& scale, int64_t num_kv_heads) {
+// An FP8 scale cache: float32 [num_blocks, num_kv_heads, block_size], contiguous, over a cache whose
+// blocks and heads are contiguous too (so a row's scale is at its element index / head_dim); or none.
+at::Tensor row_scales(const std::optional<at::Tensor>& scale, const at::Tensor& cache) {
   if (!scale.has_value()) return at::Tensor();
-  TORCH_CHECK(scale->numel() == num_kv_heads, "a scale per KV head expected, got ", scale->numel());
-  return scale->to(at::kFloat).contiguous();
+  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e4m3fn, "scales belong to FP8 caches only");
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+              scale->sizes() == cache.sizes().slice(0, 3),
+              "a contiguous float32 scale per (block, KV head, offset) expected, got ", scale->sizes());
+  TORCH_CHECK(cache.stride(1) == cache.size(2) * cache.size(3) && cache.stride(0) == cache.size(1) * cache.stride(1),
+              "an FP8 cache's blocks must be contiguous");
+  return *scale;
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -454,8 +468,10 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention), got ", window);
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
-  const at::Tensor ks = head_scale(k_scale, k_cache.size(1));
-  const at::Tensor vs = head_scale(v_scale, k_cache.size(1));
+  TORCH_CHECK(k_scale.has_value() == (k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
+              v_scale.has_value() == k_scale.has_value(), "FP8 caches, and only they, come with both scale caches");
+  const at::Tensor ks = row_scales(k_scale, k_cache);
+  const at::Tensor vs = row_scales(v_scale, v_cache);
   const float* ksp = ks.defined() ? ks.data_ptr<float>() : nullptr;
   const float* vsp = vs.defined() ? vs.data_ptr<float>() : nullptr;
   const at::Tensor q32 = query.to(at::kFloat).contiguous();

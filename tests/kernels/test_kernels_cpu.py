@@ -84,11 +84,11 @@ def test_store_matches_reference(cache_dtype):
     caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(4)]
     key, value = torch.randn(6, 2, 40), torch.randn(6, 2, 40)
     slots = torch.tensor([0, 17, -1, 79, 33, 2])
-    scale = torch.tensor([0.01, 0.03]) if cache_dtype == torch.float8_e4m3fn else None
-    cpu_kernels.cpu_store_kv(key, value, caches[0], caches[1], slots, scale, scale)
-    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scale, scale)
-    for got, want in zip(caches[:2], caches[2:]):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    scales = [torch.zeros(shape[:3]) for _ in range(4)] if cache_dtype == torch.float8_e4m3fn else [None] * 4
+    cpu_kernels.cpu_store_kv(key, value, caches[0], caches[1], slots, scales[0], scales[1])
+    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scales[2], scales[3])
+    for got, want in zip(caches[:2] + scales[:2], caches[2:] + scales[2:]):
+        assert got is want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_store_rejects_slot_outside_pool():
@@ -142,3 +142,22 @@ def test_sliding_window_prefill_row_chunks(monkeypatch):
     monkeypatch.setattr(cpu_prefill, "SCORE_BUDGET", 1)  # 16 rows per chunk
     case = make_case([300, 70], q_lens=[120, 70], num_heads=8, num_kv_heads=2, window=40)
     assert_close(cpu_prefill.cpu_paged_prefill(*case.prefill_args()), dense_attention(case))
+
+
+@pytest.mark.parametrize("window", [5, 24, 600])
+def test_sliding_window_fp8(window):
+    """FP8 rows times their own scales, through a window, split or not; prefill too. Against the
+    dequantised cache (float32 tolerance: quantisation error is not the kernel's)."""
+    case = make_case([1, 17, 40, 1500], block_size=32, head_dim=64, cache_dtype=torch.float8_e4m3fn, window=window)
+    for num_splits in (0, 3):
+        assert_close(cpu_kernels.cpu_paged_decode(*case.decode_args(), num_splits=num_splits), dense_attention(case))
+    prefill = make_case([17, 300, 90], q_lens=[17, 45, 90], cache_dtype=torch.float8_e4m3fn, window=window)
+    assert_close(kernels.paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
+
+
+def test_fp8_kernel_refuses_per_head_scales():
+    case = make_case([20], cache_dtype=torch.float8_e4m3fn)
+    args = list(case.decode_args())
+    args[6] = args[7] = torch.ones(2)
+    with pytest.raises(RuntimeError, match="scale per"):
+        cpu_kernels.cpu_paged_decode(*args)

@@ -37,7 +37,7 @@ def test_gqa_groups(num_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
-def test_fp8_cache_with_per_head_scale(query_dtype):
+def test_fp8_cache_with_per_token_scales(query_dtype):
     case = make_case([33, 300], dtype=query_dtype, cache_dtype=torch.float8_e4m3fn)
     assert case.k_cache.dtype == torch.float8_e4m3fn
     assert_close(reference.paged_decode_reference(*case.decode_args()), dense_attention(case))
@@ -54,13 +54,36 @@ def test_store_kv_writes_slots_and_skips_padding(cache_dtype):
     key = torch.randn(3, num_kv_heads, head_dim)
     value = torch.randn(3, num_kv_heads, head_dim)
     slots = torch.tensor([2 * block_size + 5, -1, 0])
-    scale = torch.tensor([0.01, 0.02]) if cache_dtype == torch.float8_e4m3fn else None
-    kernels.store_kv(key, value, k_cache, v_cache, slots, scale, scale)
-    expect_k = reference.quantize_kv(key, cache_dtype, scale)
-    expect_v = reference.quantize_kv(value, cache_dtype, scale)
+    k_scale, v_scale = scale_caches(cache_dtype, shape)
+    kernels.store_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    expect_k, expect_ks = reference.quantize_kv(key, cache_dtype)
+    expect_v, expect_vs = reference.quantize_kv(value, cache_dtype)
     assert torch.equal(k_cache[2, :, 5].float(), expect_k[0].float())
     assert torch.equal(v_cache[0, :, 0].float(), expect_v[2].float())
     assert torch.count_nonzero(k_cache.float()) == torch.count_nonzero(expect_k[[0, 2]].float())
+    if k_scale is not None:
+        assert torch.equal(k_scale[2, :, 5], expect_ks[0]) and torch.equal(v_scale[0, :, 0], expect_vs[2])
+        assert torch.count_nonzero(k_scale) == 2 * num_kv_heads  # the padding token wrote no scale
+
+
+def scale_caches(cache_dtype, shape):
+    if cache_dtype != torch.float8_e4m3fn:
+        return None, None
+    return torch.zeros(shape[:3]), torch.zeros(shape[:3])
+
+
+def test_fp8_quantization_error_per_row():
+    """Each row keeps e4m3's relative precision whatever its magnitude: |x - q·s| <= |x|/16 (3
+    mantissa bits, round to nearest) + half the smallest subnormal step (2^-10 · s), with s the
+    row's amax / 448. One shared scale would flush a row 1000× smaller than its neighbours to 0."""
+    x = torch.randn(64, 2, 64) * torch.logspace(-3, 2, 64).view(64, 1, 1)
+    q, s = reference.quantize_kv(x, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 2)
+    err = (q.float() * s[..., None] - x).abs()
+    assert bool((err <= x.abs() / 16 + s[..., None] * 2**-10).all())
+    assert torch.equal(q.float().abs().amax(-1), torch.full((64, 2), 448.0))  # each row uses the whole range
+    zero, zero_scale = reference.quantize_kv(torch.zeros(1, 1, 8), torch.float8_e4m3fn)
+    assert not zero.float().isnan().any() and bool((zero_scale > 0).all())
 
 
 def test_dispatch_reference_mode(monkeypatch):
@@ -90,3 +113,28 @@ def test_sliding_window_changes_attention():
     full = make_case([100], block_size=16)
     assert not torch.allclose(dense_attention(case), dense_attention(full))
     assert_close(reference.paged_decode_reference(*full.decode_args()), dense_attention(full))
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_fp8_reference(window):
+    """FP8 with its per-row scales through a window: poisoned scales of the keys outside it (NaN)
+    must not be read either. The truth is attention over the dequantised cache, so the float32
+    tolerance applies: quantisation error is bounded separately (test_fp8_quantization_error_per_row)."""
+    fp8 = torch.float8_e4m3fn
+    decode = make_case([1, 17, 40, 255], block_size=16, cache_dtype=fp8, window=window)
+    assert_close(reference.paged_decode_reference(*decode.decode_args()), dense_attention(decode))
+    prefill = make_case([17, 300, 70, 1, 90], q_lens=[17, 45, 1, 1, 90], block_size=16, cache_dtype=fp8,
+                        window=window)
+    assert_close(reference.paged_prefill_reference(*prefill.prefill_args()), dense_attention(prefill))
+
+
+def test_fp8_scales_are_required_and_per_row():
+    """An FP8 cache without its scale caches, or with per-head scales, is refused (it would be read
+    at the wrong magnitude)."""
+    case = make_case([20], cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="scale"):
+        kernels.store_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), case.k_cache, case.v_cache,
+                         torch.tensor([0]), None, None)
+    with pytest.raises(AssertionError):
+        kernels.store_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), case.k_cache, case.v_cache,
+                         torch.tensor([0]), torch.ones(2), torch.ones(2))

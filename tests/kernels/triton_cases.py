@@ -85,13 +85,13 @@ def test_store_matches_reference(cache_dtype):
     key = torch.randn(6, num_kv_heads, head_dim, device=DEVICE)
     value = torch.randn(6, num_kv_heads, head_dim, device=DEVICE)
     slots = torch.tensor([0, 17, -1, 79, 33, 2], device=DEVICE)
-    scale = None
+    scales = [None] * 4
     if cache_dtype == torch.float8_e4m3fn:
-        scale = torch.tensor([0.01, 0.03], device=DEVICE)
-    triton_store_kv(key, value, caches[0], caches[1], slots, scale, scale)
-    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scale, scale)
-    for got, want in zip(caches[:2], caches[2:]):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        scales = [torch.zeros(shape[:3], device=DEVICE) for _ in range(4)]
+    triton_store_kv(key, value, caches[0], caches[1], slots, scales[0], scales[1])
+    reference.store_kv_reference(key, value, caches[2], caches[3], slots, scales[2], scales[3])
+    for got, want in zip(caches[:2] + scales[:2], caches[2:] + scales[2:]):
+        assert got is want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("window", [5, 16, 24, 40])
@@ -102,4 +102,15 @@ def test_sliding_window(window):
     assert_close(triton_paged_decode(*decode.decode_args(), num_splits=3), dense_attention(decode))
     prefill = make_case([17, 150, 70, 1], q_lens=[17, 45, 1, 1], block_size=16, num_heads=4, num_kv_heads=2,
                         device=DEVICE, window=window)
+    assert_close(triton_paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_fp8(window):
+    fp8 = torch.float8_e4m3fn
+    decode = make_case([1, 17, 40, 130], block_size=16, cache_dtype=fp8, device=DEVICE, window=window)
+    assert_close(triton_paged_decode(*decode.decode_args()), dense_attention(decode))
+    assert_close(triton_paged_decode(*decode.decode_args(), num_splits=3), dense_attention(decode))
+    prefill = make_case([17, 150, 70, 1], q_lens=[17, 45, 1, 1], block_size=16, cache_dtype=fp8, device=DEVICE,
+                        window=window)
     assert_close(triton_paged_prefill(*prefill.prefill_args()), dense_attention(prefill))
