@@ -102,6 +102,7 @@ class Up:
                 [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", str(nodes), "--model", str(model_dir),
                  "--work-dir", str(tmp_path / "work")],
                 stdout=out, stderr=subprocess.STDOUT, text=True, env=self.env,
+                preexec_fn=_ctrl_c_as_in_a_terminal,
             )
         self.seen: set[int] = set()
 
@@ -142,6 +143,13 @@ def up(model_dir, tmp_path):
     finally:
         for u in started:
             u.close()
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """Ctrl-C reaches ``kvfleet up`` in a terminal; a test run started in the background by a
+    non-interactive shell (``nohup make test &``) inherits SIGINT ignored, and Python then never
+    turns it into KeyboardInterrupt. The tests' SIGINT stands for a person's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # A hang bound, not a speed check: LocalCluster.stop gives each of its three SIGTERM stages (router,
