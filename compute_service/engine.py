@@ -230,8 +230,9 @@ class LLMEngine:
             self._prompt_computed += n
         for seq in batch.decodes:
             seq.num_computed += 1
-        self.kv.commit_full_blocks([s for s, _ in batch.prefills] + batch.decodes)
-        self.kv.drop_outside_window([s for s, _ in batch.prefills] + batch.decodes)
+        stepped = [s for s, _ in batch.prefills] + batch.decodes
+        self.kv.commit_full_blocks(stepped)
+        self.kv.drop_outside_window(stepped)
         tokens = self.sampler.sample(logits, sampled)
         self._busy += time.perf_counter() - started
         for seq, token in zip(sampled, tokens):

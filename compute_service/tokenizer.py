@@ -42,17 +42,19 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        after = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return after[len(before):]
-        return ""
+        return self._take(final=False)
 
     def flush(self) -> str:
         """The text held back, at the end of the output: an unfinished character ends as
         ``decode`` ends it (U+FFFD), so the pieces add up to the decode of every token."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        """The text the ids since ``read_offset`` add, once it does not end inside a character
+        (or ``final``: whatever it is)."""
         before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         after = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return after[len(before):]
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before):]
+        return ""

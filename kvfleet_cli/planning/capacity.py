@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compute_service.kv_cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES
 from kvfleet_cli.planning.devices import Device
 from kvfleet_cli.planning.shapes import ModelShape
 
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
-KV_DTYPES = ("auto", *KV_DTYPE_BYTES)
+KV_DTYPES = KV_CACHE_DTYPES  # the engine's --kv-cache-dtype names
 
 # the guide's scenario presets (the engine's BLOCK_SIZE_PRESETS) and the reason each fits
 SCENARIOS: tuple[tuple[str, int, str], ...] = (
@@ -75,7 +75,7 @@ class Capacity:
 
 def kv_dtype_bytes(shape: ModelShape, kv_cache_dtype: str) -> tuple[str, int]:
     name = shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    return name, KV_DTYPE_BYTES[name]
+    return name, ELEMENT_BYTES[name]
 
 
 def activation_reserve(shape: ModelShape, device: Device, request: CapacityRequest) -> int:
