@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from kvfleet.v1 import inference_pb2
 from router.generation import Generations, status_name
@@ -87,7 +88,10 @@ async def read_json(request: Request):
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(400, f"Content-Type must be application/json, got {media_type or 'none'!r}")
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client left while sending its body: nobody to answer
+        raise ClientGone() from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
