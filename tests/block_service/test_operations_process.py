@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from block_service.page_table import PageTable
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.tenants import parse_tenants
+from kvfleet_cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = """\
@@ -48,9 +48,7 @@ def _kvfleet(*argv: str) -> subprocess.CompletedProcess:
 def block_service(tmp: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     """A ``kvfleet block-service`` process on a free port; always killed."""
     (tmp / "tenants.yaml").write_text(TENANTS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     log = tmp / "service.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(

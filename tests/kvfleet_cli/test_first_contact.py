@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_cli.etcd_server import free_port
 from kvfleet_cli.model_maker import make_model
+from kvfleet_cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = "tenants:\n  - name: gold\n    api_key: sk-gold\n    quota_mib: 16\n    paid_level: 1\n    max_concurrent: 2\n"

@@ -1,0 +1,29 @@
+"""free_port hands out ports no outgoing connection can take, never the same one twice."""
+
+from __future__ import annotations
+
+import socket
+
+from kvfleet_cli import ports
+
+
+def test_ports_lie_below_the_ephemeral_range_and_are_distinct_and_bindable():
+    low = ports._ephemeral_low()
+    picked = [ports.free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    if low - ports._FLOOR >= 1000:
+        assert all(ports._FLOOR <= p < low for p in picked)
+    for port in picked[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_not_handed_out(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(ports, "_ephemeral_low", lambda: taken + 1)
+        monkeypatch.setattr(ports, "_FLOOR", taken - 1000)
+        for _ in range(30):
+            assert ports.free_port() != taken
