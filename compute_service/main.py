@@ -1,8 +1,8 @@
 """``kvfleet compute``: one compute node, from model load to drained exit.
 
     load model, size pool → register pool with block_service → serve gRPC, etcd: WARMING
-    → warm up → etcd: READY → ... SIGTERM → etcd: DRAINING → running requests finish
-    → blocks released → lease revoked → exit 0
+    → [restore KV snapshot] → warm up → etcd: READY → ... SIGTERM → etcd: DRAINING
+    → running requests finish → [write KV snapshot] → blocks released → lease revoked → exit 0
 
 A node outlives its peers' trouble: started while block_service is down, it waits for it; when
 block_service goes away later, requests that need it wait (or move to another node) and the node
@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 
+from compute_service import warm_start
 from kvfleet.metrics_server import add_metrics_argument
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(block_service releases what the node no longer holds; default 30)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
     add_metrics_argument(parser)
+    warm_start.add_arguments(parser)
     parser.add_argument("--dependency-timeout", type=_positive_float, default=60.0,
                         help="seconds to wait at start for etcd and block_service to answer before giving up "
                              "(default 60; once started, the node waits for them as long as it takes)")
@@ -192,8 +194,11 @@ async def serve(args: argparse.Namespace) -> None:
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
         await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size)
+    warm = warm_start.WarmStart(args, async_engine, allocator.flush if remote is not None else None)
+    await warm.restore()  # before the warm-up: its random blocks must not take the pool's room first
     seconds = await warm_up(async_engine, args.node_id, block_size=allocator.block_size,
                             max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size)
+    seconds += await warm.random_prefill(model_config.vocab_size, engine.max_model_len)
     status.state = NodeState.READY
     if registration is not None:
         await registration.set_state(NodeState.READY)
@@ -205,6 +210,7 @@ async def serve(args: argparse.Namespace) -> None:
             f.write(str(port))
 
     watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
+    warm.start_periodic()
     lease_watch = None
     if remote is not None:
         allocator.syncs.start_reconciling(args.reconcile_interval)
@@ -235,6 +241,7 @@ async def serve(args: argparse.Namespace) -> None:
     except asyncio.TimeoutError:
         log.warning("drain timed out with %d requests in flight; aborting them", status.num_in_flight)
     servicer.end_streams()  # what is left is aborted and its blocks released; routers resume it elsewhere
+    await warm.on_drain()
     await server.stop(grace=2)
     await asyncio.to_thread(async_engine.shutdown)
     if remote is not None:
@@ -282,6 +289,7 @@ def preflight(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")
     ModelConfig.from_dir(args.model)
+    warm_start.preflight(args)
     if args.etcd:
         wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
     if args.block_service:
