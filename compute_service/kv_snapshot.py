@@ -90,10 +90,10 @@ class SnapshotBlock:
     """One block in the file, at row ``i`` of its tensors when it is ``blocks[i]`` of the manifest."""
 
     block_hash: bytes
-    parent_hash: bytes
-    token_ids: tuple[int, ...]
-    extra: bytes
-    hits: int
+    parent_hash: bytes          # b"": a sequence's first block
+    token_ids: tuple[int, ...]  # block_size of them: the hash is checked against them
+    extra: bytes                # the first block's extra key (its tenant, unless prefixes are shared)
+    hits: int                   # prefix hits when it was taken (the restored node ranks by them too)
 
 
 @dataclass(slots=True)

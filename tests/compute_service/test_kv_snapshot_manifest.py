@@ -6,20 +6,13 @@ import dataclasses
 
 import pytest
 
+import compute_service.kv_snapshot as ks
 from compute_service.block_usage import BlockUsage
-from compute_service.kv_snapshot import (
-    Fingerprint,
-    Manifest,
-    SnapshotRefused,
-    rank_blocks,
-    restore_paths,
-    snapshot_blocks,
-)
 from kvfleet.block_hash import next_block_hash
 
 SEED = b"test-seed"
 BS = 4
-FP = Fingerprint("m0", "float32", "float32", BS, 2, 2, 8, "s0")
+FP = ks.Fingerprint("m0", "float32", "float32", BS, 2, 2, 8, "s0")
 
 
 def chain(usage: BlockUsage, first_id: int, tokens: list[int], extra: bytes = b"t") -> list[bytes]:
@@ -43,10 +36,10 @@ def test_most_reused_first_parents_before_children_and_limit_keeps_chains_whole(
     usage.hit([0, 1, 2], [a, b, c])
     usage.hit([11], [d])                                 # d hit without its parent (as a test can)
     usage.hit([11], [d])
-    ranked = [blk.block_hash for blk in rank_blocks(usage.blocks(), 3)]
+    ranked = [blk.block_hash for blk in ks.rank_blocks(usage.blocks(), 3)]
     # d (2 hits) needs e first: 4 blocks do not fit in 3, so c comes instead
     assert ranked == [a, b, c]
-    everything = [blk.block_hash for blk in rank_blocks(usage.blocks(), 10)]
+    everything = [blk.block_hash for blk in ks.rank_blocks(usage.blocks(), 10)]
     assert everything.index(e) < everything.index(d) and everything.index(a) < everything.index(b) < everything.index(c)
 
 
@@ -54,7 +47,7 @@ def test_a_block_whose_parent_was_overwritten_is_left_out():
     usage = BlockUsage()
     a, b = chain(usage, 0, list(range(8)))
     usage.overwritten([0])
-    assert rank_blocks(usage.blocks(), 10) == []
+    assert ks.rank_blocks(usage.blocks(), 10) == []
     assert len(usage) == 1
 
 
@@ -74,16 +67,16 @@ def test_fingerprint_names_the_first_difference():
 
 
 def manifest_json(usage: BlockUsage) -> str:
-    return Manifest(FP, "n0", snapshot_blocks(rank_blocks(usage.blocks(), 100))).to_json()
+    return ks.Manifest(FP, "n0", ks.snapshot_blocks(ks.rank_blocks(usage.blocks(), 100))).to_json()
 
 
 def test_manifest_round_trip_and_paths():
     usage = BlockUsage()
     chain(usage, 0, list(range(12)))
     chain(usage, 5, list(range(4)) + [7] * 4)           # shares the first block: a second leaf
-    manifest = Manifest.from_json(manifest_json(usage), FP, SEED)
+    manifest = ks.Manifest.from_json(manifest_json(usage), FP, SEED)
     assert len(manifest.blocks) == 4
-    paths = restore_paths(manifest.blocks)
+    paths = ks.restore_paths(manifest.blocks)
     assert sorted(len(p) for p in paths) == [2, 3]
     assert all(p[0] == paths[0][0] for p in paths)
 
@@ -96,24 +89,24 @@ def test_manifest_round_trip_and_paths():
 def test_a_manifest_that_is_not_this_nodes_is_refused(mangle, why):
     usage = BlockUsage()
     chain(usage, 0, list(range(8)))
-    with pytest.raises(SnapshotRefused, match=why):
-        Manifest.from_json(mangle(manifest_json(usage)), FP, SEED)
+    with pytest.raises(ks.SnapshotRefused, match=why):
+        ks.Manifest.from_json(mangle(manifest_json(usage)), FP, SEED)
 
 
 def test_hashes_that_do_not_name_their_tokens_are_refused():
     usage = BlockUsage()
     chain(usage, 0, list(range(8)))
-    with pytest.raises(SnapshotRefused, match="another hash seed"):
-        Manifest.from_json(manifest_json(usage), FP, b"other-seed")
+    with pytest.raises(ks.SnapshotRefused, match="another hash seed"):
+        ks.Manifest.from_json(manifest_json(usage), FP, b"other-seed")
     text = manifest_json(usage).replace("[0,1,2,3]", "[0,1,2,9]")
-    with pytest.raises(SnapshotRefused, match="does not name its tokens"):
-        Manifest.from_json(text, FP, SEED)
+    with pytest.raises(ks.SnapshotRefused, match="does not name its tokens"):
+        ks.Manifest.from_json(text, FP, SEED)
 
 
 def test_a_child_before_its_parent_is_refused():
     usage = BlockUsage()
     chain(usage, 0, list(range(8)))
-    manifest = Manifest.from_json(manifest_json(usage), FP, SEED)
+    manifest = ks.Manifest.from_json(manifest_json(usage), FP, SEED)
     manifest.blocks.reverse()
-    with pytest.raises(SnapshotRefused, match="before its parent"):
-        Manifest.from_json(manifest.to_json(), FP, SEED)
+    with pytest.raises(ks.SnapshotRefused, match="before its parent"):
+        ks.Manifest.from_json(manifest.to_json(), FP, SEED)
