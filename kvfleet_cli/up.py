@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+    parser.add_argument("--kv-snapshot-dir", default=None,
+                        help="the nodes' KV snapshots (`kvfleet compute --kv-snapshot-dir`): written when a node "
+                             "drains, restored when it starts, so a restarted cluster starts warm (default: off)")
 
 
 def _log_to(path: Path) -> None:
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype,
+                           compute_args=("--kv-snapshot-dir", args.kv_snapshot_dir) if args.kv_snapshot_dir else ())
     stop = False
 
     def on_signal(*_):

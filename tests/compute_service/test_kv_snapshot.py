@@ -12,6 +12,7 @@ import torch
 
 from compute_service.async_engine import AsyncEngine
 from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.kv_snapshot_io import snapshot_path
 from compute_service.warm_start import WarmStart
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
@@ -31,13 +32,16 @@ def args_for(model_dir, snapshot_dir) -> argparse.Namespace:
                               kv_snapshot_blocks=64, kv_snapshot_interval_s=0.0, warmup="minimal")
 
 
-def on_engine(engine: LLMEngine, args, action: str):
-    """Run WarmStart.<action> over ``engine`` (its own thread, as a node runs it)."""
+def on_engine(engine: LLMEngine, args, action):
+    """``action(warm_start)`` over ``engine`` (on its own thread, as a node runs it); "save" and
+    "restore" name WarmStart's."""
+    if isinstance(action, str):
+        action = {"save": lambda warm: warm.save("test"), "restore": WarmStart.restore}[action]
+
     async def run():
         async_engine = AsyncEngine(engine)
         try:
-            warm = WarmStart(args, async_engine)
-            return await (warm.save("test") if action == "save" else warm.restore())
+            return await action(WarmStart(args, async_engine))
         finally:
             await asyncio.to_thread(async_engine.shutdown)
 
@@ -121,14 +125,41 @@ def test_a_damaged_snapshot_is_refused(original, model_dirs, tmp_path, caplog, d
 
 def test_an_unchanged_pool_is_not_written_again(original, model_dirs, tmp_path):
     engine, _, _ = original
+
+    async def twice(warm):
+        return await warm.save("first"), await warm.save("second")
+
+    assert on_engine(engine, args_for(model_dirs["llama"], tmp_path), twice) == (True, False)
+
+
+def test_snapshots_are_written_every_interval_while_serving(original, model_dirs, tmp_path):
+    engine, _, _ = original
     args = args_for(model_dirs["llama"], tmp_path)
+    args.kv_snapshot_interval_s = 0.05
+    path = snapshot_path(tmp_path, "n0")
 
-    async def twice():
-        async_engine = AsyncEngine(engine)
-        try:
-            warm = WarmStart(args, async_engine)
-            return await warm.save("first"), await warm.save("second")
-        finally:
-            await asyncio.to_thread(async_engine.shutdown)
+    async def serve_a_while(warm):
+        warm.start_periodic()
+        for _ in range(1200):  # until the first periodic snapshot lands (no drain has happened)
+            if path.exists():
+                break
+            await asyncio.sleep(0.05)
+        written = path.exists()
+        await warm.on_drain()  # the pool did not change since: nothing more is written
+        return written
 
-    assert asyncio.run(twice()) == (True, False)
+    assert on_engine(engine, args, serve_a_while)
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("warmup, prefilled", [("random", 4 * 40), ("minimal", 0)])
+def test_random_warmup_prefills_random_prompts(model_dirs, tmp_path, warmup, prefilled):
+    engine = make_engine(model_dirs["llama"])
+    args = args_for(model_dirs["llama"], tmp_path)
+    args.warmup, args.warmup_tokens = warmup, 40
+
+    async def warm_up(warm):
+        return await warm.random_prefill(engine.model_config.vocab_size, engine.max_model_len)
+
+    on_engine(engine, args, warm_up)
+    assert engine.stats().prompt_tokens_computed == prefilled
