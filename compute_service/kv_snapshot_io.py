@@ -176,33 +176,41 @@ def _stack(tensors: dict[str, torch.Tensor], manifest: Manifest) -> tuple[torch.
 def restore(snap: Snapshot, allocator: BlockAllocator, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
             usage: BlockUsage, limit: int) -> int:
     """Put the first ``limit`` blocks of ``snap`` (a prefix of the manifest: parents first) into
-    the pool and have the page table hold them cached; returns how many it took. Runs on the
-    engine thread before any request. Stops early, keeping what it restored, when the page table
-    refuses (pool full, block_service unreachable)."""
+    the pool and have the page table hold them cached; returns how many it holds now. Runs on the
+    engine thread before any request. Each block's KV is in the pool before its commit names it,
+    so stopping anywhere (the page table refusing: pool full, block_service unreachable; an
+    error) leaves only true names behind."""
     if snap.kv.dtype != kv_cache.dtype:
         raise SnapshotRefused(f"its KV is {snap.kv.dtype}, this pool {kv_cache.dtype}")
     blocks = snap.manifest.blocks[:limit]
     bs = snap.manifest.fingerprint.block_size
-    rows: dict[int, int] = {}  # block id → manifest row (a block evicted by a later path: the later row)
+    held: set[int] = set()  # block ids holding a restored block (one evicted by a later path is written again)
     for n, path in enumerate(restore_paths(blocks)):
         seq_id = f"kv-snapshot-{n}"
         hashes = [blocks[i].block_hash for i in path]
         result = allocator.allocate(seq_id, SNAPSHOT_TENANT, hashes, len(path) * bs)
         if isinstance(result, Refusal):
-            log.warning("KV snapshot restore stopped after %d blocks: %s", len(rows), result.message())
+            log.warning("KV snapshot restore stopped after %d blocks: %s", len(held), result.message())
             break
         fresh = range(result.num_cached_blocks, len(path))
-        usage.overwritten(result.block_ids[result.num_cached_blocks:])
+        dst = [result.block_ids[i] for i in fresh]
+        usage.overwritten(dst)
+        _write(snap, [path[i] for i in fresh], dst, kv_cache, kv_scales)  # written before it is committed
         for i in fresh:
             b = blocks[path[i]]
-            rows[result.block_ids[i]] = path[i]
             usage.committed(result.block_ids[i], b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits)
         allocator.commit([(seq_id, i, hashes[i]) for i in fresh])
         allocator.release([seq_id])
-    if rows:
-        dst = torch.tensor(list(rows), dtype=torch.int64, device=kv_cache.device)
-        src = torch.tensor(list(rows.values()), dtype=torch.int64)
-        _write_rows(kv_cache, dst, _rows(snap.kv, src))
-        if kv_scales is not None and snap.scales is not None:
-            _write_rows(kv_scales, dst, _rows(snap.scales, src))
-    return len(rows)
+        held.update(dst)
+    return len(held)
+
+
+def _write(snap: Snapshot, rows: list[int], block_ids: list[int], kv_cache: torch.Tensor,
+           kv_scales: torch.Tensor | None) -> None:
+    if not rows:
+        return
+    dst = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    src = torch.tensor(rows, dtype=torch.int64)
+    _write_rows(kv_cache, dst, _rows(snap.kv, src))
+    if kv_scales is not None and snap.scales is not None:
+        _write_rows(kv_scales, dst, _rows(snap.scales, src))
