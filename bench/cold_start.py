@@ -103,7 +103,7 @@ def restart_node(cluster, extra: tuple[str, ...]) -> float:
         cluster.kill("node-0", signal.SIGTERM)
         node.process.wait(timeout=300)
     started = time.perf_counter()
-    cluster.add_node("node-0", extra=extra, timeout=600)
+    cluster.add_node("node-0", extra=extra, timeout=900)
     ready = time.perf_counter() - started
     cluster.wait_router(timeout=120)
     return ready
@@ -125,8 +125,10 @@ def measure(model: Path, cfg: dict, prompts: list[list[int]], work: Path, runs: 
     from kvfleet_cli.local_cluster import LocalCluster
 
     snapshot_args = ("--kv-snapshot-dir", str(work / "snapshots"), "--kv-snapshot-interval-s", "0")
-    with LocalCluster(model, num_nodes=1, work_dir=work / "cluster", block_size=BLOCK_SIZE,
-                      kv_cache_memory=KV_CACHE_MEMORY, router_args=("--warmup-s", "0"), metrics=False) as cluster:
+    cluster = LocalCluster(model, num_nodes=1, work_dir=work / "cluster", block_size=BLOCK_SIZE,
+                           kv_cache_memory=KV_CACHE_MEMORY, router_args=("--warmup-s", "0"), metrics=False)
+    try:
+        cluster.start(timeout=900)  # a loaded 2-core machine has taken minutes to warm SmolLM2 up
         # the snapshot's source: a node that served these prompts once, then drained
         restart_node(cluster, snapshot_args)
         asyncio.run(send(cluster.router_address, prompts, waves=True))
@@ -135,6 +137,8 @@ def measure(model: Path, cfg: dict, prompts: list[list[int]], work: Path, runs: 
                 runs[method].append(run_method(cluster, method, prompts, snapshot_args))
         snapshot_file = next((work / "snapshots").glob("*.safetensors"))
         snapshot_mib = snapshot_file.stat().st_size / (1 << 20)
+    finally:
+        cluster.stop()
     log = (work / "cluster" / "node-0.log").read_text(errors="replace")
     return dict(snapshot_mib=round(snapshot_mib, 1),
                 restore_s=[float(s) for s in re.findall(r"restored \d+ of the \d+ blocks .* in ([0-9.]+)s", log)],
