@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV pool dtype: auto (= --dtype), float32, bfloat16, float16 or fp8_e4m3 "
                              "(float8_e4m3fn with a float32 scale per token and KV head: about half of bfloat16)")
+    parser.add_argument("--kv-layout", default="paged", help="paged (default) or contiguous: each sequence reserves "
+                        "--max-model-len slots at admission, no prefix sharing (the traditional baseline)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="longest sequence, prompt and output (default and most: the model's context length)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
@@ -96,22 +100,28 @@ async def _resync_on_new_lease(registration, allocator) -> None:
 
 def _build_engine(args: argparse.Namespace, remote):
     from compute_service.engine import EngineConfig, LLMEngine
+    from kvfleet.preflight import PreflightError
 
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                           kv_cache_dtype=args.kv_cache_dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                          node_id=args.node_id)
-    return LLMEngine(args.model, config, allocator_factory=remote)
+                          node_id=args.node_id, kv_layout=args.kv_layout, max_model_len=args.max_model_len)
+    try:
+        return LLMEngine(args.model, config, allocator_factory=remote)
+    except ValueError as e:  # the pool cannot hold what the flags ask (one block, one reservation)
+        raise PreflightError(str(e)) from None
 
 
-def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
+def _early_blocks(remote, engine):
     """What a request stream may do with block_service directly (None for an in-process pool)."""
     from compute_service.node_context import EarlyBlocks
 
     if remote is None:
         return None
+    allocator, share, reserve = engine.allocator, engine.config.share_prefix_across_tenants, engine.kv.reserve_tokens
+    allocator.cap_length(engine.max_model_len)
 
     async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
-        await allocator.preallocate(seq_id, tenant, token_ids, share_prefix_across_tenants)
+        await allocator.preallocate(seq_id, tenant, token_ids, share, reserve)
 
     return EarlyBlocks(preallocate, allocator.release, remote.trace_contexts)
 
@@ -169,14 +179,14 @@ async def serve(args: argparse.Namespace) -> None:
             return
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
-    engine_config, model_config = engine.config, engine.model_config
+    model_config = engine.model_config
     async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
     if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
         allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0),
                         reconciled=lambda: allocator.link.num_reconciled if remote is not None else 0)
     node = NodeContext(status, async_engine, allocator.block_size, args.stream_interval,
-                       _early_blocks(remote, allocator, engine_config.share_prefix_across_tenants))
+                       _early_blocks(remote, engine))
 
     if args.metrics_port is not None:
         _serve_metrics(args, node, status, allocator.block_size)
@@ -269,6 +279,7 @@ def preflight(args: argparse.Namespace) -> None:
     addresses (waited for a while: they may be starting too)."""
     import torch
 
+    from compute_service.kv_layout import parse_kv_layout
     from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
     from kvfleet.metrics_server import metrics_listen
@@ -276,6 +287,7 @@ def preflight(args: argparse.Namespace) -> None:
 
     try:
         kv_cache_dtype(args.kv_cache_dtype, args.dtype, torch.device(args.device))
+        parse_kv_layout(args.kv_layout)
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
         raise PreflightError(str(e)) from None
     check_port_free(args.listen)
@@ -302,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("kvfleet-compute")
     try:
         event_loop.run(serve(args))
-    except ModelLoadError as e:  # found while loading the weights or the tokenizer
+    except (ModelLoadError, PreflightError) as e:  # found while loading the weights or sizing the pool
         print(f"kvfleet compute: {e}", file=sys.stderr)
         return 2
     finally:

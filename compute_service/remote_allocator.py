@@ -237,20 +237,24 @@ class RemoteBlockAllocator:
                 done.set_result(None)
 
     async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
-                          share_across_tenants: bool = False) -> None:
+                          share_across_tenants: bool = False, reserve_tokens: int | None = None) -> None:
         """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
         the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
-        compute). A refusal is not kept: the scheduler asks again when it admits the request."""
+        compute), or with ``reserve_tokens`` (contiguous layout) that many slots and no hashes.
+        A refusal is not kept: the scheduler asks again when it admits the request."""
         if not self.link.up:
             return  # the scheduler asks when it admits the request, and waits until block_service is back
-        reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
-        hashes = block_hash.block_hashes(token_ids, self.block_size,
-                                         block_hash.tenant_extra_key(tenant, share_across_tenants),
-                                         max_blocks=reusable)
+        hashes: list[bytes] = []
+        if reserve_tokens is None:
+            reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
+            hashes = block_hash.block_hashes(token_ids, self.block_size,
+                                             block_hash.tenant_extra_key(tenant, share_across_tenants),
+                                             max_blocks=reusable)
         done = self.loop.create_future()
         self._waiters.setdefault(seq_id, []).append(done)
         with self._lock:
-            first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)))
+            first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes,
+                                                     reserve_tokens or len(token_ids)))
         if first:
             self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
         try:
@@ -258,6 +262,11 @@ class RemoteBlockAllocator:
         except asyncio.CancelledError:  # nobody will hand this request to the engine
             self.release([seq_id])
             raise
+
+    def cap_length(self, max_model_len: int) -> None:
+        """No sequence grows past ``max_model_len`` tokens (the engine's): no reserve beyond it."""
+        with self._lock:
+            self._policy.cap_length(max_model_len)
 
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node, as the node knows it (claimed and early)."""
