@@ -23,11 +23,15 @@ def test_a_contiguous_reservation_is_asked_early_and_held_whole(node):
     on_loop(allocator.flush())
     seq = held(on_loop, client, "a")
     assert (seq.block_ids, seq.num_tokens) == (got.block_ids, MAX_LEN)  # no reserve block beyond it
-    nodes, _ = on_loop(client.stats(["n0"]))
-    assert nodes[0].num_used == 10
     check_agrees(allocator, on_loop, client)
-    allocator.release(["a"])
+    assert pool(on_loop, client) == (54, 0, 10)
+    allocator.release(["a"])  # finished or aborted alike: the engine releases the sequence
     allocator.end_step()
     on_loop(allocator.flush())
-    nodes, _ = on_loop(client.stats(["n0"]))
-    assert (nodes[0].num_used, nodes[0].num_cached, nodes[0].num_sequences) == (0, 0, 0)
+    assert pool(on_loop, client) == (64, 0, 0) and not allocator.live_sequences()
+
+
+def pool(on_loop, client) -> tuple[int, int, int]:
+    """block_service's (free, cached, used) blocks of the node's pool."""
+    [node], _ = on_loop(client.stats(["n0"]))
+    return node.num_free, node.num_cached, node.num_used
