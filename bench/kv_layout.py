@@ -25,7 +25,7 @@ and reports, per layout:
 A tiny random model (``kvfleet make-model --preset tiny``, max_position_embeddings 131072) in a
 temporary directory: the layouts' difference is in the bookkeeping, not the arithmetic.
 
-    python bench/kv_layout.py [--quick] [--json] [--scale S] [--requests N] [--pool-seqs N]
+    python bench/kv_layout.py [--quick] [--json] [--scale S] [--requests N] [--pool-seqs N] [--short-share F]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ SHORT_SHARE = 0.2
 BLOCK_SIZE = 16
 GUIDE = {"paged_waste_frac": 0.09, "contiguous_waste_frac": 0.37, "paged_max_seqs": 26, "contiguous_max_seqs": 8}
 FULL = dict(scale=128, requests=40, pool_seqs=8, repeats=5, rounds=2)
-QUICK = dict(scale=256, requests=20, pool_seqs=8, repeats=3, rounds=1)
+QUICK = dict(scale=256, requests=20, pool_seqs=8, repeats=3, rounds=2)
 BATCH1_OUTPUT = 16  # tokens the batch-1 request generates (at least)
 
 
@@ -199,11 +199,11 @@ def report(r: dict) -> None:
           f"{r['pool_blocks']} blocks of {r['block_size']} = {r['pool_seqs']} x max_model_len {r['max_model_len']}; "
           f"in-process engine, local allocator; {r['cpu']}")
     print("| layout | most concurrent | waste (mean / peak, of the pool) | written (mean) | tokens/s | "
-          "generated/s | batch-1 TTFT ms | batch-1 ms/token | preemptions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "generated/s | engine steps | batch-1 TTFT ms | batch-1 ms/token | preemptions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, k in (("paged", p), ("contiguous", c)):
         print(f"| {name} | {r[k + 'max_seqs']} | {r[k + 'waste_frac']:.1%} / {r[k + 'peak_waste_frac']:.1%} | "
-              f"{r[k + 'written_frac']:.1%} | {r[k + 'tokens_per_s']:.0f} | {r[k + 'generated_per_s']:.1f} | "
+              f"{r[k + 'written_frac']:.1%} | {r[k + 'tokens_per_s']:.0f} | {r[k + 'generated_per_s']:.1f} | {r[k + 'steps']} | "
               f"{r[k + 'ttft_ms']:.1f} | {r[k + 'tpot_ms']:.2f} | {r[k + 'preemptions']} |")
     g = r["guide"]
     print(f"paged / contiguous: {r['concurrency_ratio']:.2f}x the concurrent sequences (guide: "
