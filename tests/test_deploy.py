@@ -66,6 +66,7 @@ def test_every_container_has_liveness_and_readiness(name, container):
         return
     port = container["ports"][0]["containerPort"]
     assert container["livenessProbe"]["grpc"] == {"port": port}, name  # "": the process answers
+    assert container["startupProbe"]["grpc"] == {"port": port}, name    # liveness waits for a first answer
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": READY_SERVICE[command]}, name
 
 
