@@ -74,7 +74,7 @@ async def serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
     from block_service.durable import DurablePageTable, RecoveryError
     from block_service.page_table import PageTable
@@ -107,8 +107,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=_serve_metrics(args, store))
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(store), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = rpc.serve_health_and_reflection(server, "kvfleet.v1.BlockManager")
     if not server.add_insecure_port(args.listen):
         log.error("cannot listen on %s", args.listen)
         return 2

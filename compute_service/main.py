@@ -131,7 +131,7 @@ async def _unless_stopped(work, stop: asyncio.Event):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
     from compute_service.async_engine import AsyncEngine
     from compute_service.node_context import NodeContext, NodeStatus
@@ -184,8 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(args.listen)
     await server.start()
