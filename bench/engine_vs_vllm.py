@@ -28,7 +28,9 @@ from bench.common import BENCH_MODEL, peak_rss_mib, seeded_prompts  # noqa: E402
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
 BLOCK_SIZE, TOKEN_BUDGET, MAX_SEQS, KV_GIB = 64, 2048, 64, 1
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+# vLLM's interpreter (bench/gpu_e2e.sh points it at a CUDA build's venv) and kvfleet's device
+PEERS_PYTHON = Path(os.environ.get("KVFLEET_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
+DEVICE = os.environ.get("KVFLEET_BENCH_DEVICE", "cpu")
 
 
 def run_vllm(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
@@ -70,7 +72,7 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
     from kvfleet.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_GIB << 30, max_num_seqs=MAX_SEQS,
-                                           max_num_batched_tokens=TOKEN_BUDGET, dtype=dtype))
+                                           max_num_batched_tokens=TOKEN_BUDGET, dtype=dtype, device=DEVICE))
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up
     started = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
