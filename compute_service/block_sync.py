@@ -57,6 +57,7 @@ class BlockSync:
         self._resync: asyncio.Task | None = None
         self._reconciler: asyncio.Task | None = None
         self._closed = False
+        self._retry_now = asyncio.Event()
 
     def trouble(self) -> None:
         if self._closed:
@@ -64,6 +65,11 @@ class BlockSync:
         if self._resync is None or self._resync.done():
             self._resync = asyncio.get_running_loop().create_task(self._resync_until_done(),
                                                                   name=f"resync-{self.node_id}")
+
+    def retry_now(self) -> None:
+        """Cut the resync's current backoff short (block_service's leader changed: the new one
+        answers now, not at the next backoff step)."""
+        self._retry_now.set()
 
     @property
     def resyncing(self) -> bool:
@@ -95,7 +101,9 @@ class BlockSync:
                     log.exception("node %s: resync with block_service failed", self.node_id)
                 elif throttle.due():
                     log.warning("node %s: block_service not back yet (%s); retrying", self.node_id, error_line(e))
-                await asyncio.sleep(backoff.next())
+                self._retry_now.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._retry_now.wait(), backoff.next())
                 continue
             log.info("node %s: block_service resynced after %.1fs: %s", self.node_id, outcome.away_s,
                      outcome.counts())
