@@ -80,6 +80,13 @@ class BlockManagerClient:
                 raise
             raise error(err.details()) from None
 
+    def follow_log(self, requests):
+        """A standby's ``FollowLog`` stream (``follower``): iterate the call for the leader's
+        ``LogEntry`` messages; ``requests`` (async iterable) sends where it stands, then its acks."""
+        if self._stub is None:
+            raise Unavailable("no block_service leader is named in etcd yet")
+        return self._stub.FollowLog(requests)
+
     # ---- the page table's calls ----------------------------------------------------------------
 
     async def allocate_many(self, requests: Sequence[AllocateRequest]) -> list[Allocation | Refusal]:

@@ -127,7 +127,9 @@ class Election:
 
     async def resign(self) -> None:
         """Give the key up now (a clean stop): a standby takes over without waiting for the TTL."""
-        self._lost.set()
+        if not self._lost.is_set():
+            self._why = "resigned"
+            self._lost.set()
         lease, self.lease_id = self.lease_id, None
         if lease is not None:
             with contextlib.suppress(Exception):

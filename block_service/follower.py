@@ -16,6 +16,7 @@ import logging
 
 import grpc
 
+from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable
 from block_service.lineage import lineage_mismatch, read_lineage, write_lineage
 from block_service.replication_log import ReplicationLog
@@ -25,7 +26,6 @@ from kvfleet import rpc
 from kvfleet.backoff import error_line
 from kvfleet.leader import Leader
 from kvfleet.v1 import block_manager_pb2 as pb
-from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class Follower:
             while True:
                 yield pb.FollowLogRequest(acked_lsn=await acks.get())
 
-        channel = rpc.channel(leader.address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES)
-        call = pb_grpc.BlockManagerStub(channel).FollowLog(requests())
+        client = BlockManagerClient(leader.address, channel=rpc.channel(leader.address, rpc.MAX_MESSAGE_BYTES))
+        call = client.follow_log(requests())
         try:
             return await self._apply(call, leader, mine, acks)
         except grpc.aio.AioRpcError as err:
@@ -68,7 +68,7 @@ class Follower:
             return f"the stream broke: {error_line(err)}"
         finally:
             call.cancel()
-            await channel.close()
+            await client.close()
 
     async def _apply(self, call, leader: Leader, mine: str | None, acks: asyncio.Queue) -> str:
         snapshot = bytearray()
