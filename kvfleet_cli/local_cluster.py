@@ -338,8 +338,10 @@ class LocalCluster:
         """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them."""
         from block_service.client import BlockManagerClient
 
+        address = self.block_service_address  # with a standby: read from etcd, outside the loop below
+
         async def read():
-            async with BlockManagerClient(self.block_service_address, timeout_s=10) as client:
+            async with BlockManagerClient(address, timeout_s=10) as client:
                 return await client.stats()
 
         nodes, tenants = asyncio.run(read())

@@ -53,8 +53,10 @@ def block_pools(cluster) -> dict:
 
     from block_service.client import BlockManagerClient
 
+    address = cluster.block_service_address  # with a standby: read from etcd, outside the loop below
+
     async def read():
-        async with BlockManagerClient(cluster.block_service_address) as client:
+        async with BlockManagerClient(address) as client:
             nodes, _ = await client.stats()
         return {n.node_id: n for n in nodes}
 
