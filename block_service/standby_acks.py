@@ -3,7 +3,7 @@
     --sync-standby, a standby in sync:  answer once the change is durable here AND on the standby
     no standby connected:               answer once durable here (async), one WARNING when it starts
     the standby does not ack in time:   it falls out of sync (WARNING): answers stop waiting for it
-                                        until it has acknowledged everything durable here (INFO)
+                                        until it has caught up with where the leader was then (INFO)
 
 Without ``--sync-standby`` nothing waits: a standby follows as fast as it can (async). Waiting
 forever for a standby would make it a second single point of failure; not waiting at all would
@@ -28,15 +28,18 @@ class StandbyAcks:
         self.head = head                      # the leader's durable lsn now
         self.acked: dict[str, int] = {}       # connected standby → records durable on it
         self.in_sync: set[str] = set()        # standbys whose acks answers wait for
+        self.catch_up: dict[str, int] = {}    # out of sync: the record it must reach to be in sync again
         self._changed = asyncio.Event()
         self._warned_alone = False
 
     def connect(self, standby: str) -> None:
         self.acked[standby] = 0
+        self.catch_up[standby] = self.head()
         log.info("standby %s connected (%s)", standby, "sync" if self.sync else "async")
 
     def disconnect(self, standby: str) -> None:
         self.acked.pop(standby, None)
+        self.catch_up.pop(standby, None)
         if standby in self.in_sync:
             self.in_sync.discard(standby)
             log.warning("standby %s disconnected%s", standby,
@@ -49,7 +52,7 @@ class StandbyAcks:
         if standby not in self.acked:
             return
         self.acked[standby] = max(self.acked[standby], lsn)
-        if self.sync and standby not in self.in_sync and lsn >= self.head():
+        if self.sync and standby not in self.in_sync and lsn >= self.catch_up[standby]:
             self.in_sync.add(standby)
             self._warned_alone = False
             log.info("standby %s is in sync at record %d: changes are acknowledged once it holds them too",
@@ -80,6 +83,8 @@ class StandbyAcks:
             if left <= 0:
                 late = sorted(self.in_sync)
                 self.in_sync.clear()
+                for standby in late:  # a target that stays put: under load the head never waits for it
+                    self.catch_up[standby] = self.head()
                 log.warning("standby %s did not acknowledge record %d within %.1f s: acknowledging changes "
                             "without it until it catches up", ", ".join(late), lsn - 1, self.timeout_s)
                 return
