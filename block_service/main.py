@@ -204,14 +204,14 @@ def _replication(args: argparse.Namespace, store) -> tuple:
 async def _run_replica(args: argparse.Namespace, store, role, rlog, on_lead) -> int:
     """The replica's life (``replica.Replica``) on its own etcd client; returns an exit code."""
     from block_service.follower import Follower
-    from block_service.replica import Replica
+    from block_service.replica import Replica, ReplicaConfig
     from kvfleet.membership import etcd_client
 
     address = args.advertise or args.listen
     async with etcd_client(args.etcd) as client:
         follower = Follower(store, rlog, args.state_dir, address)
-        return await Replica(client, role, follower, address, args.state_dir, args.lease_ttl, args.standby,
-                             on_lead).run()
+        config = ReplicaConfig(address, args.state_dir, args.lease_ttl, args.standby)
+        return await Replica(client, role, follower, config, on_lead).run()
 
 
 def _serve_metrics(args: argparse.Namespace, store) -> list:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aetcd
 
@@ -38,17 +39,20 @@ def _never() -> bool:
     return False
 
 
+@dataclass(slots=True, frozen=True)
+class ReplicaConfig:
+    address: str           # this replica's address, as written in the leader key
+    state_dir: str
+    ttl_s: int             # the leader lease
+    standby_first: bool    # --standby: campaign only after following a leader once
+
+
 class Replica:
-    def __init__(self, client: aetcd.Client, role: Role, follower: Follower, address: str, state_dir: str,
-                 ttl_s: int, standby_first: bool, on_lead: Callable[[], Awaitable[None]]) -> None:
-        self.client = client
-        self.role = role
-        self.follower = follower
-        self.address = address
-        self.state_dir = state_dir
-        self.ttl_s = ttl_s
-        self.standby_first = standby_first
-        self.on_lead = on_lead
+    def __init__(self, client: aetcd.Client, role: Role, follower: Follower, config: ReplicaConfig,
+                 on_lead: Callable[[], Awaitable[None]]) -> None:
+        self.client, self.role, self.follower, self.on_lead = client, role, follower, on_lead
+        self.address, self.state_dir = config.address, config.state_dir
+        self.ttl_s, self.standby_first = config.ttl_s, config.standby_first
         self.leader: Leader | None = None
         self._followed: str | None = None  # the leader last followed (said once, not per retry)
         self.election: Election | None = None

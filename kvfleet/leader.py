@@ -63,24 +63,25 @@ async def watch_leader(client: aetcd.Client, key: str = LEADER_KEY, retry_s: flo
     throttle = LogThrottle()
     while True:
         try:
-            leader, revision = await read_leader(client, key)
-            if leader != last:
-                last = leader
-                yield leader
-            watch = await client.watch(key.encode(), start_revision=revision + 1)
-            try:
-                async for event in watch:
-                    leader = None if event.kind == aetcd.EventKind.DELETE else _parse(event.kv.value)
-                    if leader != last:
-                        last = leader
-                        yield leader
-            finally:
-                with contextlib.suppress(Exception):
-                    await watch.cancel()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+            async for leader in _leaders(client, key):
+                if leader != last:
+                    last = leader
+                    yield leader
+        except Exception as e:  # etcd restarted or unreachable: read the key again
             if throttle.due():
                 log.warning("watch of the block_service leader in etcd broke (%s); reading it again every %.1fs",
                             error_line(e), retry_s)
         await asyncio.sleep(retry_s)
+
+
+async def _leaders(client: aetcd.Client, key: str) -> AsyncIterator[Leader | None]:
+    """The key's value now, then after each event on it, until the watch breaks."""
+    leader, revision = await read_leader(client, key)
+    yield leader
+    watch = await client.watch(key.encode(), start_revision=revision + 1)
+    try:
+        async for event in watch:
+            yield None if event.kind == aetcd.EventKind.DELETE else _parse(event.kv.value)
+    finally:
+        with contextlib.suppress(Exception):
+            await watch.cancel()
