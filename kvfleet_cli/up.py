@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        if args.block_service_standby:
+            print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
+                  f"a synchronous standby that takes over when it dies)")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")

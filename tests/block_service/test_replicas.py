@@ -141,6 +141,20 @@ def test_a_standby_of_another_lineage_refuses_in_one_line(etcd, replicas, tmp_pa
     assert "0123456789abcdef" in line and "move" in line
 
 
+def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from replicas import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", "127.0.0.1:0",
+                          "--state-dir", str(tmp_path / "s"), "--sync-standby"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr + out.stdout
+    assert "need --etcd" in out.stderr + out.stdout
+
+
 def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas) -> None:
     a = replicas("a")
     wait_leader(etcd.url, a.address, [a])
