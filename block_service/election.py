@@ -76,8 +76,7 @@ class Election:
             return await self._refresh()
         finally:
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watcher
+            await asyncio.wait({watcher}, timeout=5.0)  # never hang a step-down on etcd
 
     async def _watch_key(self) -> None:
         """Lose at once when the key is deleted or rewritten after this replica took it."""

@@ -11,7 +11,6 @@ this replica needs, or this replica is empty or went another way) replaces the w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -111,8 +110,10 @@ class Follower:
         return "the leader ended the stream"
 
 
-async def close_quietly(task: asyncio.Task | None) -> None:
+async def close_quietly(task: asyncio.Task | None, timeout_s: float = 5.0) -> None:
+    """Cancel ``task`` and give it ``timeout_s`` to finish: a stop never hangs on a peer."""
     if task is not None:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await asyncio.wait({task}, timeout=timeout_s)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: nothing to report on a task being closed

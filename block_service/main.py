@@ -77,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(args.listen)  # before recovering the log, which may take a while
         if args.metrics_port is not None:
             check_port_free(metrics_listen(args.listen, args.metrics_port), "metrics")
-    except PreflightError as e:
+        if args.etcd:
+            from kvfleet.membership import etcd_client
+
+            etcd_client(args.etcd)  # a URL that is not http://host:port: said now, in one line
+    except (PreflightError, ValueError) as e:
         print(f"kvfleet block-service: {e}", file=sys.stderr)
         return 2
 
@@ -167,7 +171,13 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("shipping the log to %s every %.0f s, a full snapshot every %.0f s", args.backup_dir,
                  args.log_ship_interval, args.snapshot_interval_s)
     await stop.wait()
-    code = replica.result() if replica is not None and replica.done() and not replica.cancelled() else 0
+    code = 0
+    if replica is not None and replica.done() and not replica.cancelled():
+        if replica.exception() is not None:
+            log.error("the replica stopped: %s: %s", type(replica.exception()).__name__, replica.exception())
+            code = 1
+        else:
+            code = replica.result()
     if code:
         await server.stop(grace=0)
         store.close()
@@ -208,10 +218,13 @@ async def _run_replica(args: argparse.Namespace, store, role, rlog, on_lead) -> 
     from kvfleet.membership import etcd_client
 
     address = args.advertise or args.listen
-    async with etcd_client(args.etcd) as client:
+    client = etcd_client(args.etcd)  # connects on first use: etcd down at start is retried, not fatal
+    try:
         follower = Follower(store, rlog, args.state_dir, address)
         config = ReplicaConfig(address, args.state_dir, args.lease_ttl, args.standby)
         return await Replica(client, role, follower, config, on_lead).run()
+    finally:
+        await client.close()
 
 
 def _serve_metrics(args: argparse.Namespace, store) -> list:

@@ -92,8 +92,8 @@ class Replica:
                 except Exception as e:  # etcd or the leader briefly unreachable
                     why = error_line(e)
                 if why and throttle.due():
-                    log.warning("standby: not following the leader at %s (%s); trying again",
-                                leader.address if leader else "?", why)
+                    what = f"following the leader at {leader.address}" if leader else "the election in etcd"
+                    log.warning("replica at %s: %s failed (%s); trying again", self.address, what, why)
                 await self._wait_change(backoff.next())
         finally:
             await close_quietly(watcher)

@@ -82,6 +82,6 @@ async def _leaders(client: aetcd.Client, key: str) -> AsyncIterator[Leader | Non
     try:
         async for event in watch:
             yield None if event.kind == aetcd.EventKind.DELETE else _parse(event.kv.value)
-    finally:
+    finally:  # bounded: a watch whose stream is not up yet may never answer its cancel
         with contextlib.suppress(Exception):
-            await watch.cancel()
+            await asyncio.wait_for(watch.cancel(), 2.0)

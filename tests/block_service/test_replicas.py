@@ -5,6 +5,7 @@ refuses a leader of another lineage, and a deposed leader answers writes UNAVAIL
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,7 +135,10 @@ def test_a_standby_of_another_lineage_refuses_in_one_line(etcd, replicas, tmp_pa
     wait_leader(etcd.url, a.address, [a])
     write_lineage(str(tmp_path / "b-state"), "0123456789abcdef")  # another cluster's state
     b = replicas("b", "--standby")
-    assert b.proc.wait(timeout=60) == 2
+    try:
+        assert b.proc.wait(timeout=60) == 2
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the standby did not refuse:\n{b.log_text()[-3000:]}") from None
     text = b.log_text()
     assert "Traceback" not in text
     [line] = [ln for ln in text.splitlines() if "lineage" in ln]
@@ -142,7 +146,6 @@ def test_a_standby_of_another_lineage_refuses_in_one_line(etcd, replicas, tmp_pa
 
 
 def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     from replicas import ROOT
