@@ -51,7 +51,7 @@ class ReplicationSource:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         lineage = self.lineage()
         mismatch = lineage_mismatch(f"the standby {first.standby_id}'s state directory", first.lineage or None,
-                                    lineage, "this leader")
+                                    lineage, "this replica")
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         standby = first.standby_id or context.peer()

@@ -92,6 +92,7 @@ class BlockSync:
     async def _resync_until_done(self) -> None:
         backoff, throttle = self._backoff(), LogThrottle(self._throttle_s)
         while True:
+            self._retry_now.clear()  # a nudge during this try makes the next one start at once
             try:
                 outcome = await self._sync(False)
             except asyncio.CancelledError:
@@ -101,7 +102,6 @@ class BlockSync:
                     log.exception("node %s: resync with block_service failed", self.node_id)
                 elif throttle.due():
                     log.warning("node %s: block_service not back yet (%s); retrying", self.node_id, error_line(e))
-                self._retry_now.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._retry_now.wait(), backoff.next())
                 continue
