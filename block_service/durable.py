@@ -269,7 +269,8 @@ class DurablePageTable:
     async def reset(self, lsn: int, state: dict) -> None:
         """A standby: become the leader's snapshot at ``lsn`` (this state was empty, too far
         behind, or went another way). Every snapshot and log here is removed first, so that a
-        restart can only recover this state, never mix the two."""
+        restart can only recover this state, never mix the two (a crash in between leaves an empty
+        state, which follows the leader again from a snapshot)."""
         table = PageTable.from_dict(state)  # raises before anything is touched when it does not load
         async with self._snapshot_lock:
             await self.flush()
