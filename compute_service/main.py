@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host:port the router should dial (default: --listen with the bound port)")
     parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
     parser.add_argument("--block-service", default=None,
-                        help="block_service host:port (default: an in-process page table, for one node alone)")
+                        help="block_service host:port, or 'etcd': the leader elected in --etcd (with --etcd a "
+                             "fixed address is left for the leader too once one is elected); default: an "
+                             "in-process page table, for one node alone")
     parser.add_argument("--etcd", default=None, help="etcd URL to register in, e.g. http://127.0.0.1:2379")
     parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
@@ -159,7 +161,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.block_service:
         from compute_service.block_registration import RemoteAllocatorFactory
 
-        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop), stop)
+        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop, args.etcd),
+                                       stop)
         if remote is None:  # Ctrl-C or SIGTERM while waiting for block_service: nothing was served
             log.info("node %s stopped while waiting for block_service", args.node_id)
             if registration is not None:
@@ -270,6 +273,7 @@ def preflight(args: argparse.Namespace) -> None:
 
     from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
+    from kvfleet.leader import FROM_ETCD
     from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
@@ -283,7 +287,9 @@ def preflight(args: argparse.Namespace) -> None:
     ModelConfig.from_dir(args.model)
     if args.etcd:
         wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
-    if args.block_service:
+    if args.block_service == FROM_ETCD and not args.etcd:
+        raise PreflightError("--block-service etcd needs --etcd: the block_service leader is elected there")
+    if args.block_service and args.block_service != FROM_ETCD:
         wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
 
 
