@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, apply_bookkeeping
+from block_service.lineage import clear_reset, mark_reset
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
@@ -270,15 +271,17 @@ class DurablePageTable:
         """A standby: become the leader's snapshot at ``lsn`` (this state was empty, too far
         behind, or went another way). Every snapshot and log here is removed first, so that a
         restart can only recover this state, never mix the two (a crash in between leaves an empty
-        state, which follows the leader again from a snapshot)."""
+        state, marked so that it follows a leader again before it may lead)."""
         table = PageTable.from_dict(state)  # raises before anything is touched when it does not load
         async with self._snapshot_lock:
             await self.flush()
             self._writer.close()
+            mark_reset(self.state_dir)
             for _, path in numbered(self.state_dir, "snapshot-*.snap") + numbered(self.state_dir, "wal-*.log"):
                 os.remove(path)
             write_snapshot(self.state_dir, lsn, state, self.fsync)
             self._writer = LogWriter(os.path.join(self.state_dir, log_name(lsn)), lsn, self.fsync)
+            clear_reset(self.state_dir)
             table.mark_recovered()
             self.table, self.lsn, self.durable_lsn = table, lsn, lsn
 

@@ -47,3 +47,28 @@ def lineage_mismatch(state_dir: str, mine: str | None, leader: str, leader_addre
         return None
     return (f"the state in {state_dir} has lineage {mine}, the leader at {leader_address} has {leader}: "
             f"they hold different histories; move {state_dir} aside to start this standby empty")
+
+
+RESET_MARKER = "RESETTING"
+
+
+def mark_reset(state_dir: str) -> None:
+    """A standby is about to replace its whole state with the leader's snapshot: until
+    :func:`clear_reset`, this directory holds part of a state or none, and must never lead."""
+    from block_service.snapshot import write_atomically
+
+    write_atomically(state_dir, RESET_MARKER, b"replacing this state with the leader's snapshot\n")
+
+
+def clear_reset(state_dir: str) -> None:
+    try:
+        os.remove(os.path.join(state_dir, RESET_MARKER))
+    except FileNotFoundError:
+        pass
+
+
+def reset_interrupted(state_dir: str) -> bool:
+    """A crash stopped a reset half way: this replica's state is empty or partial, so it may campaign
+    only after it has followed a leader again (else, with the other replica gone, an empty replica
+    would win the election and serve an empty page table)."""
+    return os.path.exists(os.path.join(state_dir, RESET_MARKER))

@@ -213,6 +213,7 @@ def _replication(args: argparse.Namespace, store) -> tuple:
 async def _run_replica(args: argparse.Namespace, store, role, rlog, on_lead) -> int:
     """The replica's life (``replica.Replica``) on its own etcd client; returns an exit code."""
     from block_service.follower import Follower
+    from block_service.lineage import reset_interrupted
     from block_service.replica import Replica, ReplicaConfig
     from kvfleet.membership import etcd_client
 
@@ -220,7 +221,11 @@ async def _run_replica(args: argparse.Namespace, store, role, rlog, on_lead) -> 
     client = etcd_client(args.etcd)  # connects on first use: etcd down at start is retried, not fatal
     try:
         follower = Follower(store, rlog, args.state_dir, address)
-        config = ReplicaConfig(address, args.state_dir, args.lease_ttl, args.standby)
+        interrupted = reset_interrupted(args.state_dir)
+        if interrupted and not args.standby:
+            log.warning("the state in %s was being replaced by a leader's snapshot when this replica stopped: "
+                        "it follows a leader before it may lead", args.state_dir)
+        config = ReplicaConfig(address, args.state_dir, args.lease_ttl, args.standby or interrupted)
         return await Replica(client, role, follower, config, on_lead).run()
     finally:
         await client.close()
