@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host:port the router should dial (default: --listen with the bound port)")
     parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
     parser.add_argument("--block-service", default=None,
-                        help="block_service host:port (default: an in-process page table, for one node alone)")
+                        help="block_service host:port, or 'etcd': the leader elected in --etcd (with --etcd a "
+                             "fixed address is left for the leader too once one is elected); default: an "
+                             "in-process page table, for one node alone")
     parser.add_argument("--etcd", default=None, help="etcd URL to register in, e.g. http://127.0.0.1:2379")
     parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
@@ -141,7 +143,7 @@ async def _unless_stopped(work, stop: asyncio.Event):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
     from compute_service.async_engine import AsyncEngine
     from compute_service.node_context import NodeContext, NodeStatus
@@ -169,7 +171,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.block_service:
         from compute_service.block_registration import RemoteAllocatorFactory
 
-        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop), stop)
+        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop, args.etcd),
+                                       stop)
         if remote is None:  # Ctrl-C or SIGTERM while waiting for block_service: nothing was served
             log.info("node %s stopped while waiting for block_service", args.node_id)
             if registration is not None:
@@ -194,8 +197,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(args.listen)
     await server.start()
@@ -282,6 +284,7 @@ def preflight(args: argparse.Namespace) -> None:
     from compute_service.kv_layout import parse_kv_layout
     from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
+    from kvfleet.leader import FROM_ETCD
     from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
@@ -296,7 +299,9 @@ def preflight(args: argparse.Namespace) -> None:
     ModelConfig.from_dir(args.model)
     if args.etcd:
         wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
-    if args.block_service:
+    if args.block_service == FROM_ETCD and not args.etcd:
+        raise PreflightError("--block-service etcd needs --etcd: the block_service leader is elected there")
+    if args.block_service and args.block_service != FROM_ETCD:
         wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
 
 

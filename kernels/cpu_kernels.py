@@ -5,7 +5,8 @@ The extension is compiled with ``torch.utils.cpp_extension.load`` the first time
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/kvfleet/torch_extensions``); later processes load the
 cached build in well under a second. The build directory is named after a hash of the sources, so
 checkouts with different kernel sources (worktrees, branches) never rebuild over one another's
-cached build. If compiling fails, ``supports`` answers False and the dispatch
+cached build. ``KVFLEET_CPU_MARCH`` (deploy/Dockerfile sets it) builds for a named target instead of
+this machine's. If compiling fails, ``supports`` answers False and the dispatch
 falls back to the torch reference; the reason is logged once.
 """
 
@@ -37,7 +38,7 @@ def load_extension() -> bool:
     from torch.utils import cpp_extension
 
     error: Exception | None = None
-    for name, flags in (("native", ["-march=native"]), ("portable", [])):  # plain -O3 where -march fails
+    for name, flags in _variants():
         try:
             cpp_extension.load(
                 name=f"kvfleet_cpu_kernels_{name}",
@@ -55,6 +56,16 @@ def load_extension() -> bool:
     _failed = True
     log.warning("native CPU kernels unavailable, using the torch reference: %s", error)
     return False
+
+
+def _variants() -> list[tuple[str, list[str]]]:
+    """The builds to try, best first. ``KVFLEET_CPU_MARCH`` names the one target to build for (an
+    image is built on one machine and runs on others, where ``-march=native`` could be an
+    instruction they lack); by default this machine's own, then plain -O3 where -march fails."""
+    march = os.environ.get("KVFLEET_CPU_MARCH")
+    if march:
+        return [("march_" + "".join(c if c.isalnum() else "_" for c in march), [f"-march={march}"])]
+    return [("native", ["-march=native"]), ("portable", [])]
 
 
 def _build_dir(name: str) -> str:

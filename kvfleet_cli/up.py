@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "reserved per sequence, no prefix sharing)")
     parser.add_argument("--max-model-len", type=int, default=None, help="the nodes' longest sequence (default: the model's)")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+    parser.add_argument("--block-service-standby", action="store_true",
+                        help="two block_service replicas (a leader and a synchronous standby that takes over "
+                             "when it dies), elected through the cluster's etcd")
 
 
 def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
-                           kv_cache_dtype=args.kv_cache_dtype, compute_args=_layout_args(args))
+                           kv_cache_dtype=args.kv_cache_dtype, block_service_standby=args.block_service_standby,
+                           compute_args=_layout_args(args))
     stop = False
 
     def on_signal(*_):
@@ -148,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        if args.block_service_standby:
+            print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
+                  f"a synchronous standby that takes over when it dies)")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
@@ -165,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if cluster.router is not None and cluster.block_service is not None and cluster.block_service.alive():
+        if cluster.router is not None and cluster.block_service is not None and any(
+                c.alive() for c in (cluster.block_service, cluster.block_service_standby) if c is not None):
             try:
                 print(cluster.summary())
             except Exception as e:  # the summary is a courtesy; stopping is what matters

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-timeout-s", type=float, default=600.0,
                         help="an HTTP request still unanswered after this long gets 504")
     parser.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
-    parser.add_argument("--block-service", default=None, help="block_service host:port (prefix lookups)")
+    parser.add_argument("--block-service", default=None,
+                        help="block_service host:port (prefix lookups), or 'etcd': the leader elected in --etcd")
     parser.add_argument("--tenants", required=True, help="tenants YAML file")
     parser.add_argument("--model", default=None, help="model directory for the tokenizer "
                         "(default: the one the compute nodes advertise)")
@@ -66,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
     nodes = NodeTable(dial_compute)
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
                                       hot_spot_ratio=args.hot_spot_ratio))
-    prefix = await connect_prefix_lookup(args.block_service)
+    prefix = await connect_prefix_lookup(args.block_service, args.etcd)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
     request_metrics = _serve_metrics(args, tenants, queue, picker, nodes) if args.metrics_port is not None else None
     generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model), request_metrics)
@@ -146,7 +147,7 @@ def preflight(args: argparse.Namespace) -> None:
     if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
         raise PreflightError(f"{args.model} is not a model directory (no tokenizer.json)")
     wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
-    if args.block_service:
+    if args.block_service and args.block_service != "etcd":
         wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
 
 
