@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
     "plan": ("kvfleet_cli.plan_command", "size the KV cache and the hardware for a model, a device and a context"),
+    "bench": ("kvfleet_cli.bench_command", "stress a router in three phases (fixed, mixed, soak): latency, "
+              "throughput, KV usage; JSON, CSV and plots"),
+    "tune": ("kvfleet_cli.tune_command", "search the block size for the most throughput under a latency SLO, "
+             "each candidate on a fresh local cluster"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
     "convert-gguf": ("kvfleet_cli.convert_gguf", "convert a GGUF file into a Hugging Face model directory"),
     "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
