@@ -62,11 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """The local cluster's shape (``kvfleet up``'s flags), shared with ``kvfleet tune``."""
+def add_cluster_arguments(parser: argparse.ArgumentParser, with_block_size: bool = True) -> None:
+    """The local cluster's shape (``kvfleet up``'s flags), shared with ``kvfleet tune`` (which
+    searches the block size instead of taking it)."""
     group = parser.add_argument_group("local cluster")
     group.add_argument("--nodes", type=int, default=1, help="compute nodes (default 1)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    if with_block_size:
+        group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     group.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16, fp8_e4m3")
 
@@ -179,7 +181,7 @@ def bench_summary(args, plan: PhasePlan, phases, target, outcome, shape) -> dict
         "command": "kvfleet bench",
         "router": "local" if shape else target.router,
         "cluster": asdict(shape) if shape else None,
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
         "phases_run": list(phases),
         "plan": {"context": plan.context, "mix": plan.mix.describe(), "scale": args.scale,
                  "max_tokens": plan.max_tokens, "vocab_size": plan.vocab_size, "knee_factor": plan.stop_rule.knee_factor,
@@ -194,7 +196,7 @@ def bench_summary(args, plan: PhasePlan, phases, target, outcome, shape) -> dict
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -79,6 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
+                             "flags given on the command line win")
+
+
+def file_defaults(args: argparse.Namespace) -> dict:
+    """The ``--config`` file's values (``kvfleet_cli.cli`` makes them the defaults)."""
+    if args.config is None:
+        return {}
+    from kvfleet_cli.config_file import load
+
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command", "log_level")}
+    return load(args.config, flags)
 
 
 def _log_to(path: Path) -> None:
