@@ -39,15 +39,14 @@ def _kind_name(current: object) -> str:
 def read(path: str | Path) -> dict:
     """The file's mapping (``.toml``: TOML, else YAML)."""
     p = Path(path)
+    kind, parse = ("TOML", tomllib.loads) if p.suffix == ".toml" else ("YAML", yaml.safe_load)
     try:
-        text = p.read_text()
+        data = parse(p.read_text())
     except OSError as err:
         raise ConfigError(f"cannot read the config file {path}: {err.strerror or err}") from None
-    try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"{path} is not valid {'TOML' if p.suffix == '.toml' else 'YAML'}: {first}") from None
+        raise ConfigError(f"{path} is not valid {kind}: {first}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

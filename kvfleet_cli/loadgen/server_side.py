@@ -30,6 +30,9 @@ def rss_mib(pid: int) -> float | None:
 
 @dataclass(slots=True, frozen=True)
 class RouterCounters:
+    """Totals since the router started (``minus`` gives a run's share); floats as Prometheus
+    keeps them."""
+
     requests_finished: float
     prompt_tokens: float
     generation_tokens: float
