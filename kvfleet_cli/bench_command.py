@@ -71,6 +71,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, with_block_size: bool
         group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     group.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16, fp8_e4m3")
+    group.add_argument("--start-timeout", type=float, default=600.0,
+                       help="seconds the local cluster may take to be ready (default 600: a loaded machine)")
 
 
 def phase_plan(args: argparse.Namespace, vocab_size: int, concurrency: int | None = None) -> PhasePlan:
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             if shape is not None:
                 print(f"kvfleet bench: starting a local cluster ({shape.nodes} node(s), blocks of {shape.block_size}) "
                       f"on {shape.model} ...", file=sys.stderr, flush=True)
-                cluster = stack.enter_context(running_cluster(shape))
+                cluster = stack.enter_context(running_cluster(shape, args.start_timeout))
                 from kvfleet_cli.loadgen.local import BENCH_KEY
 
                 target = Target(cluster.router_address, BENCH_KEY, cluster.block_service_address,

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(block_size: int, stage: str) -> Run:
         shape = replace(base_shape, block_size=block_size)
-        with running_cluster(shape) as cluster:
+        with running_cluster(shape, args.start_timeout) as cluster:
             target = Target(cluster.router_address, BENCH_KEY, cluster.block_service_address)
             outcome = run_session(target, plan, ("mixed",), args.timeout, progress=Progress())
         stats = outcome.results[0].stats

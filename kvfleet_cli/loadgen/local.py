@@ -61,7 +61,8 @@ def model_limits(model_dir: str | Path) -> ModelLimits:
 
 
 @contextlib.contextmanager
-def running_cluster(shape: ClusterShape, log_level: str = "WARNING") -> Iterator[LocalCluster]:
+def running_cluster(shape: ClusterShape, start_timeout_s: float = 600.0,
+                    log_level: str = "WARNING") -> Iterator[LocalCluster]:
     """A started cluster serving the bench tenant, stopped at the end of the block (its state goes,
     its logs stay in its temporary work directory)."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-tenants-") as tmp:
@@ -69,7 +70,7 @@ def running_cluster(shape: ClusterShape, log_level: str = "WARNING") -> Iterator
         tenants.write_text(BENCH_TENANTS)
         cluster = LocalCluster(shape.model, shape.nodes, tenants, None, shape.block_size, shape.kv_cache_memory,
                                kv_cache_dtype=shape.kv_cache_dtype, log_level=log_level, http=False)
-        cluster.start()
+        cluster.start(start_timeout_s)
         try:
             yield cluster
         finally:
