@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             outcome = run_session(target, plan, phases, args.timeout, args.sample_every)
     except RouterProblem as err:
         return _fail(str(err))
+    except KeyboardInterrupt:  # the cluster, if ours, is stopped on the way out
+        return _fail("interrupted; nothing written", 130)
     except (RuntimeError, TimeoutError) as err:  # the local cluster did not start: which child, its log
         return _fail(f"the local cluster did not start: {err}")
     summary = bench_summary(args, plan, phases, target, outcome, shape)

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(err), 2)
     except RouterProblem as err:
         return _fail(str(err))
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing written", 130)
     except (RuntimeError, TimeoutError) as err:  # a candidate's cluster did not start
         return _fail(f"a local cluster did not start: {err}")
     from kvfleet_cli.loadgen.tune_report import write_tune

@@ -47,6 +47,8 @@ class PhasePlan:
                      "mixed_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.step > self.max_concurrency:
+            raise ValueError(f"--step {self.step} is above --max-concurrency {self.max_concurrency}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
         if self.soak_s <= 0:

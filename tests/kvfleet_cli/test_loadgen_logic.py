@@ -135,3 +135,13 @@ def test_grid_must_be_powers_of_two():
     for low, high in ((48, 1024), (64, 1000), (128, 64)):
         with pytest.raises(ValueError):
             log2_grid(low, high)
+
+
+def test_phase_plan_refuses_what_cannot_run():
+    from kvfleet_cli.loadgen.phases import PhasePlan
+
+    plan = PhasePlan(context=300, mix=Mix.parse("1:100,1:1000"), max_tokens=16, vocab_size=100)
+    assert plan.longest_request(("fixed",)) == 316 and plan.longest_request(("fixed", "soak")) == 1016
+    for bad in (dict(step=4, max_concurrency=2), dict(max_tokens=0), dict(soak_s=0), dict(concurrency=0)):
+        with pytest.raises(ValueError):
+            PhasePlan(**{**dict(context=8, mix=Mix.single(8), max_tokens=1, vocab_size=10), **bad})
