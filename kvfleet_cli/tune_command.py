@@ -93,9 +93,14 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(block_size: int, stage: str) -> Run:
         shape = replace(base_shape, block_size=block_size)
-        with running_cluster(shape, args.start_timeout) as cluster:
-            target = Target(cluster.router_address, BENCH_KEY, cluster.block_service_address)
-            outcome = run_session(target, plan, ("mixed",), args.timeout, progress=Progress())
+        try:
+            with running_cluster(shape, args.start_timeout) as cluster:
+                target = Target(cluster.router_address, BENCH_KEY, cluster.block_service_address)
+                outcome = run_session(target, plan, ("mixed",), args.timeout, progress=Progress())
+        except (RuntimeError, TimeoutError) as err:  # this size cannot serve: a failed candidate, not a failed tune
+            print(f"block size {block_size:>5} ({stage}): the cluster did not start: {str(err).splitlines()[0]}",
+                  flush=True)
+            return Run(block_size, stage, 0.0, math.nan, 0, plan.mixed_requests)
         stats = outcome.results[0].stats
         p99 = stats.itl_s["p99"]
         result = Run(block_size, stage, stats.tokens_per_s, p99 * 1000 if p99 is not None else math.nan,
@@ -114,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(err))
     except KeyboardInterrupt:
         return _fail("interrupted; nothing written", 130)
-    except (RuntimeError, TimeoutError) as err:  # a candidate's cluster did not start
-        return _fail(f"a local cluster did not start: {err}")
     from kvfleet_cli.loadgen.tune_report import write_tune
 
     lines = write_tune(out, args, plan, base_shape, baseline, search, winner, cpu_model())
