@@ -49,6 +49,19 @@ class Sampler:
         self.samples.append(s)
         return s
 
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """After the last phase: sample (phase ``after``) until no block is in use or ``timeout_s``
+        passes. A node hands its finished requests' blocks back in its next batch, a moment after
+        their clients read the last token, so the end of the load is not yet the end of the usage."""
+        if not self.block_service:
+            return
+        from block_service.client import BlockManagerClient
+
+        async with BlockManagerClient(self.block_service, timeout_s=5.0) as client:
+            deadline = self.clock() + timeout_s
+            while (await self.sample("after", client)).blocks_used and self.clock() < deadline:
+                await asyncio.sleep(0.2)
+
     @contextlib.asynccontextmanager
     async def running(self, phase: str):
         from block_service.client import BlockManagerClient

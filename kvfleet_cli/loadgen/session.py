@@ -55,6 +55,7 @@ async def _run(target: Target, plan: PhasePlan, phases: tuple[str, ...], timeout
                 results.append(await run.mixed(concurrency))
             if "soak" in phases:
                 results.append(await run.soak(concurrency))
+        await sampler.settle()
         outcome = Outcome(results, sampler.samples, sampler.problem)
         if before is not None:
             outcome.counters = (await settled_counters(target.router_metrics)).minus(before)
