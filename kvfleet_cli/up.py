@@ -86,12 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-service-standby", action="store_true",
                         help="two block_service replicas (a leader and a synchronous standby that takes over "
                              "when it dies), elected through the cluster's etcd")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
+                             "flags given on the command line win")
 
 
 def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The nodes' ``--kv-layout`` and ``--max-model-len``, as ``kvfleet compute`` takes them."""
     limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
     return ("--kv-layout", args.kv_layout, *limit)
+
+
+def file_defaults(args: argparse.Namespace) -> dict:
+    """The ``--config`` file's values (``kvfleet_cli.cli`` makes them the defaults)."""
+    if args.config is None:
+        return {}
+    from kvfleet_cli.config_file import load
+
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command", "log_level")}
+    return load(args.config, flags)
 
 
 def _log_to(path: Path) -> None:

@@ -56,6 +56,9 @@ PURE = [
     "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
     "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
     "kvfleet_cli.planning.model_dir", "kvfleet_cli.planning.cpu_device", "kvfleet_cli.plan_command",
+    "kvfleet_cli.loadgen.workload", "kvfleet_cli.loadgen.records", "kvfleet_cli.loadgen.analysis",
+    "kvfleet_cli.loadgen.search", "kvfleet_cli.loadgen.server_side", "kvfleet_cli.loadgen.plots",
+    "kvfleet_cli.loadgen.progress", "kvfleet_cli.config_file",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
