@@ -90,9 +90,9 @@ async def serve(args: argparse.Namespace) -> None:
     async def follow_membership(client) -> None:
         async for change in watch_nodes(client):
             await nodes.apply(change)
-            await server.update_health()
             if args.capacity is None:  # the fleet's capacity follows the nodes' live caps
                 admission.set_capacity(nodes.capacity())
+            await server.update_health()
             if change.info is None:
                 await prefix.forget_node(change.node_id)  # retried once block_service answers
             else:
