@@ -11,10 +11,13 @@ Why the extra conditions, each against a way such a loop goes wrong:
 
 - **Dead band.** Integer steps around a target overshoot both ways; between ``target · (1 − band)``
   and the target the cap holds, so a cap whose p99 lands there stays put.
-- **Each decision judges the cap it set.** A change empties the window; a cut does not stop the
-  sequences already running, so samples taken while more sequences ran than the cap allows do not
-  count either. Until ``min_samples`` samples of the new cap exist, nothing moves (a cut is not cut
-  again before it could act).
+- **Each decision judges the cap it set.** Only samples taken while at most ``cap`` sequences ran
+  count: a cut does not stop the sequences already running, and their steps are the old cap's.
+  Until ``min_samples`` such samples exist, nothing moves (a cut is not cut again before it could
+  act). A growth empties the window: what smaller batches measured says nothing about a larger one.
+- **A window of many steps.** Every token of one step shares its latency, so a p99 over fewer than
+  ~100 steps is the slowest step's, and one stall (a busy neighbour on a shared host, a long
+  prefill chunk) would cut the cap; the default window is 10 intervals.
 - **No growth that nothing used.** A cap that no step reached says nothing about a larger batch
   (light load); growing it anyway would leave it at the maximum when a burst comes.
 - **A ceiling after a cut.** When no cap lands in the dead band (cap c is too fast, c + 1 too
@@ -40,7 +43,7 @@ class ControllerConfig:
     target_s: float                 # p99 ITL to hold the node at
     max_num_seqs: int               # the cap never grows past the node's configured maximum
     interval_s: float = 2.0         # between decisions
-    window_s: float = 10.0          # samples older than this are forgotten
+    window_s: float = 20.0          # samples older than this are forgotten
     band: float = 0.2               # dead band below the target, as a share of it
     min_samples: int = 20           # fewer samples of the current cap: no decision
     probe_intervals: int = 4        # intervals before growing back to a cap that was cut
@@ -90,7 +93,7 @@ class BatchController:
     def __init__(self, config: ControllerConfig, now: float):
         self.config = config
         self.cap = config.max_num_seqs
-        self._samples: deque[tuple[float, float]] = deque()  # (time, ITL) under the current cap
+        self._samples: deque[tuple[float, float, int]] = deque()  # (time, ITL, sequences running)
         self._reached = False           # a step since the last change ran ``cap`` sequences
         self._next_at = now + config.interval_s
         self._ceiling: int | None = None  # a cap that was cut for its tail; growth stays below it
@@ -103,8 +106,7 @@ class BatchController:
         says nothing about the cap."""
         if num_running >= self.cap:
             self._reached = True
-        if num_running <= self.cap:
-            self._samples.extend((now, x) for x in itls)
+        self._samples.extend((now, x, num_running) for x in itls)
 
     def due(self, now: float) -> bool:
         return now >= self._next_at
@@ -115,10 +117,11 @@ class BatchController:
         self._next_at = now + cfg.interval_s
         while self._samples and self._samples[0][0] < now - cfg.window_s:
             self._samples.popleft()
-        old, num_samples = self.cap, len(self._samples)
-        if num_samples < cfg.min_samples:
-            return Decision(now, None, num_samples, old, old)
-        tail = p99([x for _, x in self._samples])
+        old = self.cap
+        judged = [x for _, x, n in self._samples if n <= old]
+        if len(judged) < cfg.min_samples:
+            return Decision(now, None, len(judged), old, old)
+        tail = p99(judged)
         if tail > cfg.target_s:
             self._cut(old, now)
         elif tail < cfg.target_s * (1 - cfg.band) and self._reached:
@@ -126,10 +129,11 @@ class BatchController:
             if self._ceiling is not None and now < self._ceiling_until:
                 limit = min(limit, self._ceiling - 1)
             self.cap = max(old, grown(old, limit))
+            if self.cap != old:
+                self._samples.clear()
         if self.cap != old:
-            self._samples.clear()
             self._reached = False
-        return Decision(now, tail, num_samples, old, self.cap)
+        return Decision(now, tail, len(judged), old, self.cap)
 
     def _cut(self, old: int, now: float) -> None:
         self.cap = shrunk(old)

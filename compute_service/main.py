@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on running sequences moves x0.9 when over, x1.1 (up to --max-num-seqs) when well "
                              "under; requests above it wait, and the router sees the reduced capacity (default: off)")
     parser.add_argument("--control-interval-s", type=_positive_float, default=2.0, metavar="S",
-                        help="seconds between the P99 controller's decisions (default 2; its window is 5 of them)")
+                        help="seconds between the P99 controller's decisions (default 2; its window is 10 of them)")
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     parser.add_argument("--stream-interval", type=_positive_int, default=1,
@@ -130,7 +130,7 @@ def _live_cap(args: argparse.Namespace, engine):
     from compute_service.live_cap import LiveCap
 
     config = ControllerConfig(args.p99_itl_target_ms / 1000, args.max_num_seqs, interval_s=args.control_interval_s,
-                              window_s=5 * args.control_interval_s)
+                              window_s=10 * args.control_interval_s)
     log.info("node %s: P99 batch controller on, target %.1f ms, every %.1f s", args.node_id,
              args.p99_itl_target_ms, args.control_interval_s)
     return LiveCap(BatchController(config, time.monotonic()), engine.scheduler, args.node_id)
