@@ -75,6 +75,7 @@ def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
 class EngineStats:
     num_running: int
     num_waiting: int
+    max_num_seqs_live: int  # the scheduler's live cap on running sequences
     generated_tokens: int
     prompt_tokens_computed: int
     num_preemptions: int
@@ -262,6 +263,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            max_num_seqs_live=self.scheduler.num_seqs_cap,
             generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
             blocks=self.allocator.stats())

@@ -61,7 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="longest sequence, prompt and output (default and most: the model's context length)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                        help="most sequences running at once (the live cap of --p99-itl-target-ms stays below it)")
+    parser.add_argument("--p99-itl-target-ms", type=_positive_float, default=None, metavar="MS",
+                        help="hold the p99 inter-token latency near MS: every --control-interval-s the live cap "
+                             "on running sequences moves x0.9 when over, x1.1 (up to --max-num-seqs) when well "
+                             "under; requests above it wait, and the router sees the reduced capacity (default: off)")
+    parser.add_argument("--control-interval-s", type=_positive_float, default=2.0, metavar="S",
+                        help="seconds between the P99 controller's decisions (default 2; its window is 10 of them)")
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     parser.add_argument("--stream-interval", type=_positive_int, default=1,
@@ -111,6 +118,33 @@ def _build_engine(args: argparse.Namespace, remote):
         return LLMEngine(args.model, config, allocator_factory=remote)
     except ValueError as e:  # the pool cannot hold what the flags ask (one block, one reservation)
         raise PreflightError(str(e)) from None
+
+
+def _live_cap(args: argparse.Namespace, engine):
+    """The P99 batch controller over the engine's scheduler; None without a target."""
+    if args.p99_itl_target_ms is None:
+        return None
+    import time
+
+    from compute_service.batch_controller import BatchController, ControllerConfig
+    from compute_service.live_cap import LiveCap
+
+    config = ControllerConfig(args.p99_itl_target_ms / 1000, args.max_num_seqs, interval_s=args.control_interval_s,
+                              window_s=10 * args.control_interval_s)
+    log.info("node %s: P99 batch controller on, target %.1f ms, every %.1f s", args.node_id,
+             args.p99_itl_target_ms, args.control_interval_s)
+    return LiveCap(BatchController(config, time.monotonic()), engine.scheduler, args.node_id)
+
+
+async def _publish_cap(registration, live_cap, every_s: float) -> None:
+    """Write the live cap into the node's membership record when it changed, at most once every
+    ``every_s`` (the routers sum the READY nodes' caps into their admission capacity)."""
+    published = live_cap.cap
+    while True:
+        await asyncio.sleep(every_s)
+        if live_cap.cap != published:
+            published = live_cap.cap
+            await registration.update(max_num_seqs=published)
 
 
 def _early_blocks(remote, engine):
@@ -183,7 +217,9 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
     model_config = engine.model_config
-    async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
+    live_cap = _live_cap(args, engine)
+    async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000,
+                               after_step=live_cap.after_step if live_cap is not None else None)
     if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
         allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0),
@@ -203,7 +239,8 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
-        await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size)
+        await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size,
+                                  max_num_seqs=live_cap.cap if live_cap is not None else args.max_num_seqs)
     seconds = await warm_up(async_engine, args.node_id, block_size=allocator.block_size,
                             max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size)
     status.state = NodeState.READY
@@ -218,14 +255,18 @@ async def serve(args: argparse.Namespace) -> None:
 
     watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
     lease_watch = None
+    cap_publisher = None
+    if live_cap is not None and registration is not None:
+        cap_publisher = asyncio.create_task(_publish_cap(registration, live_cap, max(args.control_interval_s, 1.0)))
     if remote is not None:
         allocator.syncs.start_reconciling(args.reconcile_interval)
         if registration is not None:
             lease_watch = asyncio.create_task(_resync_on_new_lease(registration, allocator))
     await stop.wait()
     watchdog.cancel()
-    if lease_watch is not None:
-        lease_watch.cancel()
+    for task in (lease_watch, cap_publisher):
+        if task is not None:
+            task.cancel()
     if not async_engine.is_alive():
         # Crash-only: no drain, no clean goodbye. The streams break, the router resumes them on
         # other nodes, the lease expires and block_service is told to drop this pool.
