@@ -45,10 +45,10 @@ def _transformers_greedy(model_dir: Path, prompts: list[list[int]], dtype, devic
     return outs
 
 
-def _engine(model_dir: Path, dtype: str, device: str):
+def _engine(model_dir: Path, dtype: str, device: str, kv_bytes: int):
     from compute_service.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(model_dir, EngineConfig(block_size=64, kv_cache_memory=4 << 30, max_num_seqs=64,
+    return LLMEngine(model_dir, EngineConfig(block_size=64, kv_cache_memory=kv_bytes, max_num_seqs=64,
                                              max_num_batched_tokens=4096, dtype=dtype, device=device))
 
 
@@ -58,7 +58,7 @@ def check_dtype(model_dir: Path, dtype_name: str, device: str, quick: bool) -> d
     from kvfleet.sampling import SamplingParams
 
     prompts = [_prompt(n, seed=n) for n in (PROMPT_LENGTHS[:4] if quick else PROMPT_LENGTHS)]
-    engine = _engine(model_dir, dtype_name, device)
+    engine = _engine(model_dir, dtype_name, device, (256 << 20) if quick else (4 << 30))
     ours = [o.new_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))]
     theirs = _transformers_greedy(model_dir, prompts, getattr(torch, dtype_name), device)
     identical = sum(a == b for a, b in zip(ours, theirs))
