@@ -35,6 +35,7 @@ from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: 
 
 from bench.common import ensure_model  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
+from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
 
 SOAK_MODEL = ROOT / "models" / "soak-tiny"
 PROMPTS = {
@@ -55,18 +56,6 @@ FAULTS = {  # name → (what is done, its policy, the process it restarts)
     "etcd": (chaos.restart_etcd, chaos.ETCD_DOWN, "etcd"),
     "etcd-freeze": (chaos.freeze_etcd, chaos.ETCD_DOWN, None),
 }
-
-
-def rss_mib(pid: int) -> float | None:
-    """Resident memory of ``pid`` (``VmRSS`` in /proc/<pid>/status), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass(slots=True)
