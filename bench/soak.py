@@ -33,7 +33,7 @@ from chaos_checker import ClusterChecker, last_errors  # noqa: E402
 from chaos_load import LoadGenerator, PromptBook  # noqa: E402
 from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: E402
 
-from bench.common import ensure_model  # noqa: E402
+from bench.common import ensure_model, rss_mib  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
 
 SOAK_MODEL = ROOT / "models" / "soak-tiny"
@@ -55,18 +55,6 @@ FAULTS = {  # name → (what is done, its policy, the process it restarts)
     "etcd": (chaos.restart_etcd, chaos.ETCD_DOWN, "etcd"),
     "etcd-freeze": (chaos.freeze_etcd, chaos.ETCD_DOWN, None),
 }
-
-
-def rss_mib(pid: int) -> float | None:
-    """Resident memory of ``pid`` (``VmRSS`` in /proc/<pid>/status), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass(slots=True)
