@@ -1,0 +1,111 @@
+"""One pool's cached blocks, least recently used first, as a doubly linked list threaded through
+two int32 arrays indexed by block id.
+
+An ``OrderedDict`` entry costs ~100 bytes per cached block (its key object, its link node, its
+table slot); two int32 arrays cost 8 bytes per block of the pool, cached or not, and every
+operation stays O(1): append at the most recently used end, remove from anywhere (a prefix hit
+revives a cached block), pop the least recently used (eviction). A block outside the list has
+``prev == next == -1``, so the arrays are a function of the order alone (a snapshot holds them as
+they are, and two equal orders give equal arrays).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator
+
+NONE = -1
+
+
+class BlockLru:
+    __slots__ = ("prev", "next", "head", "tail", "size")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.prev = array("i", [NONE]) * num_blocks
+        self.next = array("i", [NONE]) * num_blocks
+        self.head = NONE  # least recently used
+        self.tail = NONE  # most recently used
+        self.size = 0
+
+    @classmethod
+    def from_order(cls, num_blocks: int, order: Iterable[int]) -> BlockLru:
+        lru = cls(num_blocks)
+        for b in order:
+            lru.append(b)
+        return lru
+
+    @classmethod
+    def from_links(cls, prev: array, next_: array, head: int, tail: int, size: int) -> BlockLru:
+        """The list as ``links()`` gave it (a snapshot): no per-block work."""
+        lru = cls(0)
+        lru.prev, lru.next, lru.head, lru.tail, lru.size = prev, next_, head, tail, size
+        return lru
+
+    def links(self) -> tuple[array, array, int, int, int]:
+        return self.prev, self.next, self.head, self.tail, self.size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, b: int) -> bool:
+        return self.prev[b] != NONE or self.head == b
+
+    def __iter__(self) -> Iterator[int]:
+        nxt, b = self.next, self.head
+        while b != NONE:
+            yield b
+            b = nxt[b]
+
+    def append(self, b: int) -> None:
+        """Make ``b`` (not in the list) the most recently used."""
+        t = self.tail
+        self.prev[b] = t
+        if t == NONE:
+            self.head = b
+        else:
+            self.next[t] = b
+        self.tail = b
+        self.size += 1
+
+    def extend(self, blocks: list[int]) -> None:
+        """``append`` each of ``blocks`` in order (one call for a whole release)."""
+        if not blocks:
+            return
+        prev, nxt, t = self.prev, self.next, self.tail
+        for b in blocks:
+            prev[b] = t
+            if t == NONE:
+                self.head = b
+            else:
+                nxt[t] = b
+            t = b
+        self.tail = t
+        self.size += len(blocks)
+
+    def remove(self, b: int) -> None:
+        """Take ``b`` (in the list) out of it."""
+        prev, nxt = self.prev, self.next
+        p, n = prev[b], nxt[b]
+        if p == NONE:
+            self.head = n
+        else:
+            nxt[p] = n
+        if n == NONE:
+            self.tail = p
+        else:
+            prev[n] = p
+        prev[b] = nxt[b] = NONE
+        self.size -= 1
+
+    def pop_oldest(self) -> int:
+        """Take the least recently used block out and return it (the list is not empty)."""
+        b = self.head
+        n = self.next[b]
+        self.head = n
+        if n == NONE:
+            self.tail = NONE
+        else:
+            self.prev[n] = NONE
+            self.next[b] = NONE
+        self.size -= 1
+        return b
