@@ -12,7 +12,8 @@ they are, and two equal orders give equal arrays).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 NONE = -1
 
@@ -28,20 +29,23 @@ class BlockLru:
         self.size = 0
 
     @classmethod
-    def from_order(cls, num_blocks: int, order: Iterable[int]) -> BlockLru:
+    def from_order(cls, num_blocks: int, order: Sequence[int]) -> BlockLru:
+        """The list holding ``order``, least recently used first (a snapshot's), linked in C:
+        ``next[order[i]] = order[i + 1]`` and back, by ``map`` over the arrays' ``__setitem__``."""
         lru = cls(num_blocks)
-        for b in order:
-            lru.append(b)
+        if order:
+            order = array("i", order)
+            deque(map(lru.next.__setitem__, order[:-1], order[1:]), maxlen=0)
+            deque(map(lru.prev.__setitem__, order[1:], order[:-1]), maxlen=0)
+            lru.head, lru.tail, lru.size = order[0], order[-1], len(order)
         return lru
 
-    @classmethod
-    def from_links(cls, prev: array, next_: array, head: int, tail: int, size: int) -> BlockLru:
-        """The list as ``links()`` gave it (a snapshot): no per-block work."""
-        lru = cls(0)
-        lru.prev, lru.next, lru.head, lru.tail, lru.size = prev, next_, head, tail, size
-        return lru
+    def order(self) -> array:
+        """The blocks, least recently used first."""
+        return array("I", self)
 
     def links(self) -> tuple[array, array, int, int, int]:
+        """Everything the list is (two lists with the same order have equal links)."""
         return self.prev, self.next, self.head, self.tail, self.size
 
     def __len__(self) -> int:

@@ -24,9 +24,10 @@ per pool.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 from block_service.block_lru import BlockLru
 from block_service.prefix_index import PrefixIndex
@@ -66,7 +67,7 @@ class PoolState:
     owners: list[str]
     hash: list[bytes | None]
     free: array            # uint32, the stack (the next block handed out last)
-    lru: tuple[array, array, int, int, int]  # BlockLru.links()
+    lru: array             # uint32, the cached blocks, least recently used first
     unindexed: list[int]
 
 
@@ -257,9 +258,13 @@ class BlockPool:
     def state(self) -> PoolState:
         """The pool's arrays as they are (not copies: encode them before changing the pool)."""
         indexed = self._indexed
-        unindexed = [b for b in compress(range(self.num_blocks), self.hash) if not indexed[b]]
+        hashed = compress(range(self.num_blocks), self.hash)
+        if self.num_blocks - self.hash.count(None) == indexed.count(1):
+            unindexed = []  # the usual case, found in C
+        else:
+            unindexed = [b for b in hashed if not indexed[b]]
         return PoolState((self.num_blocks, self.block_size, self.bytes_per_block), self.ref, self._owner,
-                         self._owners[1:], self.hash, self._free, self._lru.links(), unindexed)
+                         self._owners[1:], self.hash, self._free, self._lru.order(), unindexed)
 
     @classmethod
     def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
@@ -271,13 +276,14 @@ class BlockPool:
         pool.ref, pool._owner, pool.hash, pool._free = s.ref, s.owner, s.hash, s.free
         pool._owners = [None, *s.owners]
         pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
-        pool._lru = BlockLru.from_links(*s.lru)
-        pool._indexed = indexed = bytearray(map(bool, s.hash))
+        pool._lru = BlockLru.from_order(pool.num_blocks, s.lru)
+        pool._indexed = indexed = bytearray(pool.num_blocks)
+        hashed = list(compress(range(pool.num_blocks), s.hash))
+        deque(map(indexed.__setitem__, hashed, repeat(1)), maxlen=0)  # indexed[b] = 1, in C
         for b in s.unindexed:
             indexed[b] = 0
-        add, hashes = pool._index.add, s.hash
-        for b in compress(range(pool.num_blocks), indexed):
-            add(hashes[b], slot, b)
+        blocks = list(compress(range(pool.num_blocks), indexed)) if s.unindexed else hashed
+        pool._index.add_many(slot, list(map(s.hash.__getitem__, blocks)), blocks)
         return pool
 
     def check(self) -> int:

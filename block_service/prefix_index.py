@@ -103,6 +103,20 @@ class PrefixIndex:
         self._pairs += 1
         return True
 
+    def add_many(self, slot: int, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """``add`` each ``(hashes[i], blocks[i])`` for the node in ``slot`` (recovery: a pool's
+        indexed blocks, so the node indexes none of these hashes yet). One ``setdefault`` each
+        when the hash is new to the fleet, which it mostly is."""
+        setdefault, add, shift = self._entries.setdefault, self.add, SLOT_BITS
+        n = 0
+        for h, b in zip(hashes, blocks):
+            v = (b << shift) | slot
+            if setdefault(h, v) is v:
+                n += 1
+            else:
+                add(h, slot, b)
+        self._pairs += n
+
     def remove(self, h: bytes, slot: int) -> None:
         """Forget ``h`` on the node in ``slot`` (it must index it)."""
         entries = self._entries
