@@ -104,12 +104,13 @@ class BlockLru:
     def pop_oldest(self) -> int:
         """Take the least recently used block out and return it (the list is not empty)."""
         b = self.head
-        n = self.next[b]
+        nxt = self.next
+        n = nxt[b]
         self.head = n
         if n == NONE:
             self.tail = NONE
         else:
             self.prev[n] = NONE
-            self.next[b] = NONE
+            nxt[b] = NONE
         self.size -= 1
         return b

@@ -102,15 +102,15 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return self._lru.size
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._lru)
+        return self.num_blocks - len(self._free) - self._lru.size
 
     def num_available(self) -> int:
         """Blocks a fresh allocation could take: free plus evictable cached."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self._lru.size
 
     def owner(self, block: int) -> str | None:
         """The tenant charged for ``block`` (None unless it is used)."""
@@ -164,18 +164,32 @@ class BlockPool:
 
     def take(self, n: int, owner: str) -> list[int]:
         """``n`` fresh blocks: free ones first, then the least recently used cached ones (evicted)."""
-        assert n <= len(self._free) + len(self._lru), "caller must check num_available()"
-        free, ref, owners, hashes = self._free, self.ref, self._owner, self.hash
-        code = self._code(owner)
-        k = min(n, len(free))
-        taken = free[len(free) - k:].tolist()[::-1]
-        del free[len(free) - k:]
-        for _ in range(n - k):
-            b = self._lru.pop_oldest()
-            self._index.remove(hashes[b], self.slot)
-            hashes[b] = None
-            self._indexed[b] = 0
-            taken.append(b)
+        free, ref, owners = self._free, self.ref, self._owner
+        num_free = len(free)
+        assert n <= num_free + self._lru.size, "caller must check num_available()"
+        if n <= 0:
+            return []
+        code = self._codes.get(owner) or self._code(owner)
+        if n <= num_free:
+            if n == 1:
+                taken = [free.pop()]
+            else:
+                taken = free[num_free - n:].tolist()
+                taken.reverse()
+                del free[num_free - n:]
+        else:
+            taken = []
+            if num_free:
+                taken = free.tolist()
+                taken.reverse()
+                del free[:]
+            lru, index, hashes, indexed, slot = self._lru, self._index, self.hash, self._indexed, self.slot
+            for _ in range(n - num_free):  # evict, least recently used first
+                b = lru.pop_oldest()
+                index.remove(hashes[b], slot)
+                hashes[b] = None
+                indexed[b] = 0
+                taken.append(b)
         for b in taken:
             ref[b] = 1
             owners[b] = code

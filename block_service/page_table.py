@@ -27,6 +27,7 @@ from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from block_service.validation import validate_hashes, validate_tokens
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -276,7 +277,8 @@ class PageTable:
         seqs = self._lookup([s for s, _, _ in commits], tenant, unique=False)
         pending: dict[tuple[str, int], bytes] = {}
         for seq, (_, i, h) in zip(seqs, commits):
-            validate_hashes([h])
+            if type(h) is not bytes or len(h) != HASH_BYTES:
+                validate_hashes([h])  # raises, saying why
             if not isinstance(i, int) or not 0 <= i < len(seq.block_ids):
                 raise InvalidArgument(
                     f"sequence {seq.seq_id!r} holds {len(seq.block_ids)} blocks: block {i!r} is not one of them"

@@ -87,9 +87,10 @@ class PrefixIndex:
         """Index ``h`` at ``block`` for the node in ``slot`` unless that node already indexes ``h``;
         True if added."""
         entries = self._entries
-        e = entries.get(h)
-        if e is None:
-            entries[h] = (block << SLOT_BITS) | slot
+        v = (block << SLOT_BITS) | slot
+        e = entries.setdefault(h, v)
+        if e is v:  # new to the fleet: one dict operation, the common case
+            pass
         elif type(e) is int:
             other = e & SLOT_MASK
             if other == slot:
@@ -118,19 +119,18 @@ class PrefixIndex:
         self._pairs += n
 
     def remove(self, h: bytes, slot: int) -> None:
-        """Forget ``h`` on the node in ``slot`` (it must index it)."""
+        """Forget ``h`` on the node in ``slot`` (it must index it; the pool's flags say so)."""
         entries = self._entries
         e = entries[h]
-        if type(e) is int:
-            assert e & SLOT_MASK == slot, f"slot {slot} does not index {h.hex()}"
-            del entries[h]
-        else:
-            del e[1][slot]
-            e[0] &= ~(1 << slot)
-            if len(e[1]) == 1:
-                ((other, block),) = e[1].items()
-                entries[h] = (block << SLOT_BITS) | other
         self._pairs -= 1
+        if type(e) is int:
+            del entries[h]
+            return
+        del e[1][slot]
+        e[0] &= ~(1 << slot)
+        if len(e[1]) == 1:
+            ((other, block),) = e[1].items()
+            entries[h] = (block << SLOT_BITS) | other
 
     def check(self) -> None:
         """A shared entry names two or more nodes and its mask is exactly theirs."""
