@@ -34,7 +34,8 @@ class BlockLru:
         ``next[order[i]] = order[i + 1]`` and back, by ``map`` over the arrays' ``__setitem__``."""
         lru = cls(num_blocks)
         if order:
-            order = array("i", order)
+            if not isinstance(order, array) or order.typecode != "i":
+                order = array("i", order)
             deque(map(lru.next.__setitem__, order[:-1], order[1:]), maxlen=0)
             deque(map(lru.prev.__setitem__, order[1:], order[:-1]), maxlen=0)
             lru.head, lru.tail, lru.size = order[0], order[-1], len(order)
@@ -42,7 +43,7 @@ class BlockLru:
 
     def order(self) -> array:
         """The blocks, least recently used first."""
-        return array("I", self)
+        return array("i", self)
 
     def links(self) -> tuple[array, array, int, int, int]:
         """Everything the list is (two lists with the same order have equal links)."""

@@ -67,7 +67,7 @@ class PoolState:
     owners: list[str]
     hash: list[bytes | None]
     free: array            # uint32, the stack (the next block handed out last)
-    lru: array             # uint32, the cached blocks, least recently used first
+    lru: array             # int32, the cached blocks, least recently used first
     unindexed: list[int]
 
 

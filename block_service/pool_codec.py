@@ -3,8 +3,8 @@
     {"shape": [num_blocks, block_size, bytes_per_block], "v": 2,
      "used": B(uint32[] blocks with a reference), "ref": B(uint32[] their counts),
      "owner": B(uint16[] their tenants: 1 + an index into "owners"), "owners": [tenant, ...],
-     "free": Z(uint32[] the free stack), "lru": B(uint32[] cached blocks, least recently used first),
-     "hashed": B(uint32[] blocks holding a hash, ascending), "hashes": B(their hashes, concatenated),
+     "free": Z(uint32[] the free stack), "lru": Z(int32[] cached blocks, least recently used first),
+     "hashed": Z(uint32[] blocks holding a hash, ascending), "hashes": B(their hashes, concatenated),
      "unindexed": [blocks whose hash the node indexes at another block]}
 
     B(a) = base64(a's bytes, little-endian), Z(a) = base64(zlib(a's bytes, little-endian))
@@ -67,7 +67,7 @@ def pool_to_dict(pool: BlockPool) -> dict:
     return {
         "shape": list(s.shape), "v": 2, "used": _b64(used), "ref": _b64(array("I", map(s.ref.__getitem__, used))),
         "owner": _b64(array("H", map(s.owner.__getitem__, used))), "owners": list(s.owners),
-        "free": _z(s.free), "lru": _b64(s.lru), "hashed": _b64(hashed),
+        "free": _z(s.free), "lru": _z(s.lru), "hashed": _z(hashed),
         "hashes": base64.b64encode(b"".join(filter(None, s.hash))).decode("ascii"), "unindexed": s.unindexed,
     }
 
@@ -80,18 +80,18 @@ def pool_from_dict(d: dict, index: PrefixIndex | None = None, slot: int = 0) -> 
 def _state_v2(d: dict) -> PoolState:
     num_blocks = d["shape"][0]
     unb64 = base64.b64decode
-    hashed, data = _array("I", unb64(d["hashed"])), unb64(d["hashes"])
+    hashed, data = _array("I", zlib.decompress(unb64(d["hashed"]))), unb64(d["hashes"])
     if len(data) != HASH_BYTES * len(hashed):
         raise ValueError(f"a pool's hashes and their blocks differ in number ({len(data)} bytes, {len(hashed)} blocks)")
     hashes: list[bytes | None] = [None] * num_blocks
-    chunks = [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+    chunks = map(data.__getitem__, map(slice, range(0, len(data), HASH_BYTES), range(HASH_BYTES, len(data) + 1, HASH_BYTES)))
     deque(map(hashes.__setitem__, hashed, chunks), maxlen=0)  # hashes[b] = chunk, in C
     used = _array("I", unb64(d["used"]))
     ref, owner = array("I", bytes(4 * num_blocks)), array("H", bytes(2 * num_blocks))
     _scatter(ref, used, _array("I", unb64(d["ref"])))
     _scatter(owner, used, _array("H", unb64(d["owner"])))
     return PoolState(tuple(d["shape"]), ref, owner, list(d["owners"]), hashes,
-                     _array("I", zlib.decompress(unb64(d["free"]))), _array("I", unb64(d["lru"])),
+                     _array("I", zlib.decompress(unb64(d["free"]))), _array("i", zlib.decompress(unb64(d["lru"]))),
                      list(d["unindexed"]))
 
 
@@ -102,5 +102,5 @@ def _state_v1(d: dict) -> PoolState:
     hashes = [bytes.fromhex(h) if h is not None else None for h in d["hash"]]
     indexed = {b for _, b in d["index"]}
     return PoolState(tuple(d["shape"]), array("I", d["ref"]), array("H", [code.get(t, 0) for t in d["owner"]]),
-                     owners, hashes, array("I", d["free"]), array("I", d["cached"]),
+                     owners, hashes, array("I", d["free"]), array("i", d["cached"]),
                      [b for b, h in enumerate(hashes) if h is not None and b not in indexed])

@@ -19,6 +19,8 @@ commit adds, an eviction, a claim (node sync) or a node's removal removes.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import repeat
+from operator import lshift, or_
 
 SLOT_BITS = 20                  # up to a million nodes per page table
 SLOT_MASK = (1 << SLOT_BITS) - 1
@@ -105,18 +107,16 @@ class PrefixIndex:
         return True
 
     def add_many(self, slot: int, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
-        """``add`` each ``(hashes[i], blocks[i])`` for the node in ``slot`` (recovery: a pool's
-        indexed blocks, so the node indexes none of these hashes yet). One ``setdefault`` each
-        when the hash is new to the fleet, which it mostly is."""
-        setdefault, add, shift = self._entries.setdefault, self.add, SLOT_BITS
-        n = 0
-        for h, b in zip(hashes, blocks):
-            v = (b << shift) | slot
-            if setdefault(h, v) is v:
-                n += 1
-            else:
-                add(h, slot, b)
-        self._pairs += n
+        """``add`` each ``(hashes[i], blocks[i])`` for the node in ``slot``, which indexes none of
+        these hashes yet (recovery: a pool's named blocks). The hashes new to the fleet — most of
+        them: private suffixes — go in by one ``dict.update`` in C; only those other nodes
+        already name (shared prefixes) take the per-hash path."""
+        entries = self._entries
+        mine = dict(zip(hashes, map(or_, map(lshift, blocks, repeat(SLOT_BITS)), repeat(slot))))
+        for h in entries.keys() & mine.keys():
+            self.add(h, slot, mine.pop(h) >> SLOT_BITS)
+        entries.update(mine)
+        self._pairs += len(mine)
 
     def remove(self, h: bytes, slot: int) -> None:
         """Forget ``h`` on the node in ``slot`` (it must index it; the pool's flags say so)."""
