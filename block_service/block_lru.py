@@ -102,6 +102,24 @@ class BlockLru:
         prev[b] = nxt[b] = NONE
         self.size -= 1
 
+    def remove_many(self, blocks: list[int]) -> None:
+        """``remove`` each of ``blocks`` (all in the list; one call for a whole prefix hit)."""
+        prev, nxt = self.prev, self.next
+        head, tail = self.head, self.tail
+        for b in blocks:
+            p, n = prev[b], nxt[b]
+            if p == NONE:
+                head = n
+            else:
+                nxt[p] = n
+            if n == NONE:
+                tail = p
+            else:
+                prev[n] = p
+            prev[b] = nxt[b] = NONE
+        self.head, self.tail = head, tail
+        self.size -= len(blocks)
+
     def pop_oldest(self) -> int:
         """Take the least recently used block out and return it (the list is not empty)."""
         b = self.head

@@ -151,16 +151,16 @@ class BlockPool:
 
     def acquire(self, blocks: Sequence[int], owner: str) -> int:
         """Reference found prefix blocks; returns how many came back from the cache (now charged)."""
-        ref, lru, owners = self.ref, self._lru, self._owner
-        code = self._code(owner)
-        revived = 0
-        for b in blocks:
-            if ref[b] == 0:
-                lru.remove(b)
+        ref, owners = self.ref, self._owner
+        revived = [b for b in blocks if ref[b] == 0]  # distinct blocks: one per hash
+        if revived:
+            self._lru.remove_many(revived)
+            code = self._code(owner)
+            for b in revived:
                 owners[b] = code
-                revived += 1
+        for b in blocks:
             ref[b] += 1
-        return revived
+        return len(revived)
 
     def take(self, n: int, owner: str) -> list[int]:
         """``n`` fresh blocks: free ones first, then the least recently used cached ones (evicted)."""

@@ -8,8 +8,8 @@ small integer ``slot`` given by the page table.
 
 An entry is, to keep the common case small (a private block held by one node):
 
-    int                   (block << SLOT_BITS) | slot          one holder
-    [mask, {slot: block}]  mask = OR of 1 << slot              two or more holders
+    int                    (block << SLOT_BITS) | slot          one holder
+    Shared {slot: block}   .mask = OR of 1 << slot              two or more holders
 
 A node indexes a hash at most once (the first block committed with it; ``add`` is a setdefault
 per node), exactly as the per-node dict it replaces did. The pools keep it exactly in step: a
@@ -27,11 +27,20 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 MAX_SLOTS = 1 << SLOT_BITS
 
 
+class Shared(dict):
+    """``{slot: block}`` of a hash two or more nodes name, with their bitset."""
+
+    __slots__ = ("mask",)
+
+
+_NOBODY = Shared()  # what a lookup of an unknown hash finds: nobody's block
+
+
 class PrefixIndex:
     __slots__ = ("_entries", "_pairs")
 
     def __init__(self) -> None:
-        self._entries: dict[bytes, int | list] = {}
+        self._entries: dict[bytes, int | Shared] = {}
         self._pairs = 0  # (hash, slot) pairs: what the pools' check counts against
 
     def __len__(self) -> int:
@@ -50,22 +59,20 @@ class PrefixIndex:
             return None
         if type(e) is int:
             return e >> SLOT_BITS if e & SLOT_MASK == slot else None
-        return e[1].get(slot)
+        return e.get(slot)
 
     def lookup(self, hashes: Sequence[bytes], slot: int) -> list[int]:
         """Blocks of the node in ``slot`` holding the leading ``hashes``, up to the first miss."""
-        entries = self._entries
+        get = self._entries.get
         found = []
         for h in hashes:
-            e = entries.get(h)
-            if e is None:
-                break
+            e = get(h, _NOBODY)
             if type(e) is int:
                 if e & SLOT_MASK != slot:
                     break
                 found.append(e >> SLOT_BITS)
             else:
-                b = e[1].get(slot)
+                b = e.get(slot)
                 if b is None:
                     break
                 found.append(b)
@@ -78,7 +85,7 @@ class PrefixIndex:
             return {}
         if type(e) is int:
             return {e & SLOT_MASK: e >> SLOT_BITS}
-        return dict(e[1])
+        return dict(e)
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._entries)
@@ -97,12 +104,13 @@ class PrefixIndex:
             other = e & SLOT_MASK
             if other == slot:
                 return False
-            entries[h] = [(1 << other) | (1 << slot), {other: e >> SLOT_BITS, slot: block}]
+            shared = entries[h] = Shared({other: e >> SLOT_BITS, slot: block})
+            shared.mask = (1 << other) | (1 << slot)
         else:
-            if slot in e[1]:
+            if slot in e:
                 return False
-            e[1][slot] = block
-            e[0] |= 1 << slot
+            e[slot] = block
+            e.mask |= 1 << slot
         self._pairs += 1
         return True
 
@@ -126,21 +134,21 @@ class PrefixIndex:
         if type(e) is int:
             del entries[h]
             return
-        del e[1][slot]
-        e[0] &= ~(1 << slot)
-        if len(e[1]) == 1:
-            ((other, block),) = e[1].items()
+        del e[slot]
+        e.mask &= ~(1 << slot)
+        if len(e) == 1:
+            ((other, block),) = e.items()
             entries[h] = (block << SLOT_BITS) | other
 
     def check(self) -> None:
         """A shared entry names two or more nodes and its mask is exactly theirs."""
         for h, e in self._entries.items():
             if type(e) is not int:
-                assert len(e[1]) >= 2, f"{h.hex()}: a shared entry with {len(e[1])} holders"
+                assert len(e) >= 2, f"{h.hex()}: a shared entry with {len(e)} holders"
                 mask = 0
-                for slot in e[1]:
+                for slot in e:
                     mask |= 1 << slot
-                assert e[0] == mask, f"{h.hex()}: its mask is not its holders'"
+                assert e.mask == mask, f"{h.hex()}: its mask is not its holders'"
 
     # ---- the fleet-wide question ---------------------------------------------------------------
 
@@ -158,7 +166,7 @@ class PrefixIndex:
             elif type(e) is int:
                 m = 1 << (e & SLOT_MASK)
             else:
-                m = e[0]
+                m = e.mask
             if d == 0:
                 cur = m
                 continue
