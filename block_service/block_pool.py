@@ -14,11 +14,12 @@ Every operation is O(1) per block. The pool knows nothing of sequences or quotas
 charged for each used block (its owner), which the ledger needs back when the block stops being used.
 
 Sized for a fleet (issue 19: 1,000 nodes x 100,000 blocks in one process): per block, a reference
-count (uint32), an owner code (uint16, into the pool's short list of tenant names), a slot in the
-hash list (8 bytes; the hash object only once committed), the LRU links (2 x int32) and, when free,
-a uint32 in the free stack — ~26 bytes instead of ~60 for lists of Python objects, and the prefix
-index is the page table's one ``PrefixIndex`` for every node (this pool is ``slot`` there), not a dict
-per pool.
+count (a list slot, 8 bytes: read on every path, and the counts are small shared ints), an owner
+code (uint16, into the pool's short list of tenant names), a slot in the hash list (8 bytes; the
+hash object only once committed), the LRU links (2 x int32), an "indexed" flag (1 byte) and, when
+free, a uint32 in the free stack — ~27 bytes instead of ~64 for lists of Python objects; and the
+prefix index is the page table's one ``PrefixIndex`` for every node (this pool is ``slot`` there),
+not a dict per pool.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class PoolState:
     blocks that carry a hash the node indexes at another block."""
 
     shape: tuple[int, int, int]
-    ref: array             # uint32 per block
+    ref: array | list      # per block (uint32 in a snapshot)
     owner: array           # uint16 per block: 0 nobody, else owners[code - 1]
     owners: list[str]
     hash: list[bytes | None]
@@ -84,7 +85,7 @@ class BlockPool:
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.slot = slot                                   # this pool's node in the index
-        self.ref = array("I", bytes(4 * num_blocks))       # live block tables holding the block
+        self.ref = [0] * num_blocks  # live block tables holding the block (a list: read on every path)
         self.hash: list[bytes | None] = [None] * num_blocks  # set once committed
         self._owner = array("H", bytes(2 * num_blocks))     # tenant charged while ref > 0 (a code)
         self._owners: list[str | None] = [None]             # code → tenant
@@ -287,7 +288,7 @@ class BlockPool:
         pool = cls.__new__(cls)  # not __init__: its fresh arrays would be thrown away
         pool.num_blocks, pool.block_size, pool.bytes_per_block = s.shape
         pool.slot, pool._index = slot, index if index is not None else PrefixIndex()
-        pool.ref, pool._owner, pool.hash, pool._free = s.ref, s.owner, s.hash, s.free
+        pool.ref, pool._owner, pool.hash, pool._free = list(s.ref), s.owner, s.hash, s.free
         pool._owners = [None, *s.owners]
         pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
         pool._lru = BlockLru.from_order(pool.num_blocks, s.lru)
