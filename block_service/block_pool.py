@@ -155,8 +155,8 @@ class BlockPool:
         ref, owners = self.ref, self._owner
         revived = [b for b in blocks if ref[b] == 0]  # distinct blocks: one per hash
         if revived:
+            code = self._code(owner)  # (before any change: it may refuse)
             self._lru.remove_many(revived)
-            code = self._code(owner)
             for b in revived:
                 owners[b] = code
         for b in blocks:
@@ -229,8 +229,8 @@ class BlockPool:
         ref, owners, lru, hashes = self.ref, self._owner, self._lru, self.hash
         taken_free: set[int] = set()
         charged: dict[str, int] = {}
-        for blocks, owner in tables:
-            code = self._code(owner)
+        codes = [self._code(owner) for _, owner in tables]  # before any change: it may refuse
+        for (blocks, owner), code in zip(tables, codes):
             for b in blocks:
                 if ref[b] == 0:
                     if hashes[b] is not None:  # unreferenced with a hash: cached
