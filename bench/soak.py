@@ -35,6 +35,7 @@ from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: 
 
 from bench.common import ensure_model, rss_mib  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
+from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
 
 SOAK_MODEL = ROOT / "models" / "soak-tiny"
 PROMPTS = {

@@ -4,12 +4,15 @@
 ``commit``, ``release``, ``match_prefix``, ...), batched, and raises the same errors
 (``kvfleet.errors``) for the same status codes, so code written against the core runs against
 the service unchanged. Transport failures stay ``grpc.aio.AioRpcError``.
+
+With replicas, ``retarget`` moves the client to another address (the new leader, as
+``leader_client`` learns it from etcd); a client with no target yet answers ``Unavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 
@@ -21,18 +24,33 @@ from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import ERRORS_BY_CODE
+from kvfleet.errors import ERRORS_BY_CODE, Unavailable
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 class BlockManagerClient:
-    def __init__(self, target: str, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, target: str | None, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = channel or rpc.channel(target)
+        self._channel = channel or (rpc.channel(target) if target else None)
+        self._stub = pb_grpc.BlockManagerStub(self._channel) if self._channel else None
+        self._on_close: list[Callable[[], Awaitable[None]]] = []
+
+    def retarget(self, target: str) -> None:
+        """Send the next calls to ``target``; calls under way on the old channel finish or fail there."""
+        if target == self.target:
+            return
+        old, self.target = self._channel, target
+        self._channel = rpc.channel(target)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
+        if old is not None:
+            asyncio.get_running_loop().call_later(self.timeout_s, lambda: asyncio.ensure_future(old.close()))
+
+    def on_close(self, close: Callable[[], Awaitable[None]]) -> None:
+        """Run ``close()`` when the client closes (what follows the leader for it)."""
+        self._on_close.append(close)
 
     async def __aenter__(self) -> BlockManagerClient:
         return self
@@ -41,12 +59,19 @@ class BlockManagerClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for close in self._on_close:
+            await close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        if self._channel is None:
+            raise Unavailable("no block_service leader is named in etcd yet")
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
 
     async def _call(self, method: str, request):
+        if self._stub is None:
+            raise Unavailable("no block_service leader is named in etcd yet")
         try:
             return await getattr(self._stub, method)(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -54,6 +79,13 @@ class BlockManagerClient:
             if error is None:
                 raise
             raise error(err.details()) from None
+
+    def follow_log(self, requests):
+        """A standby's ``FollowLog`` stream (``follower``): iterate the call for the leader's
+        ``LogEntry`` messages; ``requests`` (async iterable) sends where it stands, then its acks."""
+        if self._stub is None:
+            raise Unavailable("no block_service leader is named in etcd yet")
+        return self._stub.FollowLog(requests)
 
     # ---- the page table's calls ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, apply_bookkeeping
+from block_service.lineage import clear_reset, mark_reset
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
@@ -163,6 +164,8 @@ class DurablePageTable:
         self._failed: BaseException | None = None
         self.last_snapshot = time.monotonic()
         self.on_write: Callable[[float], None] | None = None  # seconds of each group commit (metrics)
+        # (lsn after them, framed records) once they are on disk: what replication sends (loop thread)
+        self.on_durable: Callable[[int, bytes], None] | None = None
 
     @classmethod
     def open(cls, state_dir: str, fsync: bool = True) -> tuple[DurablePageTable, RecoveryReport]:
@@ -258,6 +261,30 @@ class DurablePageTable:
             self._log(rec.encode_release(applied.releases))
         return result
 
+    def append_replicated(self, payload: bytes) -> None:
+        """A standby: the leader's record ``self.lsn``, replayed and logged as it came (raises,
+        having changed nothing, when it does not decode or apply)."""
+        rec.apply(self.table, payload)
+        self._log(payload)
+
+    async def reset(self, lsn: int, state: dict) -> None:
+        """A standby: become the leader's snapshot at ``lsn`` (this state was empty, too far
+        behind, or went another way). Every snapshot and log here is removed first, so that a
+        restart can only recover this state, never mix the two (a crash in between leaves an empty
+        state, marked so that it follows a leader again before it may lead)."""
+        table = PageTable.from_dict(state)  # raises before anything is touched when it does not load
+        async with self._snapshot_lock:
+            await self.flush()
+            self._writer.close()
+            mark_reset(self.state_dir)
+            for _, path in numbered(self.state_dir, "snapshot-*.snap") + numbered(self.state_dir, "wal-*.log"):
+                os.remove(path)
+            write_snapshot(self.state_dir, lsn, state, self.fsync)
+            self._writer = LogWriter(os.path.join(self.state_dir, log_name(lsn)), lsn, self.fsync)
+            clear_reset(self.state_dir)
+            table.mark_recovered()
+            self.table, self.lsn, self.durable_lsn = table, lsn, lsn
+
     # ---- the log -------------------------------------------------------------------------------
 
     def _check_writable(self) -> None:
@@ -292,6 +319,11 @@ class DurablePageTable:
             data, lsn = bytes(self._buf), self.lsn
             self._buf.clear()
             self._write(data, lsn)
+            self._durable(lsn, data)
+
+    def _durable(self, lsn: int, data: bytes) -> None:
+        if self.on_durable is not None:
+            self.on_durable(lsn, data)
 
     async def flush(self) -> None:
         """Return once every record appended so far is durable; concurrent callers share fsyncs."""
@@ -307,6 +339,7 @@ class DurablePageTable:
             data, lsn = bytes(self._buf), self.lsn
             self._buf.clear()
             await asyncio.get_running_loop().run_in_executor(None, self._write, data, lsn)
+            self._durable(lsn, data)
         finally:
             self._flushing = None
 

@@ -16,6 +16,9 @@ import grpc
 
 from block_service import wire
 from block_service.durable import DurablePageTable
+from block_service.replication_source import ReplicationSource
+from block_service.role import Role
+from block_service.standby_acks import StandbyAcks
 from kvfleet.errors import BlockServiceError, InvalidArgument, PermissionDenied
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
@@ -43,36 +46,67 @@ def _tenant(request) -> str | None:
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
-    def __init__(self, store: DurablePageTable) -> None:
+    """With replicas (``--etcd``), ``role`` says whether this one may write, ``acks`` what an answer
+    waits for besides the local fsync, and ``source`` serves the standbys' ``FollowLog``."""
+
+    def __init__(self, store: DurablePageTable, role: Role | None = None, acks: StandbyAcks | None = None,
+                 source: ReplicationSource | None = None) -> None:
         self.store = store
-        self.table = store.table
+        self.role = role or Role()
+        self.acks = acks
+        self.source = source
+
+    @property
+    def table(self):
+        return self.store.table  # a standby's store may replace it with the leader's snapshot
+
+    async def _durable(self) -> None:
+        """Return once the changes made so far may be acknowledged: durable here, on a standby in
+        sync when asked to wait for one, and this replica still the leader."""
+        target = self.store.lsn
+        await self.store.flush()
+        if self.acks is not None:
+            await self.acks.wait(target)
+        self.role.check_writable()
+
+    async def FollowLog(self, request_iterator, context):
+        if self.source is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this block_service was started without --etcd: it has no standbys")
+        async for entry in self.source.follow(request_iterator, context):
+            yield entry
 
     @_answers
     async def AllocateMany(self, request, context):
+        self.role.check_writable()
         results = self.store.allocate_many(wire.allocate_request_from_pb(request))
-        await self.store.flush()
+        await self._durable()
         return wire.allocate_results_to_pb(results)
 
     @_answers
     async def ExtendMany(self, request, context):
+        self.role.check_writable()
         results = self.store.extend(wire.extend_request_from_pb(request), _tenant(request))
-        await self.store.flush()
+        await self._durable()
         return wire.extend_results_to_pb(results)
 
     @_answers
     async def CommitMany(self, request, context):
+        self.role.check_writable()
         num_new = self.store.commit(wire.commit_request_from_pb(request), _tenant(request))
-        await self.store.flush()
+        await self._durable()
         return pb.CommitManyResponse(num_committed=num_new)
 
     @_answers
     async def ReleaseMany(self, request, context):
+        self.role.check_writable()
         self.store.release(list(request.seq_ids), _tenant(request))
-        await self.store.flush()
+        await self._durable()
         return pb.ReleaseManyResponse()
 
     @_answers
     async def ApplyMany(self, request, context):
+        self.role.check_writable()
         growth = wire.extend_request_from_pb(request.growth)
         commits = wire.commit_request_from_pb(request.commits)
         tenants = {_tenant(part) for part in (request.growth, request.commits, request.drops, request.releases)} - {None}
@@ -81,7 +115,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         tenant = tenants.pop() if tenants else None
         drops = [(d.seq_id, d.num_blocks) for d in request.drops.sequences]
         result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant, drops)
-        await self.store.flush()
+        await self._durable()
         return wire.apply_result_to_pb(result)
 
     @_answers
@@ -94,15 +128,17 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     @_answers
     async def RegisterNode(self, request, context):
+        self.role.check_writable()
         created = self.store.register_node(request.node_id, request.num_blocks, request.block_size,
                                            request.bytes_per_block)
-        await self.store.flush()
+        await self._durable()
         return pb.RegisterNodeResponse(created=created)
 
     @_answers
     async def SyncNode(self, request, context):
+        self.role.check_writable()
         result = self.store.sync_node(*wire.sync_request_from_pb(request))
-        await self.store.flush()
+        await self._durable()
         if result.refused:
             log.warning("sync of node %s refused %d sequences: %s", request.pool.node_id, len(result.refused),
                         "; ".join(f"{s!r}: {why}" for s, why in result.refused[:5]))
@@ -110,15 +146,17 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     @_answers
     async def DeregisterNode(self, request, context):
+        self.role.check_writable()
         released = self.store.deregister_node(request.node_id)
-        await self.store.flush()
+        await self._durable()
         return pb.DeregisterNodeResponse(released_seq_ids=released)
 
     @_answers
     async def ConfigureTenants(self, request, context):
+        self.role.check_writable()
         configs = [wire.tenant_from_pb(t) for t in request.tenants]
         self.store.configure_tenants(configs, request.replace_all)
-        await self.store.flush()
+        await self._durable()
         return pb.ConfigureTenantsResponse()
 
     @_answers

@@ -57,7 +57,13 @@ def write_snapshot(state_dir: str, lsn: int, state: dict, fsync: bool = True) ->
 def read_snapshot(path: str) -> tuple[int, dict]:
     """``(lsn, state)``; raises ``SnapshotError`` when the file does not verify."""
     with open(path, "rb") as f:
-        data = f.read()
+        return decode_snapshot(f.read(), path)
+
+
+def decode_snapshot(data: bytes, where: str = "snapshot") -> tuple[int, dict]:
+    """``(lsn, state)`` from a snapshot's bytes (a file, or a replication stream's parts);
+    raises ``SnapshotError`` (its message starting with ``where``) when they do not verify."""
+    path = where
     if len(data) < HEADER.size + CRC.size or data[:8] != MAGIC:
         raise SnapshotError(f"{path}: truncated or not a snapshot ({len(data)} bytes)")
     _, lsn, length = HEADER.unpack_from(data)

@@ -29,6 +29,35 @@ def frame(payload: bytes) -> bytes:
     return length + zlib.crc32(payload, zlib.crc32(length)).to_bytes(4, "little") + payload
 
 
+class FrameError(ValueError):
+    """Framed records that do not verify (short, too long, or a CRC mismatch): nothing in them is
+    trusted. The message says which record and why."""
+
+
+def read_frames(data: bytes) -> list[bytes]:
+    """The payloads of ``data``, a run of whole frames (a replication message); raises
+    ``FrameError`` at the first one that does not verify, before any is returned."""
+    payloads, offset, view = [], 0, memoryview(data)
+    while offset < len(data):
+        if offset + FRAME.size > len(data):
+            raise FrameError(f"record {len(payloads)}: torn header at byte {offset}")
+        n, crc = FRAME.unpack_from(data, offset)
+        end = offset + FRAME.size + n
+        if n > MAX_RECORD_BYTES or end > len(data):
+            raise FrameError(f"record {len(payloads)}: length {n} runs past the {len(data)} bytes sent")
+        payload = bytes(view[offset + FRAME.size : end])
+        if zlib.crc32(payload, zlib.crc32(view[offset : offset + 4])) != crc:
+            raise FrameError(f"record {len(payloads)}: CRC mismatch")
+        payloads.append(payload)
+        offset = end
+    return payloads
+
+
+def frame_crc(framed: bytes) -> int:
+    """The CRC field of one framed record."""
+    return FRAME.unpack_from(framed)[1]
+
+
 def log_name(start_lsn: int) -> str:
     return f"wal-{start_lsn:020d}.log"
 

@@ -21,7 +21,9 @@ Three rules keep the engine's step from waiting on the network:
   When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
   a top-up; block_service is only on the path when no reserve covers the growth.
 
-The reserve costs at most one block per running sequence, charged to its tenant like any other.
+The reserve costs at most one block per running sequence, charged to its tenant like any other;
+none is kept past ``max_model_len`` (``cap_length``), so a contiguous layout's reservation, which
+already covers it, gets none.
 block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
 not token by token: its fill-level figures count a reserve block as full.
 
@@ -116,6 +118,11 @@ class AllocatorPolicy:
         self._step = 0                              # end_step calls so far
         self._urgent = False                        # a release or a prompt block's commit is queued
         self._due: int | None = None                # the step by which deferred bookkeeping must go
+        self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
+
+    def cap_length(self, max_model_len: int) -> None:
+        """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
+        self._max_tokens = max_model_len
 
     # -- early allocation -------------------------------------------------------------------------
 
@@ -391,5 +398,7 @@ class AllocatorPolicy:
         """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
         a little before decoding (a token a step) fills the blocks it has."""
         held = self._tables[seq_id].handed
+        if self._max_tokens is not None and held * self.block_size >= self._max_tokens:
+            return  # the handed blocks already hold every token the sequence may reach
         self._topups[seq_id] = (held + 1) * self.block_size
         self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)

@@ -26,11 +26,14 @@ STALL_WAIT_S = 0.05   # after a step that scheduled nothing, before asking for b
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, batch_wait_s: float = 0.0):
+    def __init__(self, engine: LLMEngine, batch_wait_s: float = 0.0,
+                 after_step: Callable[[list[RequestOutput]], None] | None = None):
+        """``after_step`` sees every step's outputs on the step thread (the P99 controller)."""
         if batch_wait_s < 0:
             raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.engine = engine
         self.batch_wait_s = batch_wait_s
+        self.after_step = after_step
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         # outputs of the current step, handed to their event loops in one wake-up per step
@@ -153,7 +156,9 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             if self.engine.has_unfinished_requests():
-                self.engine.step()
+                outputs = self.engine.step()
+                if self.after_step is not None:
+                    self.after_step(outputs)
             self._flush_outbox()
             if self.engine.stalled and self.engine.has_unfinished_requests():
                 self._wake.wait(STALL_WAIT_S)  # an arrival or an abort cuts it short

@@ -38,12 +38,23 @@ class RemoteAllocatorFactory:
         self.trace_contexts: dict[str, object] = {}  # seq id → trace context, set by the Compute servicer
 
     @classmethod
-    async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop) -> RemoteAllocatorFactory:
-        from block_service.client import BlockManagerClient
+    async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop,
+                      etcd_url: str | None = None) -> RemoteAllocatorFactory:
+        """``address`` fixed, or ``etcd`` (the elected leader); with ``etcd_url`` the client follows
+        the leader etcd names (``block_service.leader_client``) and a change resyncs at once."""
+        from block_service import leader_client
 
-        client = BlockManagerClient(address)
+        factory: RemoteAllocatorFactory | None = None
+
+        def leader_changed(_address: str) -> None:
+            if factory is not None and factory.allocator is not None:
+                factory.allocator.syncs.trouble()  # the new leader may lack what the old one never replicated
+                factory.allocator.syncs.retry_now()
+
+        client = await leader_client.connect(address, etcd_url, on_change=leader_changed)
         await until_reachable(node_id, f"block_service at {address}", lambda: client.wait_ready(2.0))
-        return cls(client, node_id, loop)
+        factory = cls(client, node_id, loop)
+        return factory
 
     def __call__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> RemoteBlockAllocator:
         """Called by the engine from a worker thread (never from the loop's own thread)."""

@@ -57,6 +57,7 @@ class BlockSync:
         self._resync: asyncio.Task | None = None
         self._reconciler: asyncio.Task | None = None
         self._closed = False
+        self._retry_now = asyncio.Event()
 
     def trouble(self) -> None:
         if self._closed:
@@ -64,6 +65,11 @@ class BlockSync:
         if self._resync is None or self._resync.done():
             self._resync = asyncio.get_running_loop().create_task(self._resync_until_done(),
                                                                   name=f"resync-{self.node_id}")
+
+    def retry_now(self) -> None:
+        """Cut the resync's current backoff short (block_service's leader changed: the new one
+        answers now, not at the next backoff step)."""
+        self._retry_now.set()
 
     @property
     def resyncing(self) -> bool:
@@ -86,6 +92,7 @@ class BlockSync:
     async def _resync_until_done(self) -> None:
         backoff, throttle = self._backoff(), LogThrottle(self._throttle_s)
         while True:
+            self._retry_now.clear()  # a nudge during this try makes the next one start at once
             try:
                 outcome = await self._sync(False)
             except asyncio.CancelledError:
@@ -95,7 +102,8 @@ class BlockSync:
                     log.exception("node %s: resync with block_service failed", self.node_id)
                 elif throttle.due():
                     log.warning("node %s: block_service not back yet (%s); retrying", self.node_id, error_line(e))
-                await asyncio.sleep(backoff.next())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._retry_now.wait(), backoff.next())
                 continue
             log.info("node %s: block_service resynced after %.1fs: %s", self.node_id, outcome.away_s,
                      outcome.counts())

@@ -18,6 +18,7 @@ import torch
 from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv_cache_manager import KVCacheManager
+from compute_service.kv_layout import parse_kv_layout, reserved_tokens
 from compute_service.kv_pool import (
     allocate_kv_cache,
     bytes_per_block,
@@ -50,6 +51,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None     # None = the model's context length (max_context_len)
+    kv_layout: str = "paged"             # or contiguous: max_model_len reserved per sequence (kv_layout.py)
     node_id: str = "local"
     share_prefix_across_tenants: bool = False
 
@@ -57,6 +59,7 @@ class EngineConfig:
         self.block_size = parse_block_size(self.block_size)
         parse_dtype(self.dtype)
         resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        parse_kv_layout(self.kv_layout)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
 
@@ -72,6 +75,7 @@ def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
 class EngineStats:
     num_running: int
     num_waiting: int
+    max_num_seqs_live: int  # the scheduler's live cap on running sequences
     generated_tokens: int
     prompt_tokens_computed: int
     num_preemptions: int
@@ -108,6 +112,11 @@ class LLMEngine:
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
         num_blocks = num_blocks_for(mc, block_size, kv_dtype, self.device, config.kv_cache_memory)
+        reserve = reserved_tokens(config.kv_layout, self.max_model_len)
+        if reserve is not None and -(-reserve // block_size) > num_blocks:
+            raise ValueError(f"--kv-layout contiguous reserves max_model_len {reserve} tokens "
+                             f"({-(-reserve // block_size)} blocks of {block_size}) per sequence, but the pool holds "
+                             f"{num_blocks} blocks: lower --max-model-len or raise --kv-cache-memory")
         if allocator_factory is None:
             from block_service.local_allocator import LocalBlockAllocator
 
@@ -115,7 +124,7 @@ class LLMEngine:
                 return LocalBlockAllocator.standalone(n, bs, bpb, node_id=config.node_id)
         self.allocator = allocator_factory(num_blocks, block_size, self.bytes_per_block)
         self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
-                                 droppable_window(mc.layer_windows))
+                                 droppable_window(mc.layer_windows), reserve)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
         kv_cache, kv_scales = allocate_kv_cache(mc, num_blocks, block_size, kv_dtype, self.device)
@@ -125,8 +134,8 @@ class LLMEngine:
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
         self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
-        log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, KV cache %s: %s",
-                 mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len,
+        log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, %s layout, KV cache %s: %s",
+                 mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len, config.kv_layout,
                  self.kv_cache_dtype, kv_memory_per_token(mc, self.kv_cache_dtype))
 
     # -- requests ---------------------------------------------------------------------------------
@@ -170,9 +179,9 @@ class LLMEngine:
         if num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
-        need = self.kv.blocks_for(num_tokens + 1)
+        need = self.kv.blocks_to_admit(num_tokens + 1)
         if need > self.allocator.num_blocks:
-            raise ValueError(f"prompt needs {need} KV blocks but this node's pool has only "
+            raise ValueError(f"prompt needs {need} KV blocks ({self.config.kv_layout} layout) but this node's pool has only "
                              f"{self.allocator.num_blocks}")
 
     def abort_request(self, request_id: str) -> None:
@@ -254,6 +263,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            max_num_seqs_live=self.scheduler.num_seqs_cap,
             generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
             blocks=self.allocator.stats())

@@ -11,6 +11,11 @@ O(window / block_size) blocks. The next query is at position ``num_computed`` an
 ``> num_computed - window``; later queries see less, so block ``i`` is never read again once
 ``(i + 1) * block_size <= num_computed - window + 1``. The engine's table keeps those positions
 (stale ids, never read by a kernel); a model with a full-attention layer drops nothing.
+
+**Contiguous layout** (``reserve_tokens`` set; ``kv_layout.py``). ``allocate`` asks for
+``reserve_tokens`` slots with no prefix hashes (no cache hit), so the table covers every position
+the sequence may reach and ``grow`` never asks again; nothing is committed and nothing dropped, so
+the reservation is held whole until ``release``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from kvfleet.block_hash import (
 
 class KVCacheManager:
     def __init__(self, allocator: BlockAllocator, share_prefix_across_tenants: bool = False,
-                 window: int | None = None):
+                 window: int | None = None, reserve_tokens: int | None = None):
         self.allocator = allocator
         self.window = window
+        self.reserve_tokens = reserve_tokens  # contiguous layout: slots each sequence reserves; None: paged
         self.block_size = allocator.block_size
         self.share_across_tenants = share_prefix_across_tenants
         self.seed = cluster_seed()
@@ -39,10 +45,16 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_admit(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` takes at admission: its reservation when contiguous."""
+        return self.blocks_for(self.reserve_tokens or num_tokens)
+
     def allocate(self, seq: Sequence) -> Refusal | None:
         """Blocks for all of ``seq``'s current tokens; reuses cached prefix blocks, so on success
         ``seq.num_computed`` starts past them. At least one token is always left to compute (its
         logits are needed), so a fully cached prompt recomputes its last block."""
+        if self.reserve_tokens is not None:
+            return self._reserve(seq)
         self._extend_hashes(seq, seq.num_tokens // self.block_size)
         reusable = reusable_blocks(seq.num_tokens, self.block_size)
         result = self.allocator.allocate(seq.seq_id, seq.tenant, seq.block_hashes[:reusable], seq.num_tokens)
@@ -52,6 +64,17 @@ class KVCacheManager:
         seq.num_allocated_tokens = seq.num_tokens
         seq.num_committed_blocks = result.num_cached_blocks
         seq.num_computed = result.num_cached_blocks * self.block_size
+        return None
+
+    def _reserve(self, seq: Sequence) -> Refusal | None:
+        """Contiguous: the whole reservation at once, nothing looked up in the prefix cache."""
+        assert seq.num_tokens <= self.reserve_tokens, "the engine refuses prompts past max_model_len"
+        result = self.allocator.allocate(seq.seq_id, seq.tenant, [], self.reserve_tokens)
+        if isinstance(result, Refusal):
+            return result
+        seq.block_table = list(result.block_ids)
+        seq.num_allocated_tokens = self.reserve_tokens
+        seq.num_committed_blocks = seq.num_computed = 0
         return None
 
     def grow(self, plan: list[tuple[Sequence, int]]) -> list[Refusal | None]:
@@ -74,6 +97,8 @@ class KVCacheManager:
 
     def commit_full_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Publish every block that became full and written this step (one allocator call)."""
+        if self.reserve_tokens is not None:
+            return  # contiguous: no prefix sharing
         commits: list[tuple[str, int, bytes]] = []
         for seq in seqs:
             num_full = seq.num_computed // self.block_size
@@ -88,8 +113,8 @@ class KVCacheManager:
     def drop_outside_window(self, seqs: Iterable[Sequence]) -> None:
         """Give back the blocks no layer will read again (one allocator call); after the step's
         commits, so committed ones stay cached."""
-        if self.window is None:
-            return
+        if self.window is None or self.reserve_tokens is not None:
+            return  # contiguous: the reservation is held whole until the sequence finishes
         drops: list[tuple[str, int]] = []
         for seq in seqs:
             n = min(max(0, seq.num_computed - self.window + 1) // self.block_size, len(seq.block_table))

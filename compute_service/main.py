@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host:port the router should dial (default: --listen with the bound port)")
     parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
     parser.add_argument("--block-service", default=None,
-                        help="block_service host:port (default: an in-process page table, for one node alone)")
+                        help="block_service host:port, or 'etcd': the leader elected in --etcd (with --etcd a "
+                             "fixed address is left for the leader too once one is elected); default: an "
+                             "in-process page table, for one node alone")
     parser.add_argument("--etcd", default=None, help="etcd URL to register in, e.g. http://127.0.0.1:2379")
     parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
@@ -54,8 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV pool dtype: auto (= --dtype), float32, bfloat16, float16 or fp8_e4m3 "
                              "(float8_e4m3fn with a float32 scale per token and KV head: about half of bfloat16)")
+    parser.add_argument("--kv-layout", default="paged", help="paged (default) or contiguous: each sequence reserves "
+                        "--max-model-len slots at admission, no prefix sharing (the traditional baseline)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="longest sequence, prompt and output (default and most: the model's context length)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                        help="most sequences running at once (the live cap of --p99-itl-target-ms stays below it)")
+    parser.add_argument("--p99-itl-target-ms", type=_positive_float, default=None, metavar="MS",
+                        help="hold the p99 inter-token latency near MS: every --control-interval-s the live cap "
+                             "on running sequences moves x0.9 when over, x1.1 (up to --max-num-seqs) when well "
+                             "under; requests above it wait, and the router sees the reduced capacity (default: off)")
+    parser.add_argument("--control-interval-s", type=_positive_float, default=2.0, metavar="S",
+                        help="seconds between the P99 controller's decisions (default 2; its window is 10 of them)")
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     parser.add_argument("--stream-interval", type=_positive_int, default=1,
@@ -96,22 +109,55 @@ async def _resync_on_new_lease(registration, allocator) -> None:
 
 def _build_engine(args: argparse.Namespace, remote):
     from compute_service.engine import EngineConfig, LLMEngine
+    from kvfleet.preflight import PreflightError
 
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                           kv_cache_dtype=args.kv_cache_dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                          node_id=args.node_id)
-    return LLMEngine(args.model, config, allocator_factory=remote)
+                          node_id=args.node_id, kv_layout=args.kv_layout, max_model_len=args.max_model_len)
+    try:
+        return LLMEngine(args.model, config, allocator_factory=remote)
+    except ValueError as e:  # the pool cannot hold what the flags ask (one block, one reservation)
+        raise PreflightError(str(e)) from None
 
 
-def _early_blocks(remote, allocator, share_prefix_across_tenants: bool):
+def _live_cap(args: argparse.Namespace, engine):
+    """The P99 batch controller over the engine's scheduler; None without a target."""
+    if args.p99_itl_target_ms is None:
+        return None
+    import time
+
+    from compute_service.batch_controller import BatchController, ControllerConfig
+    from compute_service.live_cap import LiveCap
+
+    config = ControllerConfig(args.p99_itl_target_ms / 1000, args.max_num_seqs, interval_s=args.control_interval_s,
+                              window_s=10 * args.control_interval_s)
+    log.info("node %s: P99 batch controller on, target %.1f ms, every %.1f s", args.node_id,
+             args.p99_itl_target_ms, args.control_interval_s)
+    return LiveCap(BatchController(config, time.monotonic()), engine.scheduler, args.node_id)
+
+
+async def _publish_cap(registration, live_cap, every_s: float) -> None:
+    """Write the live cap into the node's membership record when it changed, at most once every
+    ``every_s`` (the routers sum the READY nodes' caps into their admission capacity)."""
+    published = live_cap.cap
+    while True:
+        await asyncio.sleep(every_s)
+        if live_cap.cap != published:
+            published = live_cap.cap
+            await registration.update(max_num_seqs=published)
+
+
+def _early_blocks(remote, engine):
     """What a request stream may do with block_service directly (None for an in-process pool)."""
     from compute_service.node_context import EarlyBlocks
 
     if remote is None:
         return None
+    allocator, share, reserve = engine.allocator, engine.config.share_prefix_across_tenants, engine.kv.reserve_tokens
+    allocator.cap_length(engine.max_model_len)
 
     async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
-        await allocator.preallocate(seq_id, tenant, token_ids, share_prefix_across_tenants)
+        await allocator.preallocate(seq_id, tenant, token_ids, share, reserve)
 
     return EarlyBlocks(preallocate, allocator.release, remote.trace_contexts)
 
@@ -131,7 +177,7 @@ async def _unless_stopped(work, stop: asyncio.Event):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
     from compute_service.async_engine import AsyncEngine
     from compute_service.node_context import NodeContext, NodeStatus
@@ -159,7 +205,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.block_service:
         from compute_service.block_registration import RemoteAllocatorFactory
 
-        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop), stop)
+        remote = await _unless_stopped(RemoteAllocatorFactory.connect(args.block_service, args.node_id, loop, args.etcd),
+                                       stop)
         if remote is None:  # Ctrl-C or SIGTERM while waiting for block_service: nothing was served
             log.info("node %s stopped while waiting for block_service", args.node_id)
             if registration is not None:
@@ -169,14 +216,16 @@ async def serve(args: argparse.Namespace) -> None:
             return
     engine = await asyncio.to_thread(_build_engine, args, remote)
     allocator = engine.allocator
-    engine_config, model_config = engine.config, engine.model_config
-    async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000)
+    model_config = engine.model_config
+    live_cap = _live_cap(args, engine)
+    async_engine = AsyncEngine(engine, batch_wait_s=args.batch_wait_ms / 1000,
+                               after_step=live_cap.after_step if live_cap is not None else None)
     if remote is not None:  # sequences block_service would not hold after a sync move to other nodes
         allocator.on_refused = lambda seq_ids, why: [async_engine.fail(s, why) for s in seq_ids]
     status = NodeStatus(args.node_id, block_rpcs=lambda: getattr(allocator, "num_rpcs", 0),
                         reconciled=lambda: allocator.link.num_reconciled if remote is not None else 0)
     node = NodeContext(status, async_engine, allocator.block_size, args.stream_interval,
-                       _early_blocks(remote, allocator, engine_config.share_prefix_across_tenants))
+                       _early_blocks(remote, engine))
 
     if args.metrics_port is not None:
         _serve_metrics(args, node, status, allocator.block_size)
@@ -184,14 +233,14 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health_servicer.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(args.listen)
     await server.start()
     address = args.advertise or f"{args.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
-        await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size)
+        await registration.update(address=address, num_blocks=allocator.num_blocks, block_size=allocator.block_size,
+                                  max_num_seqs=live_cap.cap if live_cap is not None else args.max_num_seqs)
     seconds = await warm_up(async_engine, args.node_id, block_size=allocator.block_size,
                             max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size)
     status.state = NodeState.READY
@@ -206,14 +255,18 @@ async def serve(args: argparse.Namespace) -> None:
 
     watchdog = asyncio.create_task(_watch_engine(async_engine, stop))
     lease_watch = None
+    cap_publisher = None
+    if live_cap is not None and registration is not None:
+        cap_publisher = asyncio.create_task(_publish_cap(registration, live_cap, max(args.control_interval_s, 1.0)))
     if remote is not None:
         allocator.syncs.start_reconciling(args.reconcile_interval)
         if registration is not None:
             lease_watch = asyncio.create_task(_resync_on_new_lease(registration, allocator))
     await stop.wait()
     watchdog.cancel()
-    if lease_watch is not None:
-        lease_watch.cancel()
+    for task in (lease_watch, cap_publisher):
+        if task is not None:
+            task.cancel()
     if not async_engine.is_alive():
         # Crash-only: no drain, no clean goodbye. The streams break, the router resumes them on
         # other nodes, the lease expires and block_service is told to drop this pool.
@@ -269,13 +322,16 @@ def preflight(args: argparse.Namespace) -> None:
     addresses (waited for a while: they may be starting too)."""
     import torch
 
+    from compute_service.kv_layout import parse_kv_layout
     from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
+    from kvfleet.leader import FROM_ETCD
     from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
     try:
         kv_cache_dtype(args.kv_cache_dtype, args.dtype, torch.device(args.device))
+        parse_kv_layout(args.kv_layout)
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
         raise PreflightError(str(e)) from None
     check_port_free(args.listen)
@@ -284,7 +340,9 @@ def preflight(args: argparse.Namespace) -> None:
     ModelConfig.from_dir(args.model)
     if args.etcd:
         wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
-    if args.block_service:
+    if args.block_service == FROM_ETCD and not args.etcd:
+        raise PreflightError("--block-service etcd needs --etcd: the block_service leader is elected there")
+    if args.block_service and args.block_service != FROM_ETCD:
         wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
 
 
@@ -302,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("kvfleet-compute")
     try:
         event_loop.run(serve(args))
-    except ModelLoadError as e:  # found while loading the weights or the tokenizer
+    except (ModelLoadError, PreflightError) as e:  # found while loading the weights or sizing the pool
         print(f"kvfleet compute: {e}", file=sys.stderr)
         return 2
     finally:

@@ -36,6 +36,7 @@ class NodeSample:
     prompt_tokens_computed: int   # prefilled here (prefix-cache hits are not computed)
     busy_seconds: float           # spent in model steps
     blocks: AllocatorStats
+    max_num_seqs_live: int = 0    # the live cap on running sequences (the P99 controller's, or the maximum)
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -45,6 +46,8 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield gauge("num_requests_running", "Requests in the engine's running batch", node, [(key, s.num_running)])
     yield gauge("num_requests_waiting", "Requests waiting in the engine for blocks or a batch slot", node,
                 [(key, s.num_waiting)])
+    yield gauge("max_num_seqs_live", "Live cap on running sequences (below --max-num-seqs while the P99 "
+                "batch controller holds it down)", node, [(key, s.max_num_seqs_live)])
     yield gauge("kv_cache_usage_perc", "Share of the node's KV blocks used by live sequences (0-1)", node,
                 [(key, b.num_used / b.num_blocks if b.num_blocks else 0.0)])
     yield gauge("kv_cache_blocks", "The node's KV blocks by state (used + cached + free = total)", ("node", "state"),
@@ -71,6 +74,6 @@ async def sample(node, status, block_size: int) -> NodeSample:
     return NodeSample(
         node_id=status.node_id, state=status.state.value, block_size=block_size,
         num_in_flight=status.num_in_flight, num_running=stats.num_running, num_waiting=stats.num_waiting,
-        num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
+        max_num_seqs_live=stats.max_num_seqs_live, num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
         prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
     )

@@ -52,6 +52,7 @@ from kvfleet import block_hash
 from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
 from kvfleet.backoff import error_line
 from kvfleet.errors import NotFound
+from kvfleet.tracing import BatchLinks, batch_span
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,6 @@ OnRefused = Callable[[list[str], str], None]  # (seq ids, why) block_service ref
 
 ANSWER_TIMEOUT_S = 3.0   # the most the engine's step waits for block_service (what was queued, then its answer)
 SEND_TIMEOUT_S = 10.0    # the most a bookkeeping batch or a sync may take before the link counts as down
-
-
-def _untraced():
-    from opentelemetry.instrumentation.utils import suppress_instrumentation
-
-    return suppress_instrumentation()
 
 
 class RemoteBlockAllocator:
@@ -80,6 +75,7 @@ class RemoteBlockAllocator:
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.trace_context_of = trace_context_of or (lambda seq_id: None)
+        self._links = BatchLinks(self.trace_context_of)  # the requests each bookkeeping batch serves
         self.on_refused = on_refused  # set by the node once its engine runs
         self.num_rpcs = 0
         self.link = BlockLink()
@@ -177,7 +173,12 @@ class RemoteBlockAllocator:
     async def _send_batch(self, batch: Bookkeeping) -> None:
         """Send a bookkeeping batch; one that did not reach block_service is queued again."""
         try:
-            with _untraced():  # bookkeeping of many requests at once: no request's trace
+            # bookkeeping of many requests at once: a trace of its own, linked to each request's
+            seq_ids = [s[0] for s in (*batch.topups, *batch.commits, *batch.drops)] + batch.releases
+            with batch_span("bookkeeping", self._links.take(seq_ids), {
+                "kvfleet.node_id": self.node_id, "kvfleet.num_topups": len(batch.topups),
+                "kvfleet.num_commits": len(batch.commits), "kvfleet.num_releases": len(batch.releases),
+                "kvfleet.num_drops": len(batch.drops)}):
                 await asyncio.wait_for(self._send_bookkeeping(batch), SEND_TIMEOUT_S)
         except BaseException as e:
             if isinstance(e, Exception) and not self._trouble(e):
@@ -237,20 +238,24 @@ class RemoteBlockAllocator:
                 done.set_result(None)
 
     async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
-                          share_across_tenants: bool = False) -> None:
+                          share_across_tenants: bool = False, reserve_tokens: int | None = None) -> None:
         """Ask now (event loop) for the blocks the scheduler will ask for when it admits ``seq_id``:
         the same hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to
-        compute). A refusal is not kept: the scheduler asks again when it admits the request."""
+        compute), or with ``reserve_tokens`` (contiguous layout) that many slots and no hashes.
+        A refusal is not kept: the scheduler asks again when it admits the request."""
         if not self.link.up:
             return  # the scheduler asks when it admits the request, and waits until block_service is back
-        reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
-        hashes = block_hash.block_hashes(token_ids, self.block_size,
-                                         block_hash.tenant_extra_key(tenant, share_across_tenants),
-                                         max_blocks=reusable)
+        hashes: list[bytes] = []
+        if reserve_tokens is None:
+            reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
+            hashes = block_hash.block_hashes(token_ids, self.block_size,
+                                             block_hash.tenant_extra_key(tenant, share_across_tenants),
+                                             max_blocks=reusable)
         done = self.loop.create_future()
         self._waiters.setdefault(seq_id, []).append(done)
         with self._lock:
-            first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes, len(token_ids)))
+            first = self._policy.ask(AllocateRequest(self.node_id, seq_id, tenant, hashes,
+                                                     reserve_tokens or len(token_ids)))
         if first:
             self.loop.call_soon(self._kick)  # arrivals of this loop iteration go in one call
         try:
@@ -258,6 +263,11 @@ class RemoteBlockAllocator:
         except asyncio.CancelledError:  # nobody will hand this request to the engine
             self.release([seq_id])
             raise
+
+    def cap_length(self, max_model_len: int) -> None:
+        """No sequence grows past ``max_model_len`` tokens (the engine's): no reserve beyond it."""
+        with self._lock:
+            self._policy.cap_length(max_model_len)
 
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node, as the node knows it (claimed and early)."""
@@ -375,6 +385,7 @@ class RemoteBlockAllocator:
         early allocation; a claimed sequence may be in the engine's step right now, and the
         engine releases it itself when the request's abort reaches it."""
         on_loop = self._on_loop()
+        self._links.hold(seq_ids)  # the request may be gone when its release is sent
         with self._lock:
             send = self._policy.release(seq_ids, claimed=not on_loop)
         if on_loop:  # a preallocation of an ended request is not waited for

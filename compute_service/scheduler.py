@@ -75,6 +75,14 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_seqs_cap = config.max_num_seqs  # live cap on admission (the P99 controller's), <= max
+
+    def set_num_seqs_cap(self, cap: int) -> None:
+        """Admit no sequence while ``cap`` run. Running sequences above a lowered cap are not
+        preempted (their work would be lost): they finish, and admission waits until fewer run."""
+        if not 1 <= cap <= self.config.max_num_seqs:
+            raise ValueError(f"live cap must be in [1, {self.config.max_num_seqs}], got {cap}")
+        self.num_seqs_cap = cap
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -131,7 +139,7 @@ class Scheduler:
         admitted: list[tuple[Sequence, int]] = []
         self.waiting.sort(key=_rank)
         held_back: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.num_seqs_cap:
             seq = self.waiting.pop(0)
             refusal = self.kv.allocate(seq)
             if refusal is not None and refusal.transient:

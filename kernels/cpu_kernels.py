@@ -1,12 +1,15 @@
 """Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``) and KV
 store (``csrc/store_kv_cpu.cpp``), one extension registering ``torch.ops.kvfleet_kernels.*``.
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed and cached
-under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/kvfleet/torch_extensions``); later processes load the
-cached build in well under a second. The build directory is named after a hash of the sources, so
-checkouts with different kernel sources (worktrees, branches) never rebuild over one another's
-cached build. If compiling fails, ``supports`` answers False and the dispatch
-falls back to the torch reference; the reason is logged once.
+The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed, in a
+directory of the building process's own, and the library is moved into the cache under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/kvfleet/torch_extensions``) in one rename; later processes
+load the cached library in well under a second. Its directory is named after a hash of the sources,
+flags and torch version, so checkouts with different kernel sources (worktrees, branches) never
+rebuild over one another's cached build, and a process killed mid-build leaves no lock behind.
+``KVFLEET_CPU_MARCH`` (deploy/Dockerfile sets it) builds for a named target instead of this machine's.
+If compiling fails, ``supports`` answers False and the dispatch falls back to the torch reference;
+the reason is logged once.
 """
 
 from __future__ import annotations
@@ -34,20 +37,10 @@ def load_extension() -> bool:
     global _loaded, _failed
     if _loaded or _failed:
         return _loaded
-    from torch.utils import cpp_extension
-
     error: Exception | None = None
-    for name, flags in (("native", ["-march=native"]), ("portable", [])):  # plain -O3 where -march fails
+    for name, flags in build_variants():
         try:
-            cpp_extension.load(
-                name=f"kvfleet_cpu_kernels_{name}",
-                sources=_SOURCES,
-                extra_cflags=["-O3", "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"],
-                build_directory=_build_dir(name),
-                is_python_module=False,
-                verbose=False,
-            )
+            _load_or_build(name, flags)
             _loaded = True
             return True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
@@ -57,12 +50,71 @@ def load_extension() -> bool:
     return False
 
 
-def _build_dir(name: str) -> str:
+def _load_or_build(name: str, flags: list[str]) -> None:
+    """Load the cached library, else build it in a directory of this process's own and move the
+    result into the cache in one rename. No lock is shared: torch's own build lock is a file that a
+    process killed mid-build (a node stopped while it started) leaves behind, and every later load
+    would wait on it forever. Two processes building at once both build, and the last rename wins
+    (the same bytes)."""
+    library = library_path(name, flags)
+    if os.path.exists(library):
+        torch.ops.load_library(library)
+        return
+    import shutil
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    root = os.path.dirname(os.path.dirname(library))
+    _remove_stale_builds(root)
+    private = tempfile.mkdtemp(prefix=".building-", dir=root)
+    try:
+        built = cpp_extension.load(
+            name=f"kvfleet_cpu_kernels_{name}",
+            sources=_SOURCES,
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=private,
+            is_python_module=False,
+            verbose=False,
+        )
+        os.makedirs(os.path.dirname(library), exist_ok=True)
+        os.replace(built, library)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _remove_stale_builds(root: str, older_than_s: float = 3600.0) -> None:
+    """Private build directories left by processes killed while building (none runs an hour)."""
+    import shutil
+    import time
+
+    for entry in Path(root).glob(".building-*"):
+        try:
+            if time.time() - entry.stat().st_mtime > older_than_s:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def build_variants() -> list[tuple[str, list[str]]]:
+    """The builds to try, best first. ``KVFLEET_CPU_MARCH`` names the one target to build for (an
+    image is built on one machine and runs on others, where ``-march=native`` could be an
+    instruction they lack); by default this machine's own, then plain -O3 where -march fails."""
+    march = os.environ.get("KVFLEET_CPU_MARCH")
+    if march:
+        return [("march_" + "".join(c if c.isalnum() else "_" for c in march), [f"-march={march}"])]
+    return [("native", ["-march=native"]), ("portable", [])]
+
+
+def library_path(name: str, flags: list[str]) -> str:
+    """Where the build of variant ``name`` is cached: named after a hash of the sources, the flags
+    and the torch version, so that another checkout, target or torch never loads a stale build."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/kvfleet/torch_extensions")
-    digest = hashlib.sha256(b"".join(Path(src).read_bytes() for src in _SOURCES)).hexdigest()[:12]
-    path = os.path.join(root, f"cpu_kernels_{name}_{digest}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    key = b"".join(Path(src).read_bytes() for src in _SOURCES) + " ".join([torch.__version__, *flags]).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    os.makedirs(root, exist_ok=True)
+    return os.path.join(root, f"cpu_kernels_{name}_{digest}", f"kvfleet_cpu_kernels_{name}.so")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -5,7 +5,11 @@ node keeps alive. A node that dies stops refreshing; etcd deletes its key when t
 every watcher sees the delete. The value is JSON::
 
     {"address": "127.0.0.1:7001", "model": "/models/x", "num_blocks": 512, "block_size": 256,
-     "state": "READY"}
+     "state": "READY", "max_num_seqs": 64}
+
+``max_num_seqs`` is the node's live cap on running sequences (its ``--max-num-seqs``, or lower while
+its P99 batch controller holds it down); routers without ``--capacity`` admit the sum of the READY
+nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
 
 States: WARMING (registered, not yet serving), READY (route to it), DRAINING (finishing its running
 requests; route nothing new). The only etcd client is ``aetcd`` (see issue 5: clients clash on
@@ -47,6 +51,7 @@ class NodeInfo:
     num_blocks: int
     block_size: int
     state: NodeState
+    max_num_seqs: int = 0  # live cap on running sequences; 0: not published
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -64,6 +69,7 @@ class NodeInfo:
             num_blocks=int(fields["num_blocks"]),
             block_size=int(fields["block_size"]),
             state=NodeState(fields["state"]),
+            max_num_seqs=int(fields.get("max_num_seqs", 0)),
         )
 
 

@@ -1,5 +1,6 @@
 """Every gRPC server and channel of the fleet is made here: one keepalive policy on both ends
-(``kvfleet.keepalive``), and undecodable requests answered as the caller's mistake.
+(``kvfleet.keepalive``), and undecodable requests answered as the caller's mistake. Every server
+serves gRPC health and reflection the same way (``serve_health_and_reflection``).
 
 gRPC's own path for a request whose bytes are not the method's message lets the protobuf
 ``DecodeError`` escape from the request deserializer: the caller gets UNKNOWN and the server logs
@@ -71,6 +72,21 @@ def server(max_send_bytes: int | None = None, interceptors: Sequence = ()) -> gr
     ``interceptors`` (a metrics counter, say) run after the decode guard."""
     # tracing's instrumentation, when installed, puts its interceptor ahead of this one
     return grpc.aio.server(interceptors=[DecodeGuard(), *interceptors], options=server_options(max_send_bytes))
+
+
+def serve_health_and_reflection(server: grpc.aio.Server, service_name: str):
+    """Add the gRPC health service and server reflection to ``server``; the health servicer, for
+    the caller to set ``service_name`` SERVING when it is (``""``, the process, answers SERVING at
+    once: liveness). Reflection lists ``service_name``, health and itself, so ``grpcurl`` and
+    ``grpc_cli`` can call any kvfleet server without the .proto files."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([service_name, health_name, reflection.SERVICE_NAME], server)
+    return health_servicer
 
 
 @dataclass(slots=True, frozen=True)

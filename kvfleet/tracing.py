@@ -12,13 +12,21 @@ per-message cost) and the spans the services open themselves are the API's no-op
 health checks and reflection are not traced: they are noise around the requests. Nor is the
 router↔node ``Compute/Serve`` stream: it outlives requests, so each request's node-side spans take
 their parent from the trace context in its start command instead.
+
+A node's write-behind bookkeeping (``ApplyMany``: the commits, top-ups and releases of every
+request that ran a step) belongs to no one request: ``batch_span`` opens its own trace for it,
+linked to the span of each request it carries (``BatchLinks``), so a request's trace leads to the
+block_service calls made for it and each call to the requests it served.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable, Iterable
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -83,3 +91,48 @@ def shutdown_tracing() -> None:
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+class BatchLinks:
+    """The trace of each sequence a batched call works for, as span links (any thread).
+
+    ``context_of`` answers a live request's trace context; a request that ended may have gone
+    from it by the time its release is sent (write-behind), so ``hold`` keeps the context of a
+    sequence whose release is queued until ``take`` sends it. At most ``max_held`` are kept: a
+    release that is never sent (a sync made it moot) costs a link, not memory.
+    """
+
+    def __init__(self, context_of: Callable[[str], object], max_held: int = 4096):
+        self.context_of = context_of
+        self.max_held = max_held
+        self._held: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, seq_ids: Iterable[str]) -> None:
+        with self._lock:
+            for seq_id in seq_ids:
+                context = self.context_of(seq_id)
+                if context is not None:
+                    self._held[seq_id] = context
+            while len(self._held) > self.max_held:
+                self._held.pop(next(iter(self._held)))
+
+    def take(self, seq_ids: Iterable[str]) -> list[trace.Link]:
+        """One link per distinct request span among these sequences' (held ones given up)."""
+        links: dict[tuple[int, int], trace.Link] = {}
+        for seq_id in dict.fromkeys(seq_ids):
+            with self._lock:
+                context = self._held.pop(seq_id, None)
+            if context is None:
+                context = self.context_of(seq_id)
+            span = trace.get_current_span(context).get_span_context() if context is not None else None
+            if span is not None and span.is_valid:
+                links.setdefault((span.trace_id, span.span_id), trace.Link(span))
+        return list(links.values())
+
+
+def batch_span(name: str, links: list[trace.Link], attributes: dict):
+    """Open ``name`` as the current span, the root of a trace of its own (whatever trace the caller
+    is in: a batch is not that request's work), linked to the requests it serves."""
+    return tracer("kvfleet.batch").start_as_current_span(name, context=otel_context.Context(), links=links,
+                                                          attributes=attributes)

@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
     "plan": ("kvfleet_cli.plan_command", "size the KV cache and the hardware for a model, a device and a context"),
+    "bench": ("kvfleet_cli.bench_command", "stress a router in three phases (fixed, mixed, soak): latency, "
+              "throughput, KV usage; JSON, CSV and plots"),
+    "tune": ("kvfleet_cli.tune_command", "search the block size for the most throughput under a latency SLO, "
+             "each candidate on a fresh local cluster"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
     "convert-gguf": ("kvfleet_cli.convert_gguf", "convert a GGUF file into a Hugging Face model directory"),
     "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
@@ -39,14 +43,31 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(command)
-            command.set_defaults(_module=module)
+            command.set_defaults(_module=module, _parser=command)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, read. A command that reads its flags from a file (``up --config``) gives
+    the file's values through ``file_defaults(args)``; they become the defaults and the command line
+    is read again, so that a flag given still wins. ``ValueError`` (one line) for a bad file."""
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    file_defaults = getattr(args._module, "file_defaults", None)
+    if file_defaults is not None and (defaults := file_defaults(args)):
+        args._parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parent_death.arm()  # started by `kvfleet up` or a test: die with it
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as err:
+        print(f"kvfleet {next((a for a in argv if a in COMMANDS), '')}: {err}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -50,6 +50,24 @@ def request_message(args: argparse.Namespace):
     return req
 
 
+def bearer(api_key: str | None) -> list[tuple[str, str]]:
+    """The call metadata that carries a tenant's API key (none without a key: the router answers
+    UNAUTHENTICATED)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
+def finish_name(finish_reason: int) -> str:
+    """``FINISH_REASON_LENGTH`` → ``length``."""
+    from kvfleet.v1 import inference_pb2
+
+    return inference_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def no_router_line(command: str, router: str) -> str:
+    return (f"kvfleet {command}: no router answers at {router} (start a local cluster with `kvfleet up`, "
+            "or pass --router)")
+
+
 def find_router(args: argparse.Namespace) -> None:
     """Fill in ``--router`` and ``--api-key`` from the local cluster's state file when not given."""
     from kvfleet_cli.cluster_state import ClusterState
@@ -73,13 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     find_router(args)
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    metadata = bearer(args.api_key)
     with rpc.sync_channel(args.router) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=min(5.0, args.timeout))
         except grpc.FutureTimeoutError:
-            print(f"kvfleet generate: no router answers at {args.router} (start a local cluster with `kvfleet up`, "
-                  "or pass --router)", file=sys.stderr)
+            print(no_router_line("generate", args.router), file=sys.stderr)
             return 1
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
@@ -88,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                     u = chunk.usage
-                    reason = inference_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_")
-                    print(f"\n[{reason.lower()}: node {chunk.node_id}, {u.prompt_tokens} prompt tokens "
+                    print(f"\n[{finish_name(chunk.finish_reason)}: node {chunk.node_id}, {u.prompt_tokens} prompt tokens "
                           f"({u.cached_tokens} cached), {u.completion_tokens} generated]", file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)

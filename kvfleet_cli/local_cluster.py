@@ -2,6 +2,10 @@
 
     etcd (EtcdServer) → block_service → N × ``kvfleet compute`` → ``kvfleet router``
 
+With ``block_service_standby`` there are two block_service replicas (``block_service`` and
+``block_service_standby``, each with its own state directory) electing their leader in the
+cluster's etcd, replicating synchronously; the nodes and the router find the leader there.
+
 Every child gets its own log file in the work directory and dies with this process (Linux
 ``PR_SET_PDEATHSIG``); ``stop()`` sends SIGTERM to all (compute nodes drain), waits, then SIGKILLs
 whatever is left, so no process outlives the cluster even when a test fails. ``exited()`` and
@@ -82,6 +86,8 @@ class LocalCluster:
         http: bool = True,
         metrics: bool = True,
         kv_cache_dtype: str = "auto",
+        block_service_standby: bool = False,
+        lease_ttl_s: int = 5,
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -105,6 +111,9 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}  # child name → its Prometheus endpoint's port
         self.etcd: EtcdServer | None = None
         self.block_service: Child | None = None
+        self.block_service_standby: Child | None = None
+        self.standby = block_service_standby
+        self.lease_ttl_s = lease_ttl_s
         self.nodes: dict[str, Child] = {}
         self.router: Child | None = None
         socket_path = self.work_dir / "router.sock"
@@ -141,7 +150,38 @@ class LocalCluster:
 
     @property
     def block_service_address(self) -> str | None:
-        return f"127.0.0.1:{self.block_service.port}" if self.block_service else None
+        """Where block_service answers writes: the leader etcd names now, with a standby."""
+        if self.block_service is None:
+            return None
+        if self.standby:
+            return self.block_service_leader()
+        return f"127.0.0.1:{self.block_service.port}"
+
+    def block_service_leader(self) -> str | None:
+        """The replica etcd names the block_service leader now (None: none is elected)."""
+        from kvfleet.leader import read_leader
+        from kvfleet.membership import etcd_client
+
+        async def read():
+            async with etcd_client(self.etcd.url) as client:
+                leader, _ = await read_leader(client)
+            return leader.address if leader else None
+
+        return asyncio.run(read())
+
+    def _block_service_flag(self) -> list[str]:
+        """What the nodes and the router are told: the fixed address, or the leader in etcd."""
+        if self.block_service is None:
+            return []
+        return ["--block-service", "etcd" if self.standby else f"127.0.0.1:{self.block_service.port}"]
+
+    def _spawn_block_service(self, name: str, state: str, *extra: str) -> Child:
+        port = free_port()
+        argv = ["block-service", "--listen", f"127.0.0.1:{port}", "--tenants", self.tenants_file,
+                "--state-dir", str(self.work_dir / state), *self._metrics_args(name)]
+        if self.standby:
+            argv += ["--etcd", self.etcd.url, "--sync-standby", "--lease-ttl", str(self.lease_ttl_s), *extra]
+        return self._spawn(name, argv, port)
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -188,13 +228,12 @@ class LocalCluster:
         try:
             self.etcd = EtcdServer(data_dir=self.work_dir / "etcd").start()
             if self.with_block_service:
-                port = free_port()
-                self.block_service = self._spawn("block_service", [
-                    "block-service", "--listen", f"127.0.0.1:{port}",
-                    "--tenants", self.tenants_file, "--state-dir", str(self.work_dir / "block_state"),
-                    *self._metrics_args("block_service"),
-                ], port)
+                self.block_service = self._spawn_block_service("block_service", "block_state")
                 self._wait_port(self.block_service, timeout)
+                if self.standby:  # the first one leads; the standby follows it from the start
+                    self.block_service_standby = self._spawn_block_service(
+                        "block_service_standby", "block_state_standby", "--standby")
+                    self._wait_port(self.block_service_standby, timeout)
             for i in range(self.num_nodes):
                 self.add_node(f"node-{i}", wait=False)
             self.wait_ready(list(self.nodes), timeout)
@@ -202,8 +241,7 @@ class LocalCluster:
             argv = ["router", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
                     "--tenants", self.tenants_file, "--model", self.model_dir, *self._metrics_args("router"),
                     *self.router_args]
-            if self.block_service:
-                argv += ["--block-service", self.block_service_address]
+            argv += self._block_service_flag()
             if self._router_socket:
                 argv += ["--listen-unix", self._router_socket]
             if self.http_port:
@@ -221,8 +259,7 @@ class LocalCluster:
                 "--node-id", node_id, "--block-size", str(self.block_size),
                 "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
                 *self._metrics_args(node_id), *self.compute_args, *extra]
-        if self.block_service:
-            argv += ["--block-service", self.block_service_address]
+        argv += self._block_service_flag()
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)
         if wait:
             self.wait_ready([node_id], timeout)
@@ -301,8 +338,10 @@ class LocalCluster:
         """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them."""
         from block_service.client import BlockManagerClient
 
+        address = self.block_service_address  # with a standby: read from etcd, outside the loop below
+
         async def read():
-            async with BlockManagerClient(self.block_service_address, timeout_s=10) as client:
+            async with BlockManagerClient(address, timeout_s=10) as client:
                 return await client.stats()
 
         nodes, tenants = asyncio.run(read())
@@ -322,11 +361,12 @@ class LocalCluster:
 
     def children(self) -> list[Child]:
         # Stop order: the router first (no new work), then the nodes (they drain), block_service last.
-        return [c for c in [self.router, *self.nodes.values(), self.block_service] if c is not None]
+        return [c for c in [self.router, *self.nodes.values(), self.block_service, self.block_service_standby]
+                if c is not None]
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM in stages (router, then nodes, then block_service), SIGKILL what overstays."""
-        stages = [[self.router], list(self.nodes.values()), [self.block_service]]
+        stages = [[self.router], list(self.nodes.values()), [self.block_service, self.block_service_standby]]
         for stage in stages:
             children = [c for c in stage if c is not None]
             for child in children:
@@ -343,7 +383,7 @@ class LocalCluster:
             self.etcd.stop()
         if self._own_work_dir:
             # etcd preallocates ~60 MiB of log; a temporary cluster keeps only its logs
-            for state in ("etcd", "block_state"):
+            for state in ("etcd", "block_state", "block_state_standby"):
                 shutil.rmtree(self.work_dir / state, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compute_service.kv_cache_dtype import KV_CACHE_DTYPES
+from compute_service.kv_layout import KV_LAYOUTS
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.models_pull import default_model_dir
@@ -78,7 +79,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
+    parser.add_argument("--kv-layout", default="paged", help="the nodes' KV layout: paged or contiguous (max_model_len "
+                        "reserved per sequence, no prefix sharing)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the nodes' longest sequence (default: the model's)")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+    parser.add_argument("--block-service-standby", action="store_true",
+                        help="two block_service replicas (a leader and a synchronous standby that takes over "
+                             "when it dies), elected through the cluster's etcd")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
+                             "flags given on the command line win")
+
+
+def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The nodes' ``--kv-layout`` and ``--max-model-len``, as ``kvfleet compute`` takes them."""
+    limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
+    return ("--kv-layout", args.kv_layout, *limit)
+
+
+def file_defaults(args: argparse.Namespace) -> dict:
+    """The ``--config`` file's values (``kvfleet_cli.cli`` makes them the defaults)."""
+    if args.config is None:
+        return {}
+    from kvfleet_cli.config_file import load
+
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command", "log_level")}
+    return load(args.config, flags)
 
 
 def _log_to(path: Path) -> None:
@@ -96,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: --kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}",
               file=sys.stderr)
         return 2
+    if args.kv_layout not in KV_LAYOUTS:
+        print(f"kvfleet up: --kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {args.kv_layout!r}", file=sys.stderr)
+        return 2
+    if args.max_model_len is not None and args.max_model_len < 1:
+        print(f"kvfleet up: --max-model-len must be at least 1, got {args.max_model_len}", file=sys.stderr)
+        return 2
     if args.model is None:
         real = default_model_dir()
         args.model = str(real) if (real / "config.json").is_file() else TINY_MODEL
@@ -110,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype, block_service_standby=args.block_service_standby,
+                           compute_args=_layout_args(args))
     stop = False
 
     def on_signal(*_):
@@ -132,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        if args.block_service_standby:
+            print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
+                  f"a synchronous standby that takes over when it dies)")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
@@ -149,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if cluster.router is not None and cluster.block_service is not None and cluster.block_service.alive():
+        if cluster.router is not None and cluster.block_service is not None and any(
+                c.alive() for c in (cluster.block_service, cluster.block_service_standby) if c is not None):
             try:
                 print(cluster.summary())
             except Exception as e:  # the summary is a courtesy; stopping is what matters

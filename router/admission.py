@@ -55,3 +55,10 @@ class Admission:
     def finish(self, tenant: str) -> None:
         self.queue.finish(tenant)
         self._dispatch()
+
+    def set_capacity(self, capacity: int | None) -> None:
+        """The fleet's capacity changed (a node came, went, or moved its live cap): a raised one
+        lets waiters run at once."""
+        if capacity != self.queue.capacity:
+            self.queue.set_capacity(capacity)
+            self._dispatch()

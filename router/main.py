@@ -25,15 +25,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-timeout-s", type=float, default=600.0,
                         help="an HTTP request still unanswered after this long gets 504")
     parser.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
-    parser.add_argument("--block-service", default=None, help="block_service host:port (prefix lookups)")
+    parser.add_argument("--block-service", default=None,
+                        help="block_service host:port (prefix lookups), or 'etcd': the leader elected in --etcd")
     parser.add_argument("--tenants", required=True, help="tenants YAML file")
     parser.add_argument("--model", default=None, help="model directory for the tokenizer "
                         "(default: the one the compute nodes advertise)")
     parser.add_argument("--queue-size", type=int, default=1024, help="waiting requests before shedding")
     parser.add_argument("--capacity", type=int, default=None,
-                        help="requests running at once across the cluster (default: no limit)")
+                        help="requests running at once across the cluster (default: the sum of the READY nodes' "
+                             "live caps on running sequences, from membership; requests above it wait here, by score)")
     parser.add_argument("--w-paid", type=float, default=0.6, help="queue score weight of the paid level")
     parser.add_argument("--w-wait", type=float, default=0.4, help="queue score weight of the waiting time")
+    parser.add_argument("--wait-scale-s", type=float, default=10.0,
+                        help="seconds of waiting worth one unit of the queue's wait term (default 10: a request "
+                             "is overtaken only by requests that arrive less than 15 s after it)")
     parser.add_argument("--prefix-weight", type=float, default=1.0,
                         help="routing cost of one uncached prompt block, in active blocks")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
@@ -61,15 +66,16 @@ async def serve(args: argparse.Namespace) -> None:
     from router.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.tenants)
-    queue = PriorityQueue(args.queue_size, tenants.concurrency_limits(), QueueWeights(args.w_paid, args.w_wait),
-                          capacity=args.capacity)
+    queue = PriorityQueue(args.queue_size, tenants.concurrency_limits(),
+                          QueueWeights(args.w_paid, args.w_wait, args.wait_scale_s), capacity=args.capacity)
+    admission = Admission(queue)
     nodes = NodeTable(dial_compute)
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
                                       hot_spot_ratio=args.hot_spot_ratio))
-    prefix = await connect_prefix_lookup(args.block_service)
+    prefix = await connect_prefix_lookup(args.block_service, args.etcd)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)
     request_metrics = _serve_metrics(args, tenants, queue, picker, nodes) if args.metrics_port is not None else None
-    generations = Generations(tenants, Admission(queue), relay, TokenizerSource(nodes, args.model), request_metrics)
+    generations = Generations(tenants, admission, relay, TokenizerSource(nodes, args.model), request_metrics)
     server = await build_server(args.listen, generations, nodes, unix_socket=args.listen_unix)
     http = None
     if args.http_listen:
@@ -84,6 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
     async def follow_membership(client) -> None:
         async for change in watch_nodes(client):
             await nodes.apply(change)
+            if args.capacity is None:  # the fleet's capacity follows the nodes' live caps
+                admission.set_capacity(nodes.capacity())
             await server.update_health()
             if change.info is None:
                 await prefix.forget_node(change.node_id)  # retried once block_service answers
@@ -126,7 +134,7 @@ def _serve_metrics(args: argparse.Namespace, tenants, queue, picker, nodes):
 
     async def read() -> metrics.RouterSample:
         waiting = metrics.tenant_queues(queue.waiting(), queue.running_by_tenant(), paid_levels, time.monotonic())
-        return metrics.RouterSample(waiting, dict(picker.decisions), len(nodes.ready()))
+        return metrics.RouterSample(waiting, dict(picker.decisions), len(nodes.ready()), queue.capacity)
 
     request_metrics.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
     serve_metrics(request_metrics.registry, metrics_listen(args.listen, args.metrics_port), "router")
@@ -138,6 +146,10 @@ def preflight(args: argparse.Namespace) -> None:
     from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
+    if args.capacity is not None and args.capacity < 1:
+        raise PreflightError(f"--capacity must be at least 1, got {args.capacity}")
+    if not args.wait_scale_s > 0:
+        raise PreflightError(f"--wait-scale-s must be positive, got {args.wait_scale_s}")
     check_port_free(args.listen)
     if args.http_listen:
         check_port_free(args.http_listen, "HTTP")
@@ -146,7 +158,7 @@ def preflight(args: argparse.Namespace) -> None:
     if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
         raise PreflightError(f"{args.model} is not a model directory (no tokenizer.json)")
     wait_reachable("etcd", args.etcd, args.dependency_timeout, log.warning)
-    if args.block_service:
+    if args.block_service and args.block_service != "etcd":
         wait_reachable("block_service", args.block_service, args.dependency_timeout, log.warning)
 
 

@@ -42,6 +42,7 @@ class RouterSample:
     tenants: list[TenantQueue]
     decisions: dict[tuple[str, str], int]   # (node id, reason) → routing decisions
     num_ready_nodes: int
+    capacity: int | None = None             # requests run at once (None: no limit)
 
 
 def tenant_queues(waiting: Iterable[QueuedRequest], running: Mapping[str, int], paid_levels: Mapping[str, int],
@@ -68,6 +69,8 @@ def families(s: RouterSample) -> Iterator[Metric]:
                   "(kv: lowest KV-aware cost; hot_spot: least loaded instead; warmup: a warming node left out)",
                   ("node", "reason"), [((node, reason), n) for (node, reason), n in sorted(s.decisions.items())])
     yield gauge("router_ready_nodes", "Compute nodes READY for requests", (), [((), s.num_ready_nodes)])
+    yield gauge("router_capacity", "Requests the router lets run at once: the READY nodes' live caps summed, "
+                "or --capacity (no series: no limit)", (), [] if s.capacity is None else [((), s.capacity)])
 
 
 class RequestMetrics:

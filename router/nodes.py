@@ -162,6 +162,15 @@ class NodeTable:
             and (n.failed_at is None or now - n.failed_at > self.failure_quarantine_s)
         ]
 
+    def capacity(self) -> int | None:
+        """Requests the fleet runs at once: the sum of the READY nodes' live caps (their membership
+        records' ``max_num_seqs``). None (no limit) when no node is READY, so that a request is not
+        held in the queue but answered UNAVAILABLE as before, or when a READY node publishes no cap."""
+        caps = [n.info.max_num_seqs for n in self.nodes.values() if n.ready_since is not None]
+        if not caps or 0 in caps:
+            return None
+        return sum(caps)
+
     async def close(self) -> None:
         for node in [*self.nodes.values(), *self.departed.values()]:
             await self._hang_up(node)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kvfleet.backoff import error_line
 from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.errors import NotFound
+from kvfleet.errors import NotFound, Unavailable
 from router.nodes import RouterNode
 from router.recent_routes import RecentRoutes
 
@@ -104,14 +104,16 @@ class BlockServicePrefixLookup:
             await self.client.close()
 
 
-async def connect_prefix_lookup(address: str | None):
+async def connect_prefix_lookup(address: str | None, etcd_url: str | None = None):
+    """Lookups in block_service at ``address`` (``etcd``: the elected leader), following the leader
+    etcd names whenever one is elected."""
     if not address:
         return BlockServicePrefixLookup()  # routing by load and this router's own recent routes
-    from block_service.client import BlockManagerClient
+    from block_service import leader_client
 
-    client = BlockManagerClient(address, timeout_s=5.0)
+    client = await leader_client.connect(address, etcd_url, timeout_s=5.0)
     try:
         await client.wait_ready(10.0)
-    except asyncio.TimeoutError:  # serve anyway: lookups start answering when block_service does
+    except (asyncio.TimeoutError, Unavailable):  # serve anyway: lookups answer once block_service does
         log.warning("block_service at %s not reachable yet; routing by load until it answers", address)
     return BlockServicePrefixLookup(client)

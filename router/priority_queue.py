@@ -1,13 +1,19 @@
 """The router's admission queue: which waiting request runs next.
 
-    score = w_paid · paid_level / max_paid_level + w_wait · wait / longest wait in the queue
+    score = w_paid · paid_level / max_paid_level + w_wait · wait / wait_scale_s
 
-Both terms lie in [0, 1]: the paid level is scaled by the best paid level on file, the waiting time
-by the oldest request's, so the weights (0.6 / 0.4 by default) are the only knobs and need no unit.
-Equal paid levels run in arrival order; a lower paid level overtakes a higher one once it has waited
-long enough relative to it. A tenant at its concurrency limit is skipped, not blocking others; nothing
-runs while ``capacity`` requests (all tenants together) are running. The queue is bounded: when
-full, the lowest-scoring request (possibly the newcomer) is shed.
+The paid term lies in [0, 1]; the wait term grows by one every ``wait_scale_s`` (10 s by default)
+and has no ceiling, so every request ends up outranking every newer one: a request that arrived Δ
+seconds after r is taken before r only while
+
+    Δ < (w_paid / w_wait) · wait_scale_s · (its paid term − r's paid term)     (15 s at most by default)
+
+Equal paid levels run in arrival order. A wait term bounded by 1 (the wait over the longest wait in
+the queue) could never make up a paid gap above w_wait / w_paid (2/3): a free tenant behind a steady
+stream of top-paid requests would wait without bound. A tenant at its concurrency limit is skipped,
+not blocking others; nothing runs while ``capacity`` requests (all tenants together) are running
+(the router sets it from the nodes' live caps as they change). The queue is bounded: when full, the
+lowest-scoring request (possibly the newcomer) is shed.
 
 Pure logic: time is passed in, nothing here sleeps or awaits.
 """
@@ -23,10 +29,13 @@ from typing import Any
 class QueueWeights:
     paid: float = 0.6
     wait: float = 0.4
+    wait_scale_s: float = 10.0  # seconds of waiting worth one unit of the wait term
 
     def __post_init__(self) -> None:
         if self.paid < 0 or self.wait < 0 or self.paid + self.wait <= 0:
             raise ValueError(f"queue weights must be >= 0 and not both 0, got {self.paid}/{self.wait}")
+        if not self.wait_scale_s > 0:
+            raise ValueError(f"wait_scale_s must be positive, got {self.wait_scale_s}")
 
 
 @dataclass(slots=True)
@@ -52,10 +61,9 @@ class PriorityQueue:
     ):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, got {max_size}")
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
         self.max_size = max_size
-        self.capacity = capacity  # most requests running at once, all tenants together; None: no limit
+        self.capacity: int | None = None  # most requests running at once, all tenants together; None: no limit
+        self.set_capacity(capacity)
         self.weights = weights
         self._limits = dict(concurrency_limits or {})
         self._queued: dict[str, QueuedRequest] = {}  # insertion order = arrival order
@@ -80,10 +88,14 @@ class PriorityQueue:
         """Requests running per tenant (a copy)."""
         return dict(self._running)
 
+    def set_capacity(self, capacity: int | None) -> None:
+        """A new limit on requests running at once; those above a lowered one finish, nothing is stopped."""
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+        self.capacity = capacity
+
     def score(self, item: QueuedRequest, now: float) -> float:
-        oldest = next(iter(self._queued.values()), item).enqueued_at
-        longest_wait = max(now - min(oldest, item.enqueued_at), 0.0)
-        wait = (now - item.enqueued_at) / longest_wait if longest_wait > 0 else 0.0
+        wait = max(now - item.enqueued_at, 0.0) / self.weights.wait_scale_s
         return self.weights.paid * item.paid + self.weights.wait * wait
 
     def push(self, item: QueuedRequest, now: float) -> QueuedRequest | None:

@@ -11,8 +11,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import trace
 
 from kvfleet import rpc
@@ -78,12 +77,7 @@ async def build_server(
     on the Unix domain socket ``unix_socket`` too; not started."""
     server = rpc.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generations), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
+    health_servicer = rpc.serve_health_and_reflection(server, SERVICE_NAME)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise CannotListen(f"cannot listen on {listen}")

@@ -42,9 +42,11 @@ PURE = [
     "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",
     "block_service.backup", "block_service.restore", "block_service.validation", "block_service.node_state",
     "block_service.prefix_index", "block_service.block_lru", "block_service.pool_codec",
+    "block_service.lineage", "block_service.replication_log", "block_service.standby_acks", "block_service.role",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
     "compute_service.block_link", "compute_service.block_sync", "compute_service.sliding_window", "kvfleet.backoff",
     "compute_service.model_config", "compute_service.rope_config", "compute_service.kv_cache_dtype",
+    "compute_service.kv_layout", "compute_service.batch_controller", "compute_service.live_cap",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "router.chat_template", "router.openai_requests", "router.openai_responses",
@@ -55,6 +57,9 @@ PURE = [
     "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
     "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
     "kvfleet_cli.planning.model_dir", "kvfleet_cli.planning.cpu_device", "kvfleet_cli.plan_command",
+    "kvfleet_cli.loadgen.workload", "kvfleet_cli.loadgen.records", "kvfleet_cli.loadgen.analysis",
+    "kvfleet_cli.loadgen.search", "kvfleet_cli.loadgen.server_side", "kvfleet_cli.loadgen.plots",
+    "kvfleet_cli.loadgen.progress", "kvfleet_cli.config_file",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 

@@ -181,7 +181,8 @@ def test_every_rpc_answers_bad_input_and_changes_nothing(tmp_path) -> None:
     store.sync()
     before, lsn = store.table.to_dict(), store.lsn
     cases = _bad_requests()
-    assert {m for m, _, _ in cases} == set(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name)
+    streamed = {"FollowLog"}  # a stream between replicas: test_follow_log_needs_replicas
+    assert {m for m, _, _ in cases} == set(pb.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name) - streamed
 
     async def body(client: BlockManagerClient) -> None:
         stub = pb_grpc.BlockManagerStub(client._channel)
@@ -196,6 +197,26 @@ def test_every_rpc_answers_bad_input_and_changes_nothing(tmp_path) -> None:
 
     serve_and_run(store, body)
     assert store.lsn == lsn
+    store.close()
+
+
+def test_follow_log_needs_replicas(tmp_path) -> None:
+    """A block_service started without --etcd has no standbys: a FollowLog is refused, changing nothing."""
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+
+    async def body(client: BlockManagerClient) -> None:
+        async def first():
+            yield pb.FollowLogRequest(from_lsn=0, standby_id="test")
+
+        async with BlockManagerClient(client.target) as other:
+            stream = other.follow_log(first())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream:
+                    pass
+        assert err.value.code() == Code.FAILED_PRECONDITION
+        assert "--etcd" in err.value.details()
+
+    serve_and_run(store, body)
     store.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import grpc
 
@@ -43,6 +44,43 @@ def stream(address: str, req, api_key: str = "sk-gold", timeout: float = 120.0):
         return list(stub.Generate(req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout))
 
 
+class Streams:
+    """One greedy Generate per prompt, each streamed in its own thread. ``wait_decoding()`` returns
+    once every stream has received its third chunk; after ``join()``, ``results[i]`` is stream i's
+    tokens, or the exception that ended it."""
+
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int, api_key: str = "sk-gold"):
+        self.address, self.prompts, self.max_tokens, self.api_key = address, prompts, max_tokens, api_key
+        self.results: list = [None] * len(prompts)
+        self._decoding = threading.Barrier(len(prompts) + 1)
+        self._threads = [threading.Thread(target=self._one, args=(i,)) for i in range(len(prompts))]
+        for t in self._threads:
+            t.start()
+
+    def _one(self, i: int) -> None:
+        got: list[int] = []
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                call = inference_pb2_grpc.InferenceStub(channel).Generate(
+                    request(tokens=self.prompts[i], max_tokens=self.max_tokens, ignore_eos=True),
+                    metadata=[("authorization", f"Bearer {self.api_key}")], timeout=300)
+                for n, chunk in enumerate(call):
+                    got.extend(chunk.token_ids)
+                    if n == 2:
+                        self._decoding.wait(60)
+            self.results[i] = got
+        except Exception as e:  # reported by the test, with the others
+            self.results[i] = e
+
+    def wait_decoding(self, timeout: float = 120.0) -> None:
+        self._decoding.wait(timeout)
+
+    def join(self, timeout: float = 300.0) -> list:
+        for t in self._threads:
+            t.join(timeout)
+        return self.results
+
+
 def tokens_of(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
@@ -53,8 +91,10 @@ def block_pools(cluster) -> dict:
 
     from block_service.client import BlockManagerClient
 
+    address = cluster.block_service_address  # with a standby: read from etcd, outside the loop below
+
     async def read():
-        async with BlockManagerClient(cluster.block_service_address) as client:
+        async with BlockManagerClient(address) as client:
             nodes, _ = await client.stats()
         return {n.node_id: n for n in nodes}
 

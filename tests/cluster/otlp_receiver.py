@@ -21,6 +21,8 @@ class ReceivedSpan:
     span_id: str
     parent_id: str
     attributes: dict
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each linked span
+    start_ns: int = 0
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -41,6 +43,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                     received.append(ReceivedSpan(
                         service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                         {a.key: _value(a.value) for a in s.attributes},
+                        tuple((link.trace_id.hex(), link.span_id.hex()) for link in s.links),
+                        s.start_time_unix_nano,
                     ))
         with self._lock:
             self.spans.extend(received)

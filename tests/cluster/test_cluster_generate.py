@@ -87,18 +87,27 @@ def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
 
 
 def test_health_and_reflection(start_cluster):
+    """Every kvfleet server answers the gRPC health service and lists its services by reflection
+    (what Kubernetes' grpc probes and grpcurl need): the router, the node and block_service."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     cluster = start_cluster(1)
-    with grpc.insecure_channel(cluster.router_address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="kvfleet.v1.Inference"), timeout=10)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
-        names = {s.name for r in responses for s in r.list_services_response.service}
-        assert "kvfleet.v1.Inference" in names and "grpc.health.v1.Health" in names
+    [node_id] = cluster.node_states()
+    servers = {cluster.router_address: "kvfleet.v1.Inference",
+               f"127.0.0.1:{cluster.child(node_id).port}": "kvfleet.v1.Compute",
+               cluster.block_service_address: "kvfleet.v1.BlockManager"}
+    for address, service in servers.items():
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
+            [listed] = reflect(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = {s.name for s in listed.list_services_response.service}
+            assert names == {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}, address
+            # the service's own descriptors come back: a client needs no .proto file to call it
+            [found] = reflect(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)]), timeout=10)
+            assert found.file_descriptor_response.file_descriptor_proto, service
 
 
 def test_a_cached_prefix_is_routed_to_its_node(start_cluster):

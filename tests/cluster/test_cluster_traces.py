@@ -51,6 +51,23 @@ def test_one_trace_spans_router_compute_and_block_service(start_cluster):
     served_by_block = [s for s in trace if s.service == "kvfleet-block-service" and s.name.endswith("AllocateMany")]
     assert served_by_block and all(parent(s) in allocations for s in served_by_block), names
 
+    # The node's write-behind bookkeeping (ApplyMany: this request's commits and its release, batched
+    # with other requests' when there are any) is a trace of its own, linked to each request it carries:
+    # every batch sent after this request started (the warm-up's came before) links to its prefill span.
+    batches = [s for s in spans if s.service == "kvfleet-compute" and s.name == "bookkeeping"]
+    after = [b for b in batches if b.start_ns > root.start_ns]
+    assert after and all((prefill[0].trace_id, prefill[0].span_id) in b.links for b in after), after
+    assert sum(b.attributes["kvfleet.num_commits"] for b in after) >= 1  # 40 tokens: full blocks committed
+    assert sum(b.attributes["kvfleet.num_releases"] for b in after) == 1  # and released at the end
+    # each batch: node's span → its ApplyMany client span → block_service's server span; no ApplyMany
+    # is a lone trace any more
+    for batch in batches:
+        assert batch.parent_id == ""
+        [client] = [s for s in spans if s.parent_id == batch.span_id]
+        assert client.name.endswith("BlockManager/ApplyMany") and client.trace_id == batch.trace_id
+    applied = [s for s in spans if s.service == "kvfleet-block-service" and s.name.endswith("ApplyMany")]
+    assert applied and all(parent(s) is not None and parent(parent(s)) in batches for s in applied), names
+
 
 def test_the_http_door_traces_its_requests_as_the_grpc_door_does(start_cluster):
     """One path, two doors: an OpenAI request's trace has the same queue, route and compute spans,

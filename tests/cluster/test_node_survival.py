@@ -6,7 +6,6 @@ started while block_service is down. Real etcd, block_service, nodes and router 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import cluster_helpers
@@ -17,7 +16,7 @@ from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 from block_service.durable import recover
 from compute_service.engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
-from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2_grpc
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 LEASE_TTL = 2
 NUM_STREAMS = 6
@@ -73,33 +72,12 @@ def test_block_service_killed_under_load_and_restarted(start_cluster, expected):
     prompts, want = expected
     cluster = start_cluster(2, compute_args=("--reconcile-interval", "5"))
     before = pids(cluster)
-    results: list = [None] * NUM_STREAMS
-    started = threading.Barrier(NUM_STREAMS + 1)
-
-    def one(i: int) -> None:
-        got: list[int] = []
-        try:
-            with grpc.insecure_channel(cluster.router_address) as channel:
-                call = inference_pb2_grpc.InferenceStub(channel).Generate(
-                    request(tokens=prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True),
-                    metadata=[("authorization", "Bearer sk-gold")], timeout=300)
-                for n, chunk in enumerate(call):
-                    got.extend(chunk.token_ids)
-                    if n == 2:
-                        started.wait(60)
-            results[i] = got
-        except Exception as e:  # reported below, with the others
-            results[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_STREAMS)]
-    for t in threads:
-        t.start()
-    started.wait(120)                      # every stream is decoding
+    streams = cluster_helpers.Streams(cluster.router_address, prompts, MAX_TOKENS)
+    streams.wait_decoding()                # every stream is decoding
     cluster.kill("block_service")          # SIGKILL: no goodbye, state as last written
     time.sleep(1.0)                        # the nodes notice while requests are in flight
     cluster.restart("block_service")       # same port, same state directory
-    for t in threads:
-        t.join(300)
+    results = streams.join()
     assert results == want                 # every stream finished, token-exact
     assert pids(cluster) == before and all(c.alive() for c in cluster.nodes.values())
     assert cluster.node_states() == {n: "READY" for n in cluster.nodes}

@@ -45,3 +45,33 @@ def test_states_news_and_time_away():
     assert link.synced(now=20.0) == 0.0
     with pytest.raises(ValueError):
         link.lose("gone", now=21.0)
+
+
+def test_a_new_leader_cuts_the_resync_backoff_short() -> None:
+    """The resync waits its backoff between tries; ``retry_now`` (block_service's leader changed)
+    makes it try at once instead of at the end of a long delay."""
+    import asyncio
+
+    from compute_service.block_sync import BlockSync, SyncOutcome
+    from kvfleet.backoff import Backoff
+
+    async def run() -> int:
+        tries = []
+
+        async def sync(periodic: bool) -> SyncOutcome:
+            tries.append(periodic)
+            if len(tries) == 1:
+                raise Unavailable("the old leader is gone")
+            return SyncOutcome()
+
+        syncs = BlockSync("n0", sync, backoff=lambda: Backoff(first_s=3600, cap_s=3600))
+        syncs.trouble()
+        while not tries:
+            await asyncio.sleep(0)
+        syncs.retry_now()
+        while syncs.resyncing:
+            await asyncio.sleep(0.01)
+        await syncs.close()
+        return len(tries)
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == 2

@@ -40,3 +40,8 @@ def test_blocks_by_state_add_up_and_an_empty_pool_is_not_a_division_by_zero():
     empty = AllocatorStats(num_blocks=0, num_free=0, num_cached=0, num_used=0, prefix_queries=0, prefix_hits=0)
     r = registry_of(metrics.families(_sample(blocks=empty)))
     assert r.get_sample_value("kvfleet:kv_cache_usage_perc", {"node": "node-0"}) == 0
+
+
+def test_the_live_cap_is_a_gauge():
+    r = registry_of(metrics.families(_sample(max_num_seqs_live=7)))
+    assert r.get_sample_value("kvfleet:max_num_seqs_live", {"node": "node-0"}) == 7

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from block_service.local_allocator import LocalBlockAllocator
 from compute_service.kv_cache_manager import KVCacheManager
 from compute_service.scheduler import Scheduler, SchedulerConfig
@@ -234,3 +236,21 @@ def test_a_request_over_its_quota_on_its_own_is_still_refused_next_to_blocks_hel
     sched.add(too_big)
     batch = sched.schedule()
     assert [(s.seq_id, r.reason) for s, r in batch.refused] == [("s1", "quota")]
+
+
+def test_the_live_cap_limits_admission_and_lets_running_sequences_finish():
+    sched, _ = make_scheduler(budget=64, max_seqs=4)
+    for i in range(4):
+        sched.add(seq(f"s{i}", 4, start=10 * i))
+    advance(sched.schedule())
+    assert len(sched.running) == 4
+    sched.set_num_seqs_cap(2)  # lowered below what runs: nobody is preempted
+    sched.add(seq("late", 4, start=100))
+    batch = sched.schedule()
+    assert len(batch.decodes) == 4 and not batch.prefills and not batch.preempted
+    sched.finish(sched.running[:3])  # one left running: one more may join, up to the cap of 2
+    batch = sched.schedule()
+    assert [s.seq_id for s, _ in batch.prefills] == ["late"] and len(sched.running) == 2
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="live cap"):
+            sched.set_num_seqs_cap(bad)

@@ -84,3 +84,17 @@ def test_a_waiter_cancelled_as_its_turn_comes_gives_its_slot_back():
         await asyncio.wait_for(admission.wait("next", "t", 0.0), 1.0)  # the slot is free
 
     asyncio.run(main())
+
+
+def test_raising_the_capacity_lets_waiters_run_at_once():
+    async def main():
+        admission = Admission(PriorityQueue(max_size=4, capacity=1))
+        await admission.wait("a", "t", 0.0)
+        second = asyncio.create_task(admission.wait("b", "t", 0.0))
+        await asyncio.sleep(0)
+        assert not second.done()
+        admission.set_capacity(2)  # a node joined, or one's live cap grew
+        await asyncio.wait_for(second, 1.0)
+        assert admission.queue.num_running() == 2
+
+    asyncio.run(main())

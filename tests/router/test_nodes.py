@@ -85,3 +85,24 @@ def test_an_idle_node_that_leaves_is_hung_up_at_once_and_a_moved_one_always():
         assert busy.stream.closed and dialled == ["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2"]
 
     asyncio.run(scenario())
+
+
+def test_capacity_is_the_sum_of_the_ready_nodes_live_caps():
+    async def scenario():
+        table, _ = make_table()
+        assert table.capacity() is None  # no node READY: no limit (requests get UNAVAILABLE, not a wait)
+        capped = lambda node_id, cap, state=NodeState.READY: NodeInfo(  # noqa: E731
+            node_id, f"127.0.0.1:{cap}{len(node_id)}", "m", 64, 16, state, max_num_seqs=cap)
+        await table.apply(MembershipChange("a", capped("a", 8)))
+        await table.apply(MembershipChange("b", capped("b", 4)))
+        await table.apply(MembershipChange("w", capped("w", 16, NodeState.WARMING)))
+        assert table.capacity() == 12
+        await table.apply(MembershipChange("a", capped("a", 3)))  # a's controller lowered its cap
+        assert table.capacity() == 7
+        await table.apply(MembershipChange("b", None))
+        assert table.capacity() == 3
+        await table.apply(MembershipChange("old", info("old", "127.0.0.1:9")))  # publishes no cap
+        assert table.capacity() is None
+        await table.close()
+
+    asyncio.run(scenario())

@@ -101,3 +101,45 @@ def test_never_exceeds_bounds(ops):
         for t, limit in limits.items():
             assert q.num_running(t) == running.count(t) <= limit
         assert q.num_running() == len(running) <= 4
+
+
+def test_a_long_wait_outranks_any_paid_level():
+    """Gold (paid 1) arriving 1.5 · wait_scale_s or more after a free request no longer goes first:
+    0.6 · 1 + 0.4 · w / s < 0.4 · (w + 1.5 s) / s."""
+    weights = QueueWeights(wait_scale_s=2.0)
+    for gap, first in [(2.9, "gold"), (3.1, "free")]:
+        q = PriorityQueue(10, weights=weights)
+        q.push(req("free", "free", 0.0, at=0.0), 0.0)
+        q.push(req("gold", "gold", 1.0, at=gap), gap)
+        assert q.pop(now=10.0).request_id == first, gap
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 5), st.booleans()), min_size=1, max_size=30),
+       st.floats(0.1, 5))
+def test_no_request_is_overtaken_by_one_arriving_past_the_paid_gap_in_wait(arrivals, scale):
+    """The bound the cluster test relies on: request s runs before an older r only if it arrived
+    less than (0.6 / 0.4) · wait_scale_s · (paid_s − paid_r) after r."""
+    q = PriorityQueue(100, weights=QueueWeights(wait_scale_s=scale), capacity=1)
+    now, queued = 0.0, {}
+    for i, (paid, gap, pop) in enumerate(arrivals):
+        now += gap
+        q.push(req(f"r{i}", "t", paid, now), now)
+        queued[f"r{i}"] = (now, paid)
+        if pop:
+            chosen = q.pop(now)
+            q.finish("t")
+            at, p = queued.pop(chosen.request_id)
+            for other_at, other_paid in queued.values():  # every request left behind
+                assert not (other_at < at and at - other_at >= 1.5 * scale * (p - other_paid) + 1e-9)
+
+
+def test_capacity_can_change():
+    q = PriorityQueue(10, capacity=1)
+    q.push(req("a"), 0.0)
+    q.push(req("b"), 0.0)
+    assert q.pop(1.0).request_id == "a" and q.pop(1.0) is None
+    q.set_capacity(2)
+    assert q.pop(1.0).request_id == "b"
+    q.set_capacity(None)
+    with pytest.raises(ValueError):
+        q.set_capacity(0)

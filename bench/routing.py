@@ -1,0 +1,203 @@
+"""KV-aware routing against load-only routing on multi-turn conversations, same arrivals.
+
+Conversations share a few long system prompts; each turn's prompt is the whole history so far (system
+prompt, earlier user turns and the model's own earlier replies), so a node that served a
+conversation's last turn holds all but its newest user message. A local cluster of ``--nodes``
+nodes (etcd, block_service, router) serves the same seeded schedule twice, each time on a fresh
+cluster: the router's default routing (``--prefix-weight 1``: the cost of a node is its uncached
+prompt blocks plus its active blocks) and load-only routing (``--prefix-weight 0``). Reports mean and
+p90 time to first token, the prefix hit rate (cached / prompt tokens, from each request's usage) and
+throughput.
+
+    python bench/routing.py [--quick] [--json] [--nodes 2] [--rounds 1]
+
+Each node runs one intra-op thread (OMP_NUM_THREADS=1), so two nodes share this machine's two cores
+without oversubscribing them; the router's cold-start ramp is off (``--warmup-s 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ensure_model  # noqa: E402
+
+FULL = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, user_len=(64, 192), reply=64,
+            mean_gap_s=0.5, think_s=0.5)
+QUICK = dict(conversations=8, turns=3, system_prompts=2, system_len=384, user_len=(32, 64), reply=16,
+             mean_gap_s=0.3, think_s=0.1)
+BLOCK_SIZE = 16
+# per node: 8,192 tokens of bench-small's 16 KiB per token, under a third of the full shape's working set
+# (4 system prompts + 32 conversations' histories, ~28K tokens): where a node keeps what it serves
+# matters, as on a real fleet where long histories outgrow any one node's pool
+KV_CACHE_MEMORY = 128 << 20
+API_KEY = "sk-gold"
+VOCAB = 256
+
+
+@dataclass(slots=True)
+class Conversation:
+    start_s: float                 # arrival of the first turn, from the run's start
+    system: list[int]
+    user_turns: list[list[int]]
+
+
+@dataclass(slots=True)
+class TurnResult:
+    conversation: int
+    turn: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    new_tokens: int
+    node: str
+
+
+@dataclass(slots=True)
+class RunResult:
+    turns: list[TurnResult] = field(default_factory=list)
+    seconds: float = 0.0
+    replies: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (conversation, turn) → tokens
+
+
+def schedule(shape: dict, seed: int = 0) -> list[Conversation]:
+    """The seeded workload: conversation arrivals (exponential gaps), their system prompts (one of
+    ``system_prompts``, round robin) and their user turns."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(shape["system_len"])] for _ in range(shape["system_prompts"])]
+    low, high = shape["user_len"]
+    start, conversations = 0.0, []
+    for i in range(shape["conversations"]):
+        users = [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(shape["turns"])]
+        conversations.append(Conversation(start, systems[i % len(systems)], users))
+        start += rng.expovariate(1 / shape["mean_gap_s"])
+    return conversations
+
+
+async def _run(address: str, conversations: list[Conversation], shape: dict) -> RunResult:
+    import grpc
+
+    from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+
+    result = RunResult()
+    async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        t0 = time.perf_counter()
+
+        async def turn(index: int, t: int, prompt: list[int]) -> tuple[TurnResult, list[int]]:
+            request = inference_pb2.GenerateRequest(
+                tokens=inference_pb2.TokenIds(ids=prompt),
+                sampling=inference_pb2.SamplingParams(max_tokens=shape["reply"], ignore_eos=True))
+            sent, first, tokens, usage, node = time.perf_counter(), None, [], None, ""
+            async for chunk in stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=600):
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter()
+                tokens.extend(chunk.token_ids)
+                node = chunk.node_id or node
+                if chunk.HasField("usage"):
+                    usage = chunk.usage
+            return TurnResult(index, t, first - sent, usage.prompt_tokens, usage.cached_tokens, len(tokens), node), tokens
+
+        async def converse(index: int, conv: Conversation) -> None:
+            await asyncio.sleep(max(0.0, conv.start_s - (time.perf_counter() - t0)))
+            history = list(conv.system)
+            for t, user in enumerate(conv.user_turns):
+                history += user
+                outcome, reply = await turn(index, t, history)
+                result.turns.append(outcome)
+                result.replies[(index, t)] = reply
+                history += reply
+                await asyncio.sleep(shape["think_s"])
+
+        await asyncio.gather(*(converse(i, c) for i, c in enumerate(conversations)))
+        result.seconds = time.perf_counter() - t0
+    return result
+
+
+def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes: int, prefix_weight: float) -> RunResult:
+    from kvfleet.event_loop import run as run_loop
+    from kvfleet_cli.local_cluster import LocalCluster
+
+    router_args = ("--prefix-weight", str(prefix_weight), "--warmup-s", "0")
+    with LocalCluster(model, num_nodes=nodes, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
+                      log_level="WARNING", router_args=router_args, env={"OMP_NUM_THREADS": "1"},
+                      http=False, metrics=False) as cluster:
+        warm = [Conversation(0.0, [7] * 64, [[9] * 16])]  # kernels built and loaded on some node
+        for _ in range(nodes):
+            run_loop(_run(cluster.router_address, warm, dict(shape, think_s=0.0, reply=2)))
+        return run_loop(_run(cluster.router_address, conversations, shape))
+
+
+def summarize(run: RunResult) -> dict:
+    ttfts = sorted(t.ttft_s for t in run.turns)
+    prompt = sum(t.prompt_tokens for t in run.turns)
+    cached = sum(t.cached_tokens for t in run.turns)
+    generated = sum(t.new_tokens for t in run.turns)
+    return dict(mean_ttft_s=statistics.fmean(ttfts), p90_ttft_s=ttfts[int(0.9 * (len(ttfts) - 1))],
+                hit_rate=cached / prompt if prompt else 0.0, tokens_per_s=generated / run.seconds,
+                seconds=run.seconds, requests=len(run.turns),
+                per_node={n: sum(t.node == n for t in run.turns) for n in sorted({t.node for t in run.turns})})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 conversations x 3 turns (about a minute)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="KV-aware and load-only runs, alternating")
+    parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
+    args = parser.parse_args()
+    if args.nodes < 2:
+        parser.error("--nodes must be at least 2: routing needs a choice")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    shape = QUICK if args.quick else FULL
+    model = Path(args.model) if args.model else ensure_model()
+    conversations = schedule(shape)
+    kv_runs, load_runs = [], []
+    for _ in range(args.rounds):
+        kv_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=1.0))
+        load_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=0.0))
+    kv = [summarize(r) for r in kv_runs]
+    load = [summarize(r) for r in load_runs]
+    same_tokens = all(r.replies == kv_runs[0].replies for r in kv_runs + load_runs)
+
+    def mean(rows: list[dict], key: str) -> float:
+        return statistics.fmean(r[key] for r in rows)
+
+    result = dict(
+        kv_mean_ttft_s=round(mean(kv, "mean_ttft_s"), 4), load_mean_ttft_s=round(mean(load, "mean_ttft_s"), 4),
+        ttft_ratio=round(mean(load, "mean_ttft_s") / mean(kv, "mean_ttft_s"), 2),
+        kv_p90_ttft_s=round(mean(kv, "p90_ttft_s"), 4), load_p90_ttft_s=round(mean(load, "p90_ttft_s"), 4),
+        kv_hit_rate=round(mean(kv, "hit_rate"), 4), load_hit_rate=round(mean(load, "hit_rate"), 4),
+        kv_tokens_per_s=round(mean(kv, "tokens_per_s"), 1), load_tokens_per_s=round(mean(load, "tokens_per_s"), 1),
+        kv_per_node=kv[0]["per_node"], load_per_node=load[0]["per_node"], identical_replies=same_tokens,
+        nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name,
+    )
+    if not args.json:
+        print(f"{shape['conversations']} conversations x {shape['turns']} turns over {shape['system_prompts']} "
+              f"system prompts of {shape['system_len']} tokens, {args.nodes} nodes, model {model.name}")
+        print("| routing | mean TTFT s | p90 TTFT s | prefix hit rate | tokens/s | requests per node |")
+        print("|---|---:|---:|---:|---:|---|")
+        for name, rows in (("KV-aware (prefix weight 1)", kv), ("load-only (prefix weight 0)", load)):
+            print(f"| {name} | {mean(rows, 'mean_ttft_s'):.3f} | {mean(rows, 'p90_ttft_s'):.3f} | "
+                  f"{mean(rows, 'hit_rate'):.1%} | {mean(rows, 'tokens_per_s'):.1f} | {rows[0]['per_node']} |")
+        print(f"mean TTFT ratio (load-only / KV-aware): {result['ttft_ratio']}x (goal >= 2x); "
+              f"identical replies: {same_tokens}")
+    else:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

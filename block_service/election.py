@@ -1,0 +1,135 @@
+"""Leadership among block_service replicas: an etcd lease and a key created only if absent.
+
+    campaign: grant a lease (TTL) ─▶ txn(if create_revision(key) == 0: put(key, me, lease)) ─▶ won / lost
+    lead:     refresh the lease every TTL/3; each success moves the fence to (sent + TTL/2)
+    fence:    past it, or the lease or the key gone: not the leader any more (no write is accepted)
+    watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
+
+Split brain is impossible by construction: only the key's holder accepts writes, and etcd hands
+the key to another replica only once the holder's lease has lapsed, which is at least TTL after the
+holder last sent a refresh that succeeded. The holder stops accepting writes TTL/2 after that send
+(``holds()``), so it has stopped well before anyone else can start, even when etcd is unreachable
+from it and it cannot tell. A clean stop revokes the lease: the standby takes over at once. A lease
+revoked by hand (``etcdctl lease revoke``) is the one case timing cannot cover: the holder stops at
+the key's delete event (milliseconds, the watch below), while the next replica needs a campaign.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aetcd
+
+from kvfleet.backoff import error_line
+from kvfleet.leader import LEADER_KEY, Leader
+
+log = logging.getLogger(__name__)
+
+
+class Election:
+    def __init__(self, client: aetcd.Client, me: Leader, ttl_s: int = 5, key: str = LEADER_KEY,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s < 2:
+            raise ValueError(f"the leader lease needs a TTL of at least 2 s, got {ttl_s}")
+        self.client = client
+        self.me = me
+        self.ttl_s = ttl_s
+        self.key = key.encode()
+        self.clock = clock
+        self.lease_id: int | None = None
+        self._fence_at = 0.0   # monotonic time after which this replica must not accept writes
+        self._lost = asyncio.Event()
+        self._revision = 0      # the etcd revision at which this replica took the key
+        self._why = ""
+
+    def holds(self) -> bool:
+        """This replica leads now and may accept a write."""
+        return self.lease_id is not None and not self._lost.is_set() and self.clock() < self._fence_at
+
+    async def campaign(self) -> bool:
+        """One attempt to take the key; True when this replica now leads."""
+        sent = self.clock()
+        lease = await self.client.lease(self.ttl_s)
+        won, responses = await self.client.transaction(
+            compare=[self.client.transactions.create(self.key) == 0],
+            success=[self.client.transactions.put(self.key, self.me.to_json(), lease=lease.id)],
+            failure=[],
+        )
+        if not won:
+            with contextlib.suppress(Exception):
+                await self.client.revoke_lease(lease.id)
+            return False
+        self.lease_id, self._fence_at = lease.id, sent + self.ttl_s / 2
+        self._revision = responses[0].response_put.header.revision
+        self._lost = asyncio.Event()
+        return True
+
+    async def lead(self) -> str:
+        """Keep the lease while it can; returns why leadership ended (the fence has passed or the
+        key is gone: ``holds()`` is False from then on)."""
+        watcher = asyncio.create_task(self._watch_key())
+        try:
+            return await self._refresh()
+        finally:
+            watcher.cancel()
+            await asyncio.wait({watcher}, timeout=5.0)  # never hang a step-down on etcd
+
+    async def _watch_key(self) -> None:
+        """Lose at once when the key is deleted or rewritten after this replica took it."""
+        lease = self.lease_id
+        with contextlib.suppress(Exception):  # etcd unreachable: the refresh loop and the fence decide
+            watch = await self.client.watch(self.key, start_revision=self._revision + 1)
+            async for event in watch:
+                if event.kind == aetcd.EventKind.DELETE or event.kv.lease != lease:
+                    self._lose("the leader key was deleted or taken")
+                    return
+
+    async def _refresh(self) -> str:
+        interval = self.ttl_s / 3
+        while True:
+            wait = min(interval, max(self._fence_at - self.clock(), 0.0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lost.wait(), wait)
+            if self._lost.is_set():
+                return self._why
+            if self.clock() >= self._fence_at:
+                return self._lose(f"no lease refresh succeeded for {self.ttl_s / 2:.1f} s (TTL/2)")
+            sent = self.clock()
+            try:
+                reply = await asyncio.wait_for(self.client.refresh_lease(self.lease_id),
+                                               max(self._fence_at - sent, 0.01))
+                if reply is None or reply.TTL <= 0:
+                    return self._lose("the lease expired")
+                current = await self.client.get(self.key)
+                if current is None or current.lease != self.lease_id:
+                    return self._lose("the leader key was deleted or taken")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd unreachable: the fence decides
+                log.warning("leader lease refresh failed (%s); fencing in %.1f s unless one succeeds",
+                            error_line(e), max(self._fence_at - self.clock(), 0.0))
+                continue
+            self._fence_at = sent + self.ttl_s / 2
+
+    def _lose(self, why: str) -> str:
+        if self._lost.is_set():
+            return self._why
+        self._lost.set()
+        self._why = why
+        self.lease_id = None
+        log.warning("block_service at %s is no longer the leader: %s; accepting no writes", self.me.address, why)
+        return why
+
+    async def resign(self) -> None:
+        """Give the key up now (a clean stop): a standby takes over without waiting for the TTL."""
+        if not self._lost.is_set():
+            self._why = "resigned"
+            self._lost.set()
+        lease, self.lease_id = self.lease_id, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.revoke_lease(lease), 2.0)

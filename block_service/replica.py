@@ -1,0 +1,136 @@
+"""One block_service replica among several (``--etcd``): lead when elected, else follow the leader.
+
+    no leader in etcd ──campaign──▶ won: lead (accept writes) until the lease is lost ──┐
+         ▲     │ lost                                                                     │
+         │     ▼                                                                          │
+         └── a leader: follow its log (standby) until the stream ends or the key changes ◀┘
+
+A replica started with ``--standby`` campaigns only after it has followed a leader once, so that
+an empty replica never wins against one that holds the state. A replica that lost the lease waits
+one TTL before it campaigns again (whatever cost it the lease likely still holds; the standby, in
+sync, takes over meanwhile). It keeps
+running as a standby of whoever leads next (its records the new leader never had are replaced by
+the new leader's snapshot: they were never acknowledged as replicated). A state of another lineage
+ends the process (exit 2) with one line: it must not follow, nor lead a fleet that followed another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aetcd
+
+from block_service.election import Election
+from block_service.follower import Follower, LineageMismatch, close_quietly
+from block_service.lineage import ensure_lineage
+from block_service.role import Role
+from kvfleet.backoff import Backoff, LogThrottle, error_line
+from kvfleet.leader import Leader, watch_leader
+
+log = logging.getLogger(__name__)
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaConfig:
+    address: str           # this replica's address, as written in the leader key
+    state_dir: str
+    ttl_s: int             # the leader lease
+    standby_first: bool    # --standby: campaign only after following a leader once
+
+
+class Replica:
+    def __init__(self, client: aetcd.Client, role: Role, follower: Follower, config: ReplicaConfig,
+                 on_lead: Callable[[], Awaitable[None]]) -> None:
+        self.client, self.role, self.follower, self.on_lead = client, role, follower, on_lead
+        self.address, self.state_dir = config.address, config.state_dir
+        self.ttl_s, self.standby_first = config.ttl_s, config.standby_first
+        self.leader: Leader | None = None
+        self._followed: str | None = None  # the leader last followed (said once, not per retry)
+        self.election: Election | None = None
+        self._changed = asyncio.Event()
+        self._campaign_after = 0.0  # monotonic; a replica that just lost the lease lets the standby go first
+
+    async def _watch(self) -> None:
+        async for leader in watch_leader(self.client):
+            self.leader = leader
+            self.role.leader_address = leader.address if leader else None
+            self._changed.set()
+
+    async def run(self) -> int:
+        """Until cancelled (a stop); returns 2 when this state must not join the fleet."""
+        self.role.holds = _never
+        watcher = asyncio.create_task(self._watch())
+        backoff, throttle = Backoff(first_s=0.1, cap_s=1.0), LogThrottle()
+        try:
+            while True:
+                self._changed.clear()
+                leader = self.leader
+                try:
+                    if leader is None or leader.address == self.address:  # none, or this replica's previous run
+                        may = self.follower.followed or not self.standby_first
+                        if leader is None and may and time.monotonic() >= self._campaign_after:
+                            if await self._campaign():
+                                backoff.reset()
+                                continue
+                        await self._wait_change(1.0)
+                        continue
+                    why = await self._follow(leader)
+                except LineageMismatch as err:
+                    log.error("cannot follow the leader: %s", err)
+                    return 2
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # etcd or the leader briefly unreachable
+                    why = error_line(e)
+                if why and throttle.due():
+                    what = f"following the leader at {leader.address}" if leader else "the election in etcd"
+                    log.warning("replica at %s: %s failed (%s); trying again", self.address, what, why)
+                await self._wait_change(backoff.next())
+        finally:
+            await close_quietly(watcher)
+            if self.election is not None:
+                await self.election.resign()
+
+    async def _wait_change(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    async def _follow(self, leader: Leader) -> str | None:
+        """Follow ``leader`` until its stream ends or etcd names another; returns why it ended."""
+        if leader.address != self._followed:
+            self._followed = leader.address
+            log.info("standby: following the leader at %s", leader.address)
+        follow = asyncio.create_task(self.follower.follow(leader))
+        changed = asyncio.create_task(self._changed.wait())
+        await asyncio.wait({follow, changed}, return_when=asyncio.FIRST_COMPLETED)
+        await close_quietly(changed)
+        if follow.done():
+            return follow.result()
+        await close_quietly(follow)
+        return None
+
+    async def _campaign(self) -> bool:
+        election = Election(self.client, Leader(self.address, ensure_lineage(self.state_dir)), self.ttl_s)
+        if not await election.campaign():
+            return False
+        self.election = election
+        self.role.holds = election.holds
+        log.info("block_service at %s is the leader (lease TTL %d s)", self.address, self.ttl_s)
+        try:
+            await self.on_lead()
+            await election.lead()
+        finally:
+            self.role.holds = _never
+            self.election = None
+            self._campaign_after = time.monotonic() + self.ttl_s
+            await election.resign()
+        return True

@@ -1,0 +1,87 @@
+"""Where block_service's leader is: one etcd key, for everyone who talks to block_service.
+
+Two (or more) block_service replicas elect a leader through etcd (``block_service.election``): the
+winner holds ``/kvfleet/block_service/leader`` under its lease, the value JSON
+``{"address": "10.0.0.5:50051", "lineage": "<state lineage id>"}``. Compute nodes, the router and
+the standbys follow that key (``watch_leader``) and reconnect when it names another address; the
+key is absent while no replica leads (between a leader's lease lapsing and the next one winning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+import aetcd
+
+from kvfleet.backoff import LogThrottle, error_line
+
+log = logging.getLogger(__name__)
+
+LEADER_KEY = "/kvfleet/block_service/leader"
+FROM_ETCD = "etcd"  # ``--block-service etcd``: no fixed address, the leader named by LEADER_KEY
+
+
+@dataclass(slots=True, frozen=True)
+class Leader:
+    address: str   # host:port its BlockManager answers on
+    lineage: str   # its state directory's lineage (block_service.lineage)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, value: bytes) -> Leader:
+        fields = json.loads(value)
+        return cls(str(fields["address"]), str(fields["lineage"]))
+
+
+def _parse(value: bytes) -> Leader | None:
+    try:
+        return Leader.from_json(value)
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring a malformed block_service leader value %r: %s", value[:80], e)
+        return None
+
+
+async def read_leader(client: aetcd.Client, key: str = LEADER_KEY) -> tuple[Leader | None, int]:
+    """The leader named now (None: no replica leads), and the etcd revision of that read."""
+    result = await client.get_prefix(key.encode())
+    found = next((kv for kv in result if kv.key == key.encode()), None)
+    return (_parse(found.value) if found is not None else None), result.header.revision
+
+
+async def watch_leader(client: aetcd.Client, key: str = LEADER_KEY, retry_s: float = 1.0
+                       ) -> AsyncIterator[Leader | None]:
+    """The leader named now, then each change (None while nobody leads), forever; a broken watch
+    (etcd restarted) reads the key again, so no change is missed for long."""
+    last: object = object()
+    throttle = LogThrottle()
+    while True:
+        try:
+            async for leader in _leaders(client, key):
+                if leader != last:
+                    last = leader
+                    yield leader
+        except Exception as e:  # etcd restarted or unreachable: read the key again
+            if throttle.due():
+                log.warning("watch of the block_service leader in etcd broke (%s); reading it again every %.1fs",
+                            error_line(e), retry_s)
+        await asyncio.sleep(retry_s)
+
+
+async def _leaders(client: aetcd.Client, key: str) -> AsyncIterator[Leader | None]:
+    """The key's value now, then after each event on it, until the watch breaks."""
+    leader, revision = await read_leader(client, key)
+    yield leader
+    watch = await client.watch(key.encode(), start_revision=revision + 1)
+    try:
+        async for event in watch:
+            yield None if event.kind == aetcd.EventKind.DELETE else _parse(event.kv.value)
+    finally:  # bounded: a watch whose stream is not up yet may never answer its cancel
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(watch.cancel(), 2.0)

@@ -1,0 +1,64 @@
+"""The leader election against a real etcd: one winner per key, and a leader that cannot refresh its
+lease stops holding it before the lease can expire (the self-fence), with nothing faked."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from block_service.election import Election
+from kvfleet.leader import Leader, read_leader
+from kvfleet.membership import etcd_client
+from kvfleet_cli.etcd_server import EtcdServer
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = EtcdServer(data_dir=tmp_path / "etcd").start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            server.process.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+def test_one_replica_wins_and_the_other_takes_over_once_it_resigns(etcd) -> None:
+    async def run() -> None:
+        async with etcd_client(etcd.url) as client:
+            a = Election(client, Leader("a:1", "L"), ttl_s=2)
+            b = Election(client, Leader("b:1", "L"), ttl_s=2)
+            assert await a.campaign() and a.holds()
+            assert not await b.campaign() and not b.holds()
+            assert (await read_leader(client))[0] == Leader("a:1", "L")
+            leading = asyncio.create_task(a.lead())
+            await a.resign()
+            assert await leading == "resigned" and not a.holds()
+            assert await b.campaign() and b.holds()
+            await b.resign()
+
+    asyncio.run(run())
+
+
+def test_a_leader_cut_off_from_etcd_fences_itself_at_half_its_ttl(etcd) -> None:
+    """The clock is the election's own (injected): holds() turns False TTL/2 after the last refresh
+    was sent, whatever etcd does, so the fence comes before etcd can expire the lease (>= TTL)."""
+    now = [1000.0]
+
+    async def run() -> str:
+        async with etcd_client(etcd.url, timeout=0.5) as client:
+            election = Election(client, Leader("a:1", "L"), ttl_s=4, clock=lambda: now[0])
+            assert await election.campaign()
+            etcd.process.send_signal(signal.SIGSTOP)  # etcd stops answering: no refresh succeeds
+            try:
+                now[0] += 1.9
+                assert election.holds()
+                now[0] += 0.1                         # TTL/2 after the campaign was sent
+                assert not election.holds()
+                return await asyncio.wait_for(election.lead(), 30)
+            finally:
+                etcd.process.send_signal(signal.SIGCONT)
+
+    assert "TTL/2" in asyncio.run(run())

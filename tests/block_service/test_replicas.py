@@ -1,0 +1,189 @@
+"""Two block_service replicas as real processes with a real etcd (shortened lease): the standby
+holds the leader's state, takes over when the leader is SIGKILLed with every acknowledged change,
+refuses a leader of another lineage, and a deposed leader answers writes UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from replicas import ReplicaProcess, leader_address, wait_leader
+
+from block_service import leader_client
+from block_service.client import BlockManagerClient
+from block_service.lineage import write_lineage
+from block_service.trace import Trace, drive_async
+from kvfleet.allocator import AllocateRequest, Allocation
+from kvfleet.errors import Unavailable
+from kvfleet.leader import LEADER_KEY
+from kvfleet.membership import etcd_client
+from kvfleet_cli.etcd_server import EtcdServer
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(data_dir=tmp_path / "etcd").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, etcd: EtcdServer):
+    """``start(name, *flags)`` → a started replica; every one killed after the test."""
+    started: list[ReplicaProcess] = []
+
+    def start(name: str, *extra: str) -> ReplicaProcess:
+        replica = ReplicaProcess(name, tmp_path, etcd.url, *extra).start()
+        started.append(replica)
+        return replica
+
+    try:
+        yield start
+    finally:
+        for replica in started:
+            replica.kill()
+
+
+async def _state(address: str) -> tuple:
+    """Everything a reader can see of a replica's page table (its pools, live sequences and
+    charges), and its log position."""
+    async with BlockManagerClient(address, timeout_s=10) as client:
+        await client.wait_ready(30)
+        report = await client.blocks(top_holders=1000)
+    nodes = sorted((n.stats.node_id, n.stats.num_free, n.stats.num_cached, n.stats.num_used, n.stats.tokens_stored,
+                    sorted((h.seq_id, h.num_blocks, h.num_tokens) for h in n.holders)) for n in report.nodes)
+    tenants = sorted((t.tenant, t.node_id, t.blocks_charged, t.num_sequences) for t in report.tenants)
+    return report.log_records, nodes, tenants
+
+
+async def _wait_same_state(leader: str, standby: str, timeout_s: float = 60.0) -> tuple:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mine, theirs = await _state(leader), await _state(standby)
+        if mine == theirs or time.monotonic() > deadline:
+            return mine, theirs
+        await asyncio.sleep(0.2)
+
+
+async def _drive(client, steps: int, seed: int = 5) -> None:
+    trace = Trace(seed=seed, node_ids=["n0", "n1"], tenants=["a", "b"])
+    for node in ("n0", "n1"):
+        await client.register_node(node, 300, 16, 1 << 16)
+    for _ in range(steps):
+        await drive_async(client, trace.step())
+
+
+def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas) -> None:
+    a = replicas("a", "--sync-standby")
+    wait_leader(etcd.url, a.address, [a])
+    b = replicas("b", "--standby")
+
+    async def run() -> tuple:
+        async with await leader_client.connect("etcd", etcd.url, timeout_s=10) as client:
+            await _drive(client, 40)
+        return await _wait_same_state(a.address, b.address)
+
+    mine, theirs = asyncio.run(run())
+    assert mine[0] > 40 and mine[1], "the trace made changes"
+    assert theirs == mine
+
+
+def test_standby_takes_over_with_every_acknowledged_change(etcd, replicas) -> None:
+    a = replicas("a", "--sync-standby")
+    wait_leader(etcd.url, a.address, [a])
+    b = replicas("b", "--standby", "--sync-standby")
+
+    async def before_kill(client) -> dict[str, list[int]]:
+        await client.register_node("n0", 400, 16, 1 << 16)
+        await _wait_same_state(a.address, b.address)  # the standby is in sync from here on
+        acknowledged = {}
+        for i in range(30):
+            [result] = await client.allocate_many([AllocateRequest("n0", f"s{i}", "t", [], 40)])
+            assert isinstance(result, Allocation)
+            acknowledged[f"s{i}"] = result.block_ids
+        return acknowledged
+
+    async def run() -> None:
+        async with await leader_client.connect("etcd", etcd.url, timeout_s=5) as client:
+            acknowledged = await before_kill(client)
+            a.kill()  # SIGKILL: no resignation, the lease lapses
+            deadline = time.monotonic() + 60
+            while True:  # the next write goes through once the standby leads
+                try:
+                    [result] = await client.allocate_many([AllocateRequest("n0", "after", "t", [], 40)])
+                    break
+                except Exception:
+                    assert time.monotonic() < deadline, b.log_text()[-3000:]
+                    await asyncio.sleep(0.1)
+            assert isinstance(result, Allocation)
+            assert client.target == b.address
+            held = {s.seq_id: s.block_ids for s in await client.sequences(list(acknowledged))}
+            assert held == acknowledged
+
+    asyncio.run(run())
+    assert leader_address(etcd.url) == b.address
+
+
+def test_a_standby_of_another_lineage_refuses_in_one_line(etcd, replicas, tmp_path: Path) -> None:
+    a = replicas("a")
+    wait_leader(etcd.url, a.address, [a])
+    write_lineage(str(tmp_path / "b-state"), "0123456789abcdef")  # another cluster's state
+    b = replicas("b", "--standby")
+    try:
+        assert b.proc.wait(timeout=60) == 2
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the standby did not refuse:\n{b.log_text()[-3000:]}") from None
+    text = b.log_text()
+    assert "Traceback" not in text
+    [line] = [ln for ln in text.splitlines() if "lineage" in ln]
+    assert "0123456789abcdef" in line and "move" in line
+
+
+def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> None:
+    import sys
+
+    from replicas import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", "127.0.0.1:0",
+                          "--state-dir", str(tmp_path / "s"), "--sync-standby"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr + out.stdout
+    assert "need --etcd" in out.stderr + out.stdout
+
+
+def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas) -> None:
+    a = replicas("a")
+    wait_leader(etcd.url, a.address, [a])
+    b = replicas("b", "--standby")
+
+    async def depose_a() -> None:
+        await _wait_same_state(a.address, b.address)  # b followed a once: it may campaign
+        async with etcd_client(etcd.url) as client:  # an operator (or etcd) takes a's lease away
+            kv = await client.get(LEADER_KEY.encode())
+            await client.revoke_lease(kv.lease)
+
+    asyncio.run(depose_a())
+    wait_leader(etcd.url, b.address, [a, b])
+
+    async def write_to_a() -> None:
+        async with BlockManagerClient(a.address, timeout_s=10) as client:
+            deadline = time.monotonic() + 30
+            while True:  # every try refused; until a has seen in etcd who leads instead
+                with pytest.raises(Unavailable) as refused:
+                    await client.register_node("n9", 8, 16, 1 << 16)
+                if b.address in str(refused.value) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert b.address in str(refused.value)
+
+    asyncio.run(write_to_a())
+    mine, theirs = asyncio.run(_wait_same_state(b.address, a.address))
+    assert theirs == mine  # a follows b now
+    assert "n9" not in [node[0] for node in mine[1]]

@@ -1,0 +1,61 @@
+"""The controller on a node's step thread: token gaps from step outputs, the cap into the scheduler."""
+
+from __future__ import annotations
+
+from block_service.local_allocator import LocalBlockAllocator
+from compute_service.batch_controller import BatchController, ControllerConfig
+from compute_service.kv_cache_manager import KVCacheManager
+from compute_service.live_cap import LiveCap
+from compute_service.request_output import RequestOutput
+from compute_service.scheduler import Scheduler, SchedulerConfig
+from compute_service.sequence import Sequence
+from kvfleet.sampling import SamplingParams
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def out(rid, finished=False):
+    return RequestOutput(rid, new_token_ids=[1], finished=finished)
+
+
+def test_gaps_between_a_requests_tokens_set_the_schedulers_cap():
+    allocator = LocalBlockAllocator.standalone(64, 16, bytes_per_block=1024)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), KVCacheManager(allocator))
+    for i in range(4):
+        sched.add(Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100)))
+    sched.schedule()  # 4 running: the cap is reached
+    clock = Clock()
+    live = LiveCap(BatchController(ControllerConfig(0.05, 4, interval_s=1.0, min_samples=8), clock()), sched,
+                   clock=clock)
+    assert live.cap == sched.num_seqs_cap == 4
+    for _ in range(4):  # a step every 0.125 s: 125 ms gaps, over the 50 ms target
+        clock.now += 0.125
+        live.after_step([out(f"r{i}") for i in range(4)])
+    assert live.last_decision is None  # not due yet
+    for _ in range(4):
+        clock.now += 0.125
+        live.after_step([out(f"r{i}") for i in range(4)])
+    decision = live.last_decision  # at 1 s, after 8 steps: the first tokens are not gaps
+    assert decision.num_samples == 7 * 4 and decision.p99_s == 0.125
+    assert live.cap == sched.num_seqs_cap == 3
+
+
+def test_a_finished_request_leaves_no_gap_behind():
+    allocator = LocalBlockAllocator.standalone(64, 16, bytes_per_block=1024)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), KVCacheManager(allocator))
+    clock = Clock()
+    live = LiveCap(BatchController(ControllerConfig(0.05, 4, interval_s=1.0, min_samples=1), 0.0), sched,
+                   clock=clock)
+    live.after_step([out("a")])
+    live.after_step([out("a", finished=True)])
+    clock.now = 0.9  # "a" again (a new request reusing the id) is a first token, not a 0.9 s gap
+    live.after_step([out("a")])
+    clock.now = 1.0
+    live.after_step([])
+    assert live.last_decision.p99_s == 0.0 and live.last_decision.num_samples == 1
