@@ -48,10 +48,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import peak_rss_mib, rss_mib  # noqa: E402
+from bench.common import peak_rss_mib  # noqa: E402
 from block_service.durable import DurablePageTable, recover  # noqa: E402
 from kvfleet.allocator import AllocateRequest  # noqa: E402
 from kvfleet.block_hash import HASH_BYTES  # noqa: E402
+from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
 from kvfleet_cli.ports import free_port  # noqa: E402
 
 BLOCK_SIZE, BYTES_PER_BLOCK = 16, 1 << 17

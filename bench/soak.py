@@ -33,7 +33,7 @@ from chaos_checker import ClusterChecker, last_errors  # noqa: E402
 from chaos_load import LoadGenerator, PromptBook  # noqa: E402
 from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: E402
 
-from bench.common import ensure_model, rss_mib  # noqa: E402
+from bench.common import ensure_model  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
 from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
 
