@@ -24,9 +24,10 @@ from the restart to the first answered lookup, interpreter start included).
 ``--json`` prints one object on the last line: ``nodes``, ``blocks_per_node``, ``rss_mib``,
 ``rss_empty_mib``, ``bytes_per_block``, ``match_prefix_p50_us``, ``match_prefix_p99_us``,
 ``match_prefix_cpu_p50_us``, ``match_prefix_cpu_p99_us`` (this process's CPU time per lookup: what
-a lookup costs when the scheduler does not preempt it; in process only), ``block_ops_per_s``, ``snapshot_mib``, ``snapshot_s``, ``recovery_s``, ``fill_s``, ``peak_rss_mib``
-(in process: the most this process held, the snapshot and the recovery included), and in process
-``snapshot_cpu_s``, ``recovery_cpu_s`` (this process's CPU seconds: the wall time on a core of its own).
+a lookup costs when the scheduler does not preempt it; in process only), ``block_ops_per_s``,
+``snapshot_mib``, ``snapshot_s``, ``recovery_s``, ``fill_s``, ``peak_rss_mib`` (in process: the most
+this process held, the snapshot and the recovery included), and in process ``snapshot_cpu_s``,
+``recovery_cpu_s`` (this process's CPU seconds: the wall time on a core of its own).
 """
 
 from __future__ import annotations
