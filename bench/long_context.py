@@ -16,7 +16,9 @@ is ~260 KB), greedy, and reads the stream:
 
     python bench/long_context.py [--quick] [--json] [--tokens N] [--decode N]
 
-``--quick``: 16,384 tokens. The full run takes tens of minutes on a 2-core CPU: attention over the
+The full prompt is 131,072 - 16 = 131,056 tokens, so prompt and output fill the model's 131,072
+positions exactly (a 131,072-token prompt leaves no position for an output token: the node refuses
+it INVALID_ARGUMENT, as ``tests/cluster/test_cluster_long_context.py`` checks). ``--quick``: 16,384 tokens. The full run takes tens of minutes on a 2-core CPU: attention over the
 prompt is quadratic (64x the work of the quick run's).
 """
 
@@ -132,11 +134,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS:,} prompt tokens (under 2 minutes)")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
-    parser.add_argument("--tokens", type=int, default=None, help=f"prompt tokens (default {FULL_TOKENS:,})")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"prompt tokens (default {FULL_TOKENS:,} minus --decode: the whole window)")
     parser.add_argument("--decode", type=int, default=DECODE, help=f"tokens to generate (default {DECODE})")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
     args = parser.parse_args()
-    num_tokens = args.tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS)
+    # the full run fills the model's window: prompt + output = 131,072 positions (a prompt of all
+    # 131,072 would leave no position for a token, and the node refuses it INVALID_ARGUMENT)
+    num_tokens = args.tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS - args.decode)
     if num_tokens < 1 or args.decode < 2:
         parser.error("--tokens must be at least 1 and --decode at least 2")
     if num_tokens + args.decode > FULL_TOKENS:
