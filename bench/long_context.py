@@ -18,8 +18,9 @@ is ~260 KB), greedy, and reads the stream:
 
 The full prompt is 131,072 - 16 = 131,056 tokens, so prompt and output fill the model's 131,072
 positions exactly (a 131,072-token prompt leaves no position for an output token: the node refuses
-it INVALID_ARGUMENT, as ``tests/cluster/test_cluster_long_context.py`` checks). ``--quick``: 16,384 tokens. The full run takes tens of minutes on a 2-core CPU: attention over the
-prompt is quadratic (64x the work of the quick run's).
+it INVALID_ARGUMENT, as ``tests/cluster/test_cluster_long_context.py`` checks). ``--quick``: 16,384
+tokens. The full run takes tens of minutes on a 2-core CPU: attention over the prompt is quadratic
+(64x the work of the quick run's).
 """
 
 from __future__ import annotations
@@ -146,17 +147,23 @@ def main() -> int:
         parser.error("--tokens must be at least 1 and --decode at least 2")
     if num_tokens + args.decode > FULL_TOKENS:
         parser.error(f"--tokens + --decode must fit the long preset's {FULL_TOKENS:,} positions")
-    r = run(num_tokens, args.decode, args.timeout)
-    print(f"long preset, {r['prompt_tokens']:,}-token prompt through router -> node -> block_service, "
-          f"KV {r['kv_cache_dtype']} in blocks of {r['block_size']}, {r['cpu']} (shared machine)")
-    print(f"prefill (chunked, to the first token): {r['prefill_s']:.1f} s ({r['prefill_tokens_per_s']:,.0f} tokens/s)")
-    print(f"decode at {r['prompt_tokens']:,} context: {r['decode_tokens_per_s']} tokens/s over {r['decoded_tokens']} tokens")
-    print(f"KV bytes in use at peak: {r['kv_bytes_used']:,} against the plan's {r['kv_bytes_planned']:,} "
-          f"({r['kv_bytes_used'] / r['kv_bytes_planned']:.3f}x; plan {r['kv_bytes_per_token_planned']} B/token)")
+    result = run(num_tokens, args.decode, args.timeout)
+    print(report(result))
     if args.json:
-        print(json.dumps(r))
+        print(json.dumps(result))
     return 0
 
+
+def report(r: dict) -> str:
+    used, planned = r["kv_bytes_used"], r["kv_bytes_planned"]
+    return "\n".join([
+        f"long preset, {r['prompt_tokens']:,}-token prompt through router -> node -> block_service, "
+        f"KV {r['kv_cache_dtype']} in blocks of {r['block_size']}, {r['cpu']} (shared machine)",
+        f"prefill (chunked, to the first token): {r['prefill_s']:.1f} s ({r['prefill_tokens_per_s']:,.0f} tokens/s)",
+        f"decode at {r['prompt_tokens']:,} context: {r['decode_tokens_per_s']} tokens/s over {r['decoded_tokens']} tokens",
+        f"KV bytes in use at peak: {used:,} against the plan's {planned:,} ({used / planned:.3f}x; "
+        f"plan {r['kv_bytes_per_token_planned']} B/token)",
+    ])
 
 if __name__ == "__main__":
     sys.exit(main())
