@@ -155,7 +155,8 @@ def make_model(out: str | Path, preset: str = "tiny", architecture: str = "llama
     out = Path(out)
     config = model_config(preset, architecture, **overrides)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(config, seed, WEIGHT_STD.get(preset, 0.05)), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(config, seed, WEIGHT_STD.get(preset, 0.05))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
