@@ -246,6 +246,11 @@ class LLMEngine:
         self._busy += time.perf_counter() - started
         for seq, token in zip(sampled, tokens):
             outputs.append(self._append_token(self.requests[seq.seq_id], token))
+        # a prefill chunk that samples nothing yet is progress too: an output without tokens tells a
+        # streaming caller the request is alive (a 128K prompt prefills for minutes before its first token)
+        sampled_ids = {seq.seq_id for seq in sampled}
+        outputs += [self._output(self.requests[seq.seq_id], [], "", None)
+                    for seq, _ in batch.prefills if seq.seq_id not in sampled_ids]
         return outputs
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams) -> list[RequestOutput]:
