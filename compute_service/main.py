@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
     parser.add_argument("--block-size", default="256", help="tokens per block (16-2048, multiple of 16) or chat/code/document")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, or auto: bfloat16 "
+                        "on a CPU with native bfloat16 (AMX, AVX512-BF16), else float32")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV pool dtype: auto (= --dtype), float32, bfloat16, float16 or fp8_e4m3 "
                              "(float8_e4m3fn with a float32 scale per token and KV head: about half of bfloat16)")
@@ -89,6 +90,7 @@ def preflight(args: argparse.Namespace) -> None:
     addresses (waited for a while: they may be starting too)."""
     import torch
 
+    from compute_service.cpu_host import host_cpu_flags, resolve_dtype
     from compute_service.kv_layout import parse_kv_layout
     from compute_service.kv_pool import kv_cache_dtype
     from compute_service.model_config import ModelConfig
@@ -97,6 +99,7 @@ def preflight(args: argparse.Namespace) -> None:
     from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
 
     try:
+        args.dtype = resolve_dtype(args.dtype, torch.device(args.device).type, host_cpu_flags())
         kv_cache_dtype(args.kv_cache_dtype, args.dtype, torch.device(args.device))
         parse_kv_layout(args.kv_layout)
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
