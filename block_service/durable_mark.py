@@ -21,14 +21,22 @@ import aetcd
 DURABLE_KEY = "/kvfleet/block_service/durable"
 
 
+def parse_mark(mark: bytes | None) -> tuple[str, int] | None:
+    """``(lineage, lsn)`` of a mark; None for none or a garbled one (which holds no replica back)."""
+    try:
+        value = json.loads(mark)
+        return str(value["lineage"]), int(value["lsn"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def behind(mark: bytes | None, lineage: str | None, lsn: int) -> int | None:
     """The mark's record count when a state of ``lineage`` (None: an empty directory) ending at
     ``lsn`` lacks records the mark names; None when it holds them all. Pure."""
-    try:
-        value = json.loads(mark)
-        theirs, their_lsn = str(value["lineage"]), int(value["lsn"])
-    except (ValueError, KeyError, TypeError):
+    parsed = parse_mark(mark)
+    if parsed is None:
         return None
+    theirs, their_lsn = parsed
     return their_lsn if theirs != lineage or lsn < their_lsn else None
 
 

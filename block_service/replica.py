@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import aetcd
 
-from block_service.durable_mark import behind, publish_marks, read_mark
+from block_service.durable_mark import behind, parse_mark, publish_marks, read_mark
 from block_service.election import Election
 from block_service.follower import Follower, LineageMismatch, close_quietly
 from block_service.lineage import ensure_lineage, read_lineage
@@ -127,10 +127,12 @@ class Replica:
         mark = await read_mark(self.client)
         if mark is None:
             return not self.standby_first
-        mine = self.follower.store.durable_lsn
-        theirs = behind(mark, read_lineage(self.state_dir), mine)
+        mine, lineage = self.follower.store.durable_lsn, read_lineage(self.state_dir)
+        theirs = behind(mark, lineage, mine)
         if theirs is None:
             return True
+        if lineage != parse_mark(mark)[0]:  # empty (a new standby), or another history: following says which
+            return False
         if self._behind_said != theirs:
             self._behind_said = theirs
             log.error("replica at %s: its state ends at record %d, the last leader acknowledged %d; it will not "
