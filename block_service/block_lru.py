@@ -1,12 +1,18 @@
-"""One pool's cached blocks, least recently used first, as a doubly linked list threaded through
-two int32 arrays indexed by block id.
+"""One pool's cached blocks, least recently used first, as a queue with lazy deletion.
 
-An ``OrderedDict`` entry costs ~100 bytes per cached block (its key object, its link node, its
-table slot); two int32 arrays cost 8 bytes per block of the pool, cached or not, and every
-operation stays O(1): append at the most recently used end, remove from anywhere (a prefix hit
-revives a cached block), pop the least recently used (eviction). A block outside the list has
-``prev == next == -1``, so the arrays are a function of the order alone (a snapshot holds them as
-they are, and two equal orders give equal arrays).
+``queue`` holds block ids in the order they became cached; ``pos[b]`` is the index in ``queue`` of
+``b``'s live entry, or -1 when ``b`` is not cached. Removing a block from the middle (a prefix hit
+revives it) only sets ``pos[b] = -1``: its entry goes stale in place, and the eviction end skips
+stale entries (an entry at ``i`` is live only while ``pos[queue[i]] == i``). So a release appends
+its blocks with one C loop, a prefix hit clears one slot per block and an eviction reads forward;
+the doubly linked list this replaces relinked two neighbours per block in Python on every hit and
+release (issue 19: in-process block operations 0.85-0.96x of the ``OrderedDict`` before it).
+
+When the queue holds more than twice the live entries (plus a little), it is compacted with numpy
+(live entries kept in order, positions renumbered): amortised O(1) per operation, and memory is
+``pos`` (4 bytes per block of the pool) plus at most ``2 * cached + 64`` int32 queue entries, where
+the linked list took 8 bytes per block. The order is exactly the linked list's: append at the most
+recently used end, remove from anywhere, pop the least recently used.
 """
 
 from __future__ import annotations
@@ -14,122 +20,109 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import repeat
+
+import numpy as np
 
 NONE = -1
+SLACK = 64  # stale entries tolerated beyond the live ones before a compaction
 
 
 class BlockLru:
-    __slots__ = ("prev", "next", "head", "tail", "size")
+    __slots__ = ("pos", "queue", "head", "size")
 
     def __init__(self, num_blocks: int) -> None:
-        self.prev = array("i", [NONE]) * num_blocks
-        self.next = array("i", [NONE]) * num_blocks
-        self.head = NONE  # least recently used
-        self.tail = NONE  # most recently used
+        self.pos = array("i", [NONE]) * num_blocks
+        self.queue = array("i")
+        self.head = 0  # entries before it were popped
         self.size = 0
 
     @classmethod
-    def from_order(cls, num_blocks: int, order: Sequence[int]) -> BlockLru:
-        """The list holding ``order``, least recently used first (a snapshot's), linked in C:
-        ``next[order[i]] = order[i + 1]`` and back, by ``map`` over the arrays' ``__setitem__``."""
+    def from_order(cls, num_blocks: int, order: Sequence[int] | np.ndarray) -> BlockLru:
+        """The list holding ``order``, least recently used first (a snapshot's), in numpy."""
         lru = cls(num_blocks)
-        if order:
-            if not isinstance(order, array) or order.typecode != "i":
-                order = array("i", order)
-            deque(map(lru.next.__setitem__, order[:-1], order[1:]), maxlen=0)
-            deque(map(lru.prev.__setitem__, order[1:], order[:-1]), maxlen=0)
-            lru.head, lru.tail, lru.size = order[0], order[-1], len(order)
+        o = np.asarray(order, dtype=np.int32)
+        if len(o):
+            if int(o.min()) < 0 or int(o.max()) >= num_blocks:
+                raise ValueError(f"a cached block is outside the pool of {num_blocks} blocks")
+            p = np.frombuffer(lru.pos, dtype=np.int32)
+            p[o] = np.arange(len(o), dtype=np.int32)
+            if int(np.count_nonzero(p >= 0)) != len(o):
+                raise ValueError("a block is cached twice")
+            del p
+            lru.queue = array("i", o.tobytes())
+            lru.size = len(o)
         return lru
 
-    def order(self) -> array:
-        """The blocks, least recently used first."""
-        return array("i", self)
-
-    def links(self) -> tuple[array, array, int, int, int]:
-        """Everything the list is (two lists with the same order have equal links)."""
-        return self.prev, self.next, self.head, self.tail, self.size
+    def order(self) -> np.ndarray:
+        """The blocks, least recently used first (int32)."""
+        q = np.frombuffer(self.queue, dtype=np.int32)[self.head:] if self.queue else np.zeros(0, np.int32)
+        live = q[np.frombuffer(self.pos, dtype=np.int32)[q] == np.arange(self.head, self.head + len(q))]
+        return live.copy()
 
     def __len__(self) -> int:
         return self.size
 
     def __contains__(self, b: int) -> bool:
-        return self.prev[b] != NONE or self.head == b
+        return self.pos[b] != NONE
 
     def __iter__(self) -> Iterator[int]:
-        nxt, b = self.next, self.head
-        while b != NONE:
-            yield b
-            b = nxt[b]
+        return iter(self.order().tolist())
+
+    def _compact(self) -> None:
+        """Keep the live entries only, in order, renumbering their positions."""
+        live = self.order()
+        p = np.frombuffer(self.pos, dtype=np.int32)
+        p[live] = np.arange(len(live), dtype=np.int32)
+        del p
+        self.queue, self.head = array("i", live.tobytes()), 0
 
     def append(self, b: int) -> None:
         """Make ``b`` (not in the list) the most recently used."""
-        t = self.tail
-        self.prev[b] = t
-        if t == NONE:
-            self.head = b
-        else:
-            self.next[t] = b
-        self.tail = b
+        q = self.queue
+        self.pos[b] = len(q)
+        q.append(b)
         self.size += 1
+        if len(q) > 2 * self.size + SLACK:
+            self._compact()
 
     def extend(self, blocks: list[int]) -> None:
-        """``append`` each of ``blocks`` in order (one call for a whole release)."""
+        """``append`` each of ``blocks`` (distinct, none in the list) in order: one call for a
+        whole release."""
         if not blocks:
             return
-        prev, nxt, t = self.prev, self.next, self.tail
-        for b in blocks:
-            prev[b] = t
-            if t == NONE:
-                self.head = b
-            else:
-                nxt[t] = b
-            t = b
-        self.tail = t
+        q = self.queue
+        n = len(q)
+        deque(map(self.pos.__setitem__, blocks, range(n, n + len(blocks))), maxlen=0)  # in C
+        q.extend(blocks)
         self.size += len(blocks)
+        if len(q) > 2 * self.size + SLACK:
+            self._compact()
 
     def remove(self, b: int) -> None:
-        """Take ``b`` (in the list) out of it."""
-        prev, nxt = self.prev, self.next
-        p, n = prev[b], nxt[b]
-        if p == NONE:
-            self.head = n
-        else:
-            nxt[p] = n
-        if n == NONE:
-            self.tail = p
-        else:
-            prev[n] = p
-        prev[b] = nxt[b] = NONE
+        """Take ``b`` (in the list) out of it: its entry goes stale."""
+        self.pos[b] = NONE
         self.size -= 1
+        if len(self.queue) > 2 * self.size + SLACK:
+            self._compact()
 
     def remove_many(self, blocks: list[int]) -> None:
-        """``remove`` each of ``blocks`` (all in the list; one call for a whole prefix hit)."""
-        prev, nxt = self.prev, self.next
-        head, tail = self.head, self.tail
-        for b in blocks:
-            p, n = prev[b], nxt[b]
-            if p == NONE:
-                head = n
-            else:
-                nxt[p] = n
-            if n == NONE:
-                tail = p
-            else:
-                prev[n] = p
-            prev[b] = nxt[b] = NONE
-        self.head, self.tail = head, tail
+        """``remove`` each of ``blocks`` (distinct, all in the list): one call for a prefix hit."""
+        deque(map(self.pos.__setitem__, blocks, repeat(NONE)), maxlen=0)
         self.size -= len(blocks)
+        if len(self.queue) > 2 * self.size + SLACK:
+            self._compact()
 
     def pop_oldest(self) -> int:
         """Take the least recently used block out and return it (the list is not empty)."""
-        b = self.head
-        nxt = self.next
-        n = nxt[b]
-        self.head = n
-        if n == NONE:
-            self.tail = NONE
-        else:
-            self.prev[n] = NONE
-            nxt[b] = NONE
+        q, pos, i = self.queue, self.pos, self.head
+        b = q[i]
+        while pos[b] != i:  # stale: removed since it was appended
+            i += 1
+            b = q[i]
+        pos[b] = NONE
+        self.head = i + 1
         self.size -= 1
+        if len(q) > 2 * self.size + SLACK:
+            self._compact()
         return b

@@ -25,13 +25,16 @@ not a dict per pool.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import compress
+from operator import itemgetter
+
+import numpy as np
 
 from block_service.block_lru import BlockLru
 from block_service.prefix_index import PrefixIndex
+from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import FailedPrecondition, InvalidArgument
 
 MIN_BLOCK_SIZE = 16
@@ -66,9 +69,10 @@ class PoolState:
     ref: array | list      # per block (uint32 in a snapshot)
     owner: array           # uint16 per block: 0 nobody, else owners[code - 1]
     owners: list[str]
-    hash: list[bytes | None]
+    hashed: np.ndarray     # uint32, the blocks holding a hash, ascending
+    hashes: bytes          # their hashes, HASH_BYTES each, in that order
     free: array            # uint32, the stack (the next block handed out last)
-    lru: array             # int32, the cached blocks, least recently used first
+    lru: np.ndarray        # int32, the cached blocks, least recently used first
     unindexed: list[int]
 
 
@@ -271,34 +275,57 @@ class BlockPool:
     # ---- durability and checks -----------------------------------------------------------------
 
     def state(self) -> PoolState:
-        """The pool's arrays as they are (not copies: encode them before changing the pool)."""
-        indexed = self._indexed
-        hashed = compress(range(self.num_blocks), self.hash)
-        if self.num_blocks - self.hash.count(None) == indexed.count(1):
-            unindexed = []  # the usual case, found in C
+        """The pool's arrays as they are (``ref``, ``owner`` and ``free`` are not copies: encode
+        them before changing the pool). Found by C loops and numpy, not a statement per block."""
+        indexed = np.frombuffer(self._indexed, dtype=np.uint8)
+        if self.num_blocks - self.hash.count(None) == self._indexed.count(1):
+            unindexed = []  # the usual case: the hashed blocks are the indexed ones
+            hashed = np.flatnonzero(indexed).astype(np.uint32)
         else:
-            unindexed = [b for b in hashed if not indexed[b]]
+            hashed = np.array(list(compress(range(self.num_blocks), self.hash)), dtype=np.uint32)
+            unindexed = [b for b in hashed.tolist() if not self._indexed[b]]
+        del indexed
+        hashes = b"".join(itemgetter(*hashed.tolist())(self.hash)) if len(hashed) > 1 else (
+            self.hash[int(hashed[0])] if len(hashed) else b"")
         return PoolState((self.num_blocks, self.block_size, self.bytes_per_block), self.ref, self._owner,
-                         self._owners[1:], self.hash, self._free, self._lru.order(), unindexed)
+                         self._owners[1:], hashed, hashes, self._free, self._lru.order(), unindexed)
 
     @classmethod
     def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
-        """The pool ``state()`` described, its hashes (all but ``unindexed``) added to ``index``."""
+        """The pool ``state()`` described, its hashes (all but ``unindexed``) added to ``index``.
+        Raises ValueError when the arrays do not fit together (a block outside the pool, hashes
+        and their blocks differing in number)."""
         validate_shape(*s.shape)
+        n = s.shape[0]
+        hashed = np.asarray(s.hashed, dtype=np.int64)
+        if len(s.hashes) != HASH_BYTES * len(hashed):
+            raise ValueError(f"a pool's hashes and their blocks differ in number ({len(s.hashes)} bytes, "
+                             f"{len(hashed)} blocks)")
+        if len(hashed) and (int(hashed.min()) < 0 or int(hashed.max()) >= n):
+            raise ValueError(f"a hashed block is outside the pool of {n} blocks")
+        if len(s.ref) != n or len(s.owner) != n or any(not 0 <= b < n for b in s.unindexed):
+            raise ValueError(f"a pool's per-block arrays do not have its {n} blocks")
         pool = cls.__new__(cls)  # not __init__: its fresh arrays would be thrown away
         pool.num_blocks, pool.block_size, pool.bytes_per_block = s.shape
         pool.slot, pool._index = slot, index if index is not None else PrefixIndex()
-        pool.ref, pool._owner, pool.hash, pool._free = list(s.ref), s.owner, s.hash, s.free
+        pool.ref, pool._owner, pool._free = list(s.ref), s.owner, s.free
         pool._owners = [None, *s.owners]
         pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
-        pool._lru = BlockLru.from_order(pool.num_blocks, s.lru)
-        pool._indexed = indexed = bytearray(pool.num_blocks)
-        hashed = list(compress(range(pool.num_blocks), s.hash))
-        deque(map(indexed.__setitem__, hashed, repeat(1)), maxlen=0)  # indexed[b] = 1, in C
-        for b in s.unindexed:
-            indexed[b] = 0
-        blocks = list(compress(range(pool.num_blocks), indexed)) if s.unindexed else hashed
-        pool._index.add_many(slot, list(map(s.hash.__getitem__, blocks)), blocks)
+        pool._lru = BlockLru.from_order(n, s.lru)
+        chunks = np.frombuffer(s.hashes, dtype=f"V{HASH_BYTES}").tolist()  # bytes objects, made in C
+        column = np.empty(n, dtype=object)  # None everywhere
+        column[hashed] = chunks
+        pool.hash = column.tolist()
+        flags = np.zeros(n, dtype=np.uint8)
+        flags[hashed] = 1
+        if s.unindexed:
+            flags[np.asarray(s.unindexed, dtype=np.int64)] = 0
+            keep = flags[hashed].astype(bool)
+            blocks, chunks = hashed[keep].tolist(), [c for c, k in zip(chunks, keep.tolist()) if k]
+        else:
+            blocks = hashed.tolist()
+        pool._indexed = bytearray(flags.tobytes())
+        pool._index.add_many(slot, chunks, blocks)
         return pool
 
     def check(self) -> int:

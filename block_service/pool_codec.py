@@ -1,106 +1,144 @@
-"""A pool in a snapshot: its arrays as they are in memory, compressed, in the JSON of the state.
+"""A pool in a snapshot: its arrays as raw little-endian bytes, which the snapshot file carries as
+binary blobs beside its JSON (``snapshot``, format 2).
 
-    {"shape": [num_blocks, block_size, bytes_per_block], "v": 2,
-     "used": B(uint32[] blocks with a reference), "ref": B(uint32[] their counts),
-     "owner": B(uint16[] their tenants: 1 + an index into "owners"), "owners": [tenant, ...],
-     "free": Z(uint32[] the free stack), "lru": Z(int32[] cached blocks, least recently used first),
-     "hashed": Z(uint32[] blocks holding a hash, ascending), "hashes": B(their hashes, concatenated),
-     "unindexed": [blocks whose hash the node indexes at another block]}
+    {"shape": [num_blocks, block_size, bytes_per_block], "v": 3,
+     "used": u32[] blocks with a reference, "ref": u32[] their counts,
+     "owner": u16[] their tenants (1 + an index into "owners"), "owners": [tenant, ...],
+     "free": u32[] the free stack  or  "free_runs": u32[first, length, ...] the same stack as runs
+             first, first - 1, ..., first - length + 1 (whichever is smaller),
+     "lru": i32[] cached blocks, least recently used first,
+     "hashed": a bitmap of the blocks holding a hash (bit b of byte b // 8, numpy's little order),
+     "hashes": their hashes, concatenated in ascending block order,
+     "unindexed": u32[] blocks whose hash the node indexes at another block}
 
-    B(a) = base64(a's bytes, little-endian), Z(a) = base64(zlib(a's bytes, little-endian))
+Only what is not the default is written, and nothing is compressed: at 100,000 blocks 20% cached a
+pool is ~0.45 MB, and it is encoded and decoded by numpy (``frombuffer``, fancy indexing), never a
+Python statement per block — zlib alone took ~10 ms per pool, base64 and the JSON strings more
+(issue 19: snapshot and recovery of 1,000 such pools in under a minute). The free stack is nearly
+always a few descending runs (blocks are handed out from its end), so it is usually a few bytes.
 
-Only what is not the default is written (free blocks have no reference, no owner, no hash), so a
-pool 20% cached is ~0.6 MB at 100,000 blocks instead of the ~3 MB of one JSON value per block and
-field, and the arrays are written and read by C loops (``compress``, ``map`` over ``__setitem__``),
-not a Python statement per block (issue 19: snapshot and recovery of 1,000 such pools in under a
-minute). Snapshots of the first format (``"ref"`` a JSON list)
-still load.
+Pools of the earlier forms still load: ``"v": 2`` (the same arrays, zlib and base64 in JSON
+strings) and the first form (one JSON value per block and field).
 """
 
 from __future__ import annotations
 
 import base64
-import sys
 import zlib
 from array import array
-from collections import deque
-from itertools import compress
+
+import numpy as np
 
 from block_service.block_pool import BlockPool, PoolState
 from block_service.prefix_index import PrefixIndex
-from kvfleet.block_hash import HASH_BYTES
 
-_SWAP = sys.byteorder != "little"
-
-
-def _b64(a: array) -> str:
-    if _SWAP:
-        a = array(a.typecode, a)
-        a.byteswap()
-    return base64.b64encode(a.tobytes()).decode("ascii")
+U32, I32, U16 = np.dtype("<u4"), np.dtype("<i4"), np.dtype("<u2")
+VERSION = 3
 
 
-def _z(a: array) -> str:
-    if _SWAP:
-        a = array(a.typecode, a)
-        a.byteswap()
-    return base64.b64encode(zlib.compress(a.tobytes(), 1)).decode("ascii")
-
-
-def _array(typecode: str, raw: bytes) -> array:
+def _array(typecode: str, raw, dtype: np.dtype) -> array:
+    """A native ``array`` of ``raw``'s little-endian values (a copy the pool may change)."""
     a = array(typecode)
-    a.frombytes(raw)
-    if _SWAP:
-        a.byteswap()
+    a.frombytes(np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).tobytes())
     return a
 
 
-def _scatter(target: array, at: array, values: array) -> None:
-    """``target[at[i]] = values[i]`` for every ``i``, in C."""
-    deque(map(target.__setitem__, at, values), maxlen=0)
+def _values(raw, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise ValueError(f"an array of {dtype.itemsize}-byte values has {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def stack_runs(stack: np.ndarray) -> np.ndarray:
+    """``[first, length, ...]`` of the descending runs ``first, first - 1, ...`` making ``stack``."""
+    s = stack.astype(np.int64)
+    starts = np.flatnonzero(np.diff(s) != -1) + 1 if len(s) > 1 else np.zeros(0, np.int64)
+    starts = np.concatenate(([0], starts)) if len(s) else starts
+    lengths = np.diff(np.append(starts, len(s)))
+    return np.column_stack((s[starts], lengths)).ravel().astype(np.uint32)
+
+
+def runs_stack(runs: np.ndarray) -> np.ndarray:
+    """The inverse of ``stack_runs``."""
+    r = runs.astype(np.int64).reshape(-1, 2)
+    first, lengths = r[:, 0], r[:, 1]
+    if len(r) and (lengths.min() < 1 or (first - lengths + 1).min() < 0):
+        raise ValueError("a run of the free stack goes below block 0 or is empty")
+    which = np.repeat(np.arange(len(r)), lengths)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return (first[which] - offsets).astype(np.uint32)
 
 
 def pool_to_dict(pool: BlockPool) -> dict:
     s = pool.state()
-    used = array("I", compress(range(len(s.ref)), s.ref))  # the blocks with a reference
-    hashed = array("I", compress(range(len(s.hash)), s.hash))  # the blocks whose hash is not None
-    return {
-        "shape": list(s.shape), "v": 2, "used": _b64(used), "ref": _b64(array("I", map(s.ref.__getitem__, used))),
-        "owner": _b64(array("H", map(s.owner.__getitem__, used))), "owners": list(s.owners),
-        "free": _z(s.free), "lru": _z(s.lru), "hashed": _z(hashed),
-        "hashes": base64.b64encode(b"".join(filter(None, s.hash))).decode("ascii"), "unindexed": s.unindexed,
+    n = s.shape[0]
+    ref = np.frombuffer(array("I", s.ref), dtype=np.uint32) if isinstance(s.ref, list) else np.asarray(s.ref)
+    used = np.flatnonzero(ref).astype(U32)
+    owner = np.frombuffer(s.owner, dtype=np.uint16)
+    bits = np.zeros(n, dtype=bool)
+    bits[s.hashed] = True
+    free = np.frombuffer(s.free, dtype=np.uint32) if len(s.free) else np.zeros(0, np.uint32)
+    runs = stack_runs(free)
+    d = {
+        "shape": list(s.shape), "v": VERSION, "used": used.tobytes(), "ref": ref[used].astype(U32).tobytes(),
+        "owner": owner[used].astype(U16).tobytes(), "owners": list(s.owners),
+        "lru": s.lru.astype(I32).tobytes(), "hashed": np.packbits(bits, bitorder="little").tobytes(),
+        "hashes": s.hashes, "unindexed": np.asarray(s.unindexed, dtype=U32).tobytes(),
     }
+    if len(runs) < len(free):
+        d["free_runs"] = runs.astype(U32).tobytes()
+    else:
+        d["free"] = free.astype(U32).tobytes()
+    return d
 
 
 def pool_from_dict(d: dict, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
-    state = _state_v2(d) if d.get("v") == 2 else _state_v1(d)
+    v = d.get("v")
+    state = _state_v3(d) if v == VERSION else _state_v2(d) if v == 2 else _state_v1(d)
     return BlockPool.from_state(state, index, slot)
 
 
+def _state_v3(d: dict) -> PoolState:
+    n = d["shape"][0]
+    bits = np.frombuffer(d["hashed"], dtype=np.uint8)
+    if len(bits) != (n + 7) // 8:
+        raise ValueError(f"a pool's hash bitmap has {len(bits)} bytes for {n} blocks")
+    hashed = np.flatnonzero(np.unpackbits(bits, count=n, bitorder="little")).astype(np.uint32)
+    used = _values(d["used"], U32)
+    ref, owner = np.zeros(n, dtype=np.uint32), np.zeros(n, dtype=np.uint16)
+    counts, owners = _values(d["ref"], U32), _values(d["owner"], U16)
+    if not len(used) == len(counts) == len(owners) or (len(used) and int(used.max()) >= n):
+        raise ValueError("a pool's used blocks, their counts and their owners do not fit together")
+    ref[used], owner[used] = counts, owners
+    free = runs_stack(_values(d["free_runs"], U32)) if "free_runs" in d else _values(d["free"], U32)
+    if len(free) and int(free.max()) >= n:
+        raise ValueError(f"a free block is outside the pool of {n} blocks")
+    return PoolState(tuple(d["shape"]), array("I", ref.tobytes()), array("H", owner.tobytes()), list(d["owners"]),
+                     hashed, bytes(d["hashes"]), array("I", free.astype(np.uint32).tobytes()),
+                     _values(d["lru"], I32).astype(np.int32), _values(d["unindexed"], U32).tolist())
+
+
 def _state_v2(d: dict) -> PoolState:
-    num_blocks = d["shape"][0]
+    """The second form: the same arrays as base64 strings, the sparse ones zlib-compressed."""
+    n = d["shape"][0]
     unb64 = base64.b64decode
-    hashed, data = _array("I", zlib.decompress(unb64(d["hashed"]))), unb64(d["hashes"])
-    if len(data) != HASH_BYTES * len(hashed):
-        raise ValueError(f"a pool's hashes and their blocks differ in number ({len(data)} bytes, {len(hashed)} blocks)")
-    hashes: list[bytes | None] = [None] * num_blocks
-    chunks = map(data.__getitem__, map(slice, range(0, len(data), HASH_BYTES), range(HASH_BYTES, len(data) + 1, HASH_BYTES)))
-    deque(map(hashes.__setitem__, hashed, chunks), maxlen=0)  # hashes[b] = chunk, in C
-    used = _array("I", unb64(d["used"]))
-    ref, owner = array("I", bytes(4 * num_blocks)), array("H", bytes(2 * num_blocks))
-    _scatter(ref, used, _array("I", unb64(d["ref"])))
-    _scatter(owner, used, _array("H", unb64(d["owner"])))
-    return PoolState(tuple(d["shape"]), ref, owner, list(d["owners"]), hashes,
-                     _array("I", zlib.decompress(unb64(d["free"]))), _array("i", zlib.decompress(unb64(d["lru"]))),
-                     list(d["unindexed"]))
+    hashed = _values(zlib.decompress(unb64(d["hashed"])), U32)
+    used = _values(unb64(d["used"]), U32)
+    ref, owner = np.zeros(n, dtype=np.uint32), np.zeros(n, dtype=np.uint16)
+    ref[used], owner[used] = _values(unb64(d["ref"]), U32), _values(unb64(d["owner"]), U16)
+    return PoolState(tuple(d["shape"]), array("I", ref.tobytes()), array("H", owner.tobytes()), list(d["owners"]),
+                     hashed, unb64(d["hashes"]), _array("I", zlib.decompress(unb64(d["free"])), U32),
+                     _values(zlib.decompress(unb64(d["lru"])), I32), list(d["unindexed"]))
 
 
 def _state_v1(d: dict) -> PoolState:
-    """The first format: one JSON value per block and field, the index as ``[hash hex, block]``."""
+    """The first form: one JSON value per block and field, the index as ``[hash hex, block]``."""
     owners = sorted({t for t in d["owner"] if t is not None})
     code = {t: i + 1 for i, t in enumerate(owners)}
     hashes = [bytes.fromhex(h) if h is not None else None for h in d["hash"]]
     indexed = {b for _, b in d["index"]}
+    hashed = [b for b, h in enumerate(hashes) if h is not None]
     return PoolState(tuple(d["shape"]), array("I", d["ref"]), array("H", [code.get(t, 0) for t in d["owner"]]),
-                     owners, hashes, array("I", d["free"]), array("i", d["cached"]),
-                     [b for b, h in enumerate(hashes) if h is not None and b not in indexed])
+                     owners, np.array(hashed, dtype=np.uint32), b"".join(hashes[b] for b in hashed),
+                     array("I", d["free"]), np.array(d["cached"], dtype=np.int32),
+                     [b for b in hashed if b not in indexed])

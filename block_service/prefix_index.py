@@ -121,10 +121,20 @@ class PrefixIndex:
         already name (shared prefixes) take the per-hash path."""
         entries = self._entries
         mine = dict(zip(hashes, map(or_, map(lshift, blocks, repeat(SLOT_BITS)), repeat(slot))))
-        for h in entries.keys() & mine.keys():
-            self.add(h, slot, mine.pop(h) >> SLOT_BITS)
+        common = entries.keys() & mine.keys()  # iterates the smaller side
+        bit = 1 << slot
+        for h in common:  # the ``add`` of a hash others index, inlined (1,000 pools x 2,048 prefixes)
+            block = mine.pop(h) >> SLOT_BITS
+            e = entries[h]
+            if type(e) is int:
+                other = e & SLOT_MASK
+                shared = entries[h] = Shared({other: e >> SLOT_BITS, slot: block})
+                shared.mask = (1 << other) | bit
+            else:
+                e[slot] = block
+                e.mask |= bit
         entries.update(mine)
-        self._pairs += len(mine)
+        self._pairs += len(mine) + len(common)
 
     def remove(self, h: bytes, slot: int) -> None:
         """Forget ``h`` on the node in ``slot`` (it must index it; the pool's flags say so)."""

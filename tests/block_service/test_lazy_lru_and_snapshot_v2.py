@@ -1,0 +1,227 @@
+"""The lazy LRU against the ``OrderedDict`` it stands for, and the binary snapshot format (issue 19):
+round trips, the pool arrays' encodings, corrupt or foreign files refused with one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import zlib
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from block_service.block_lru import SLACK, BlockLru
+from block_service.durable import DurablePageTable, recover
+from block_service.page_table import PageTable
+from block_service.pool_codec import runs_stack, stack_runs
+from block_service.snapshot import (
+    MAGIC_V1,
+    SnapshotError,
+    decode_snapshot,
+    encode_snapshot,
+    read_snapshot,
+)
+from kvfleet.allocator import AllocateRequest
+
+N = 40
+
+
+class Model:
+    """The old cache: an ``OrderedDict`` of block → None, least recently used first."""
+
+    def __init__(self) -> None:
+        self.d: OrderedDict[int, None] = OrderedDict()
+
+    def extend(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.d[b] = None
+
+    def remove_many(self, blocks: list[int]) -> None:
+        for b in blocks:
+            del self.d[b]
+
+    def pop_oldest(self) -> int:
+        return self.d.popitem(last=False)[0]
+
+
+def _drive(lru: BlockLru, model: Model, rng: random.Random, steps: int) -> None:
+    for _ in range(steps):
+        cached = list(model.d)
+        outside = [b for b in range(N) if b not in model.d]
+        op = rng.randrange(5)
+        if op == 0 and outside:
+            blocks = rng.sample(outside, rng.randint(1, min(8, len(outside))))
+            lru.extend(blocks)
+            model.extend(blocks)
+        elif op == 1 and outside:
+            b = rng.choice(outside)
+            lru.append(b)
+            model.extend([b])
+        elif op == 2 and cached:
+            blocks = rng.sample(cached, rng.randint(1, min(8, len(cached))))
+            lru.remove_many(blocks)
+            model.remove_many(blocks)
+        elif op == 3 and cached:
+            b = rng.choice(cached)
+            lru.remove(b)
+            model.remove_many([b])
+        elif cached:
+            assert lru.pop_oldest() == model.pop_oldest()
+        assert list(lru) == list(model.d) and len(lru) == len(model.d)
+        assert all((b in lru) == (b in model.d) for b in range(N))
+        assert len(lru.queue) <= 2 * len(lru) + SLACK + 1, "stale entries are never compacted away"
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 400))
+def test_lazy_lru_keeps_the_ordered_dicts_order(seed: int, steps: int) -> None:
+    """Appends, revivals from the middle, evictions: the same order, pops and membership as the
+    ``OrderedDict``, through any number of compactions."""
+    _drive(BlockLru(N), Model(), random.Random(seed), steps)
+
+
+def test_lru_restored_mid_history_carries_on_alike() -> None:
+    rng = random.Random(5)
+    lru, model = BlockLru(N), Model()
+    _drive(lru, model, rng, 300)
+    restored = BlockLru.from_order(N, lru.order())
+    assert len(restored.queue) == len(restored) == len(model.d)  # no stale entries in a snapshot
+    _drive(restored, model, rng, 300)
+
+
+def test_eviction_takes_the_deepest_block_of_the_least_recently_released_sequence() -> None:
+    table = PageTable()
+    table.register_node("n", 8, 16, 1 << 18)
+    hashes = {s: [bytes([s, i]) * 8 for i in range(3)] for s in (1, 2)}
+    for s in (1, 2):
+        table.allocate_many([AllocateRequest("n", f"s{s}", "t", hashes[s], 48)])
+        table.commit([(f"s{s}", i, hashes[s][i]) for i in range(3)])
+    table.release(["s1", "s2"])  # s1 released first: its blocks are the least recently used
+    table.allocate_many([AllocateRequest("n", "hit", "t", hashes[1][:1], 16)])  # revives s1's first block
+    table.release(["hit"])
+    fresh = table.allocate_many([AllocateRequest("n", "x", "t", [], 5 * 16)])[0].block_ids
+    assert fresh[:2] == [6, 7]  # the free blocks first
+    assert fresh[2:] == [2, 1, 5], "deepest block of the least recently released sequence first"
+
+
+@pytest.mark.parametrize("stack", [[], [7], [9, 8, 7, 3, 2, 11, 0], list(range(99, -1, -1)), [4, 6, 8]])
+def test_free_stack_runs_round_trip(stack: list[int]) -> None:
+    a = np.array(stack, dtype=np.uint32)
+    runs = stack_runs(a)
+    assert runs_stack(runs).tolist() == stack
+    if stack == list(range(99, -1, -1)):
+        assert runs.tolist() == [99, 100]  # one run: a pool nobody took from yet
+
+
+def _table() -> PageTable:
+    table = PageTable()
+    table.register_node("a", 300, 16, 1 << 18)
+    table.register_node("b", 50, 32, 1 << 18)
+    rng = random.Random(3)
+    for k in range(40):
+        node = "a" if k % 3 else "b"
+        n = rng.randint(1, 6)
+        hashes = [bytes([k % 7, i]) * 8 for i in range(n)]
+        table.allocate_many([AllocateRequest(node, f"s{k}", "xy"[k % 2], hashes, n * 16 * (1 if node == "a" else 2))])
+        table.commit([(f"s{k}", i, hashes[i]) for i in range(n)])
+        if k % 4:
+            table.release([f"s{k}"])
+    return table
+
+
+def test_binary_snapshot_round_trip_is_exact() -> None:
+    table = _table()
+    data = encode_snapshot(42, table.to_dict())
+    assert data.startswith(b"KVFSNAP2")
+    lsn, state = decode_snapshot(data)
+    restored = PageTable.from_dict(state)
+    restored.check()
+    assert lsn == 42 and restored.to_dict() == table.to_dict()
+    # the restored table then behaves exactly the same (same block ids, same evictions)
+    for t in (table, restored):
+        t.allocate_many([AllocateRequest("a", "new", "x", [], 280 * 16)])
+    assert restored.to_dict() == table.to_dict()
+
+
+def test_a_snapshot_of_format_1_still_loads(tmp_path) -> None:
+    """A state directory written before format 2 (JSON, pools as base64 strings) recovers."""
+    import base64
+
+    table = _table()
+    state = table.to_dict()
+    for nd in state["nodes"].values():  # the pools as format 1 held them: "v": 2, zlib + base64
+        p = nd["pool"]
+        z = lambda raw: base64.b64encode(zlib.compress(bytes(raw))).decode()  # noqa: E731
+        b64 = lambda raw: base64.b64encode(bytes(raw)).decode()  # noqa: E731
+        hashed = np.flatnonzero(np.unpackbits(np.frombuffer(p["hashed"], np.uint8), count=p["shape"][0],
+                                              bitorder="little")).astype("<u4")
+        free = runs_stack(np.frombuffer(p.pop("free_runs"), "<u4")) if "free_runs" in p else np.frombuffer(p["free"], "<u4")
+        p.update(v=2, used=b64(p["used"]), ref=b64(p["ref"]), owner=b64(p["owner"]), free=z(free.tobytes()),
+                 lru=z(p["lru"]), hashed=z(hashed.tobytes()), hashes=b64(p["hashes"]),
+                 unindexed=np.frombuffer(p["unindexed"], "<u4").tolist())
+    payload = json.dumps(state).encode()
+    body = struct.pack("<8sQQ", MAGIC_V1, 9, len(payload)) + payload
+    (tmp_path / f"snapshot-{9:020d}.snap").write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    recovered, report = recover(str(tmp_path))
+    assert report.snapshot_lsn == 9 and recovered.to_dict() == table.to_dict()
+
+
+def _written(tmp_path) -> tuple[str, dict]:
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    store.register_node("a", 64, 16, 1 << 18)
+    store.allocate_many([AllocateRequest("a", "s", "t", [b"\x01" * 16, b"\x02" * 16], 32)])
+    store.commit([("s", 0, b"\x01" * 16), ("s", 1, b"\x02" * 16)])
+    store.release(["s"])
+    path = store.snapshot()
+    expected = store.table.to_dict()
+    store.close()
+    return path, expected
+
+
+def test_every_flipped_byte_of_a_snapshot_is_refused(tmp_path) -> None:
+    path, expected = _written(tmp_path)
+    data = open(path, "rb").read()
+    assert read_snapshot(path)[1] is not None and PageTable.from_dict(read_snapshot(path)[1]).to_dict() == expected
+    for at in range(8, len(data), max(1, len(data) // 97)):  # header, JSON, blob lengths, blobs, CRC
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        with pytest.raises(SnapshotError):
+            decode_snapshot(bytes(bad), "snap")
+
+
+@pytest.mark.parametrize("cut", [1, 4, 13, 100])
+def test_a_truncated_snapshot_is_refused(tmp_path, cut: int) -> None:
+    path, _ = _written(tmp_path)
+    data = open(path, "rb").read()
+    with pytest.raises(SnapshotError, match="^snap: "):
+        decode_snapshot(data[:-cut], "snap")
+
+
+def test_a_snapshot_of_an_unknown_format_is_refused_with_one_line(tmp_path) -> None:
+    path, _ = _written(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    data[7:8] = b"9"
+    with pytest.raises(SnapshotError) as err:
+        decode_snapshot(bytes(data), "snap")
+    assert "format '9' is not one this version reads" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_corrupt_newest_snapshot_falls_back_to_the_older_one_and_its_log(tmp_path) -> None:
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)
+    store.register_node("a", 64, 16, 1 << 18)
+    store.snapshot()
+    store.allocate_many([AllocateRequest("a", "s", "t", [b"\x03" * 16], 16)])
+    store.commit([("s", 0, b"\x03" * 16)])
+    store.sync()
+    newest = store.snapshot()
+    expected = store.table.to_dict()
+    store.sync()
+    data = bytearray(open(newest, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(newest, "wb").write(bytes(data))
+    recovered, report = recover(str(tmp_path))
+    assert recovered.to_dict() == expected and report.snapshot_path != newest
