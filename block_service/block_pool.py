@@ -292,7 +292,8 @@ class BlockPool:
 
     @classmethod
     def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
-        """The pool ``state()`` described, its hashes (all but ``unindexed``) added to ``index``.
+        """The pool ``state()`` described, its hashes (all but ``unindexed``) staged in ``index``
+        (``PrefixIndex.settle`` indexes them: once for all the pools of a page table).
         Raises ValueError when the arrays do not fit together (a block outside the pool, hashes
         and their blocks differing in number)."""
         validate_shape(*s.shape)
@@ -318,14 +319,15 @@ class BlockPool:
         pool.hash = column.tolist()
         flags = np.zeros(n, dtype=np.uint8)
         flags[hashed] = 1
+        blocks, blob = hashed, s.hashes
         if s.unindexed:
             flags[np.asarray(s.unindexed, dtype=np.int64)] = 0
             keep = flags[hashed].astype(bool)
-            blocks, chunks = hashed[keep].tolist(), [c for c, k in zip(chunks, keep.tolist()) if k]
-        else:
-            blocks = hashed.tolist()
+            blocks, blob = hashed[keep], np.frombuffer(s.hashes, dtype=f"V{HASH_BYTES}")[keep].tobytes()
         pool._indexed = bytearray(flags.tobytes())
-        pool._index.add_many(slot, chunks, blocks)
+        pool._index.stage(slot, blob, blocks)  # indexed by the caller's ``settle`` (all pools at once)
+        if index is None:
+            pool._index.settle()
         return pool
 
     def check(self) -> int:

@@ -449,6 +449,7 @@ class PageTable:
             ledger = QuotaLedger(pool.bytes_per_block)
             ledger.restore(nd["ledger"], table._tenants.values())
             table._nodes[node_id] = NodeState(pool, ledger)
+        table._index.settle()  # the pools' hashes, indexed at once
         for seq_id, node_id, tenant, block_ids, num_tokens, num_committed in d["sequences"]:
             table._seqs[seq_id] = SeqState(seq_id, node_id, tenant, list(block_ids), num_tokens, num_committed)
             table._nodes[node_id].seq_ids[seq_id] = None

@@ -14,13 +14,20 @@ An entry is, to keep the common case small (a private block held by one node):
 A node indexes a hash at most once (the first block committed with it; ``add`` is a setdefault
 per node), exactly as the per-node dict it replaces did. The pools keep it exactly in step: a
 commit adds, an eviction, a claim (node sync) or a node's removal removes.
+
+Recovery (``stage`` each pool's indexed hashes, then ``settle``) puts the hashes shared by several
+nodes in the dict and those held by one node in ``FrozenKeys`` (sorted numpy arrays: a dict of
+20 M entries alone took ~10 s of CPU to build); a key leaves them for the dict the first time any
+call reads or changes it, so every method below first looks in the dict, then there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from itertools import repeat
-from operator import lshift, or_
+
+import numpy as np
+
+from block_service.frozen_keys import FrozenKeys, split_runs
 
 SLOT_BITS = 20                  # up to a million nodes per page table
 SLOT_MASK = (1 << SLOT_BITS) - 1
@@ -37,15 +44,30 @@ _NOBODY = Shared()  # what a lookup of an unknown hash finds: nobody's block
 
 
 class PrefixIndex:
-    __slots__ = ("_entries", "_pairs")
+    __slots__ = ("_entries", "_pairs", "_frozen", "_staged")
 
     def __init__(self) -> None:
         self._entries: dict[bytes, int | Shared] = {}
         self._pairs = 0  # (hash, slot) pairs: what the pools' check counts against
+        self._frozen: FrozenKeys | None = None  # single holders loaded by a recovery, not yet used
+        self._staged: list[tuple[int, bytes, np.ndarray]] = []
 
     def __len__(self) -> int:
         """Distinct hashes indexed by at least one node."""
-        return len(self._entries)
+        return len(self._entries) + (self._frozen.live if self._frozen is not None else 0)
+
+    def _thaw(self, h: bytes) -> int | Shared | None:
+        """``h``'s entry, moved into the dict from the recovered keys if it is there."""
+        frozen = self._frozen
+        if frozen is None:
+            return None
+        i = frozen.find(h)
+        if i < 0:
+            return None
+        e = self._entries[h] = frozen.take(i)
+        if not frozen.live:
+            self._frozen = None
+        return e
 
     @property
     def num_pairs(self) -> int:
@@ -56,39 +78,55 @@ class PrefixIndex:
         """The block indexed for ``h`` on the node in ``slot``, or None."""
         e = self._entries.get(h)
         if e is None:
-            return None
+            e = self._thaw(h)
+            if e is None:
+                return None
         if type(e) is int:
             return e >> SLOT_BITS if e & SLOT_MASK == slot else None
         return e.get(slot)
 
     def lookup(self, hashes: Sequence[bytes], slot: int) -> list[int]:
-        """Blocks of the node in ``slot`` holding the leading ``hashes``, up to the first miss."""
-        get = self._entries.get
+        """Blocks of the node in ``slot`` holding the leading ``hashes``, up to the first miss.
+        (The dict lookups run in C, ``map``; this is on every allocation's path.)"""
+        if self._frozen is not None:
+            self._thaw_leading(hashes)
         found = []
-        for h in hashes:
-            e = get(h, _NOBODY)
-            if type(e) is int:
-                if e & SLOT_MASK != slot:
-                    break
-                found.append(e >> SLOT_BITS)
-            else:
+        append = found.append
+        for e in map(self._entries.get, hashes):
+            if e.__class__ is Shared:  # the common hit: a shared prefix
                 b = e.get(slot)
                 if b is None:
                     break
-                found.append(b)
+                append(b)
+            elif e is None or e & SLOT_MASK != slot:
+                break
+            else:
+                append(e >> SLOT_BITS)
         return found
+
+    def _thaw_leading(self, hashes: Sequence[bytes]) -> None:
+        """Move the leading ``hashes`` the recovered keys hold into the dict, up to the first that
+        neither holds (where a lookup or a match stops)."""
+        entries = self._entries
+        for h in hashes:
+            if h not in entries and (self._frozen is None or self._thaw(h) is None):
+                break
 
     def holders(self, h: bytes) -> dict[int, int]:
         """``{slot: block}`` of every node indexing ``h``."""
         e = self._entries.get(h)
         if e is None:
-            return {}
+            e = self._thaw(h)
+            if e is None:
+                return {}
         if type(e) is int:
             return {e & SLOT_MASK: e >> SLOT_BITS}
         return dict(e)
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self._entries)
+        yield from list(self._entries)
+        if self._frozen is not None:
+            yield from self._frozen.keys()
 
     # ---- changes (the pools call these, in step with their blocks) ------------------------------
 
@@ -98,9 +136,12 @@ class PrefixIndex:
         entries = self._entries
         v = (block << SLOT_BITS) | slot
         e = entries.setdefault(h, v)
-        if e is v:  # new to the fleet: one dict operation, the common case
-            pass
-        elif type(e) is int:
+        if e is v:  # new to the dict: one dict operation, the common case
+            if self._frozen is None or (old := self._thaw(h)) is None:
+                self._pairs += 1
+                return True
+            e = old
+        if type(e) is int:
             other = e & SLOT_MASK
             if other == slot:
                 return False
@@ -114,32 +155,56 @@ class PrefixIndex:
         self._pairs += 1
         return True
 
-    def add_many(self, slot: int, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
-        """``add`` each ``(hashes[i], blocks[i])`` for the node in ``slot``, which indexes none of
-        these hashes yet (recovery: a pool's named blocks). The hashes new to the fleet — most of
-        them: private suffixes — go in by one ``dict.update`` in C; only those other nodes
-        already name (shared prefixes) take the per-hash path."""
+    def stage(self, slot: int, hashes: bytes, blocks: np.ndarray) -> None:
+        """Recovery: the node in ``slot`` indexes ``hashes`` (``HASH_BYTES`` each, concatenated) at
+        ``blocks``, none of them indexed yet; they count from ``settle``."""
+        if len(blocks):
+            self._staged.append((slot, hashes, np.asarray(blocks, dtype=np.int64)))
+
+    def settle(self) -> None:
+        """Index everything staged: hashes held by several nodes go to the dict, those held by one
+        to ``FrozenKeys`` (found by numpy: one stable sort of the hashes' first eight bytes)."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        blob = b"".join(bytes(h) for _, h, _ in staged)
+        slots = np.repeat(np.array([s for s, _, _ in staged], dtype=np.int64), [len(b) for _, _, b in staged])
+        blocks = np.concatenate([b for _, _, b in staged])
+        del staged
+        keys = np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+        hi, lo = keys[:, 0], keys[:, 1]
+        values = (blocks << SLOT_BITS) | slots
+        order, starts, lengths = split_runs(hi)
+        self._pairs += len(values)
+        if self._entries or self._frozen is not None:  # not a fresh index: one by one
+            self._pairs -= len(values)
+            for i in order.tolist():
+                self.add(blob[16 * i:16 * i + 16], int(slots[i]), int(blocks[i]))
+            return
+        single = order[starts[lengths == 1]]
+        if len(single):
+            self._frozen = FrozenKeys(hi[single], lo[single], values[single])
         entries = self._entries
-        mine = dict(zip(hashes, map(or_, map(lshift, blocks, repeat(SLOT_BITS)), repeat(slot))))
-        common = entries.keys() & mine.keys()  # iterates the smaller side
-        bit = 1 << slot
-        for h in common:  # the ``add`` of a hash others index, inlined (1,000 pools x 2,048 prefixes)
-            block = mine.pop(h) >> SLOT_BITS
-            e = entries[h]
-            if type(e) is int:
-                other = e & SLOT_MASK
-                shared = entries[h] = Shared({other: e >> SLOT_BITS, slot: block})
-                shared.mask = (1 << other) | bit
-            else:
-                e[slot] = block
-                e.mask |= bit
-        entries.update(mine)
-        self._pairs += len(mine) + len(common)
+        for start, length in zip(starts[lengths > 1].tolist(), lengths[lengths > 1].tolist()):
+            run = order[start:start + length]
+            if len(set(lo[run].tolist())) != 1:  # different hashes, same first 8 bytes
+                self._pairs -= length
+                for i in run.tolist():
+                    self.add(blob[16 * i:16 * i + 16], int(slots[i]), int(blocks[i]))
+                continue
+            i = int(run[0])
+            on = slots[run]
+            shared = entries[blob[16 * i:16 * i + 16]] = Shared(zip(on.tolist(), blocks[run].tolist()))
+            bits = np.zeros(int(on.max()) + 1, dtype=bool)
+            bits[on] = True
+            shared.mask = int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")
 
     def remove(self, h: bytes, slot: int) -> None:
         """Forget ``h`` on the node in ``slot`` (it must index it; the pool's flags say so)."""
         entries = self._entries
-        e = entries[h]
+        e = entries.get(h)
+        if e is None:
+            e = self._thaw(h)
         self._pairs -= 1
         if type(e) is int:
             del entries[h]
@@ -166,11 +231,11 @@ class PrefixIndex:
         """Per slot, how many leading ``hashes`` that node indexes; slots with none are left out.
         One dict lookup and one AND per hash, plus one pass over the bits of each depth at which
         some nodes stop matching."""
-        entries = self._entries
+        if self._frozen is not None:
+            self._thaw_leading(hashes)
         depth: dict[int, int] = {}
         cur = 0
-        for d, h in enumerate(hashes):
-            e = entries.get(h)
+        for d, e in enumerate(map(self._entries.get, hashes)):
             if e is None:
                 m = 0
             elif type(e) is int:

@@ -41,7 +41,7 @@ PURE = [
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
     "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",
     "block_service.backup", "block_service.restore", "block_service.validation", "block_service.node_state",
-    "block_service.prefix_index", "block_service.block_lru", "block_service.pool_codec",
+    "block_service.prefix_index", "block_service.block_lru", "block_service.pool_codec", "block_service.frozen_keys",
     "block_service.lineage", "block_service.replication_log", "block_service.standby_acks", "block_service.role",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
     "compute_service.block_link", "compute_service.block_sync", "compute_service.sliding_window", "kvfleet.backoff",

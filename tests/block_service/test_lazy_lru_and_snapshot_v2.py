@@ -225,3 +225,56 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_older_one_and_its_log(tmp_p
     open(newest, "wb").write(bytes(data))
     recovered, report = recover(str(tmp_path))
     assert recovered.to_dict() == expected and report.snapshot_path != newest
+
+
+def _node_with(table: PageTable, node: str, seq: str, hashes: list[bytes], look_up: bool = True) -> None:
+    """A sequence of ``hashes`` committed and released (``look_up``: allocated with its hashes, else
+    with none, so that the commit is the first call to meet them)."""
+    table.allocate_many([AllocateRequest(node, seq, "t", hashes if look_up else [], 16 * len(hashes))])
+    table.commit([(seq, i, h) for i, h in enumerate(hashes)])
+    table.release([seq])
+
+
+def _recovered(table: PageTable) -> PageTable:
+    return PageTable.from_dict(decode_snapshot(encode_snapshot(1, table.to_dict()))[1])
+
+
+def test_recovered_index_answers_like_the_one_it_was_saved_from() -> None:
+    """After a recovery the single-holder hashes sit in ``FrozenKeys``: every question, and every
+    change that moves them back into the dict, gives what the table before the snapshot gives."""
+    before = PageTable()
+    for node in "abc":
+        before.register_node(node, 64, 16, 1 << 18)
+    shared = [bytes([9, i]) * 8 for i in range(4)]
+    for k, node in enumerate("abc"):
+        _node_with(before, node, f"p{k}", shared + [bytes([k, i]) * 8 for i in range(6)])
+    after = _recovered(before)
+    probes = [shared + [bytes([k, i]) * 8 for i in range(6)] for k in range(3)] + [[bytes([1, 0]) * 8]]
+    for t in (before, after):  # first changes (nothing read yet): c takes a's private hashes, a evicts them
+        _node_with(t, "c", "x", [bytes([0, i]) * 8 for i in range(6)], look_up=False)
+        t.allocate_many([AllocateRequest("a", "big", "t", [], 60 * 16)])
+    assert [after.match_prefix(p) for p in probes] == [before.match_prefix(p) for p in probes]
+    before.check()
+    after.check()  # (reads every hash: all of them are in the dict from here on)
+    assert after.match_prefix(probes[0]) == {"a": 4, "b": 4, "c": 10}
+    assert after.to_dict() == before.to_dict()
+    after.deregister_node("c")
+    after.check()
+
+
+def test_hashes_alike_in_their_first_eight_bytes_stay_apart() -> None:
+    """``FrozenKeys`` sorts by the first eight bytes; hashes that share them (with or without a
+    shared holder) are indexed one by one, and a query alike in those bytes finds nothing."""
+    table = PageTable()
+    for node in "abc":
+        table.register_node(node, 16, 16, 1 << 18)
+    x, y, z = b"\x07" * 8 + b"\x01" * 8, b"\x07" * 8 + b"\x02" * 8, b"\x08" * 8 + b"\x01" * 8
+    _node_with(table, "a", "s1", [x, z])
+    _node_with(table, "b", "s2", [y])
+    _node_with(table, "c", "s3", [x])
+    after = _recovered(table)
+    assert after.match_prefix([b"\x08" * 8 + b"\x02" * 8]) == {"a": 0, "b": 0, "c": 0}  # z's first bytes
+    assert after.match_prefix([x, z]) == {"a": 2, "b": 0, "c": 1}
+    assert after.match_prefix([y]) == {"a": 0, "b": 1, "c": 0}
+    assert after.match_prefix([b"\x07" * 8 + b"\x03" * 8]) == {"a": 0, "b": 0, "c": 0}
+    after.check()
