@@ -53,22 +53,15 @@ def _drive(lru: BlockLru, model: Model, rng: random.Random, steps: int) -> None:
         cached = list(model.d)
         outside = [b for b in range(N) if b not in model.d]
         op = rng.randrange(5)
-        if op == 0 and outside:
-            blocks = rng.sample(outside, rng.randint(1, min(8, len(outside))))
-            lru.extend(blocks)
-            model.extend(blocks)
-        elif op == 1 and outside:
-            b = rng.choice(outside)
-            lru.append(b)
-            model.extend([b])
-        elif op == 2 and cached:
-            blocks = rng.sample(cached, rng.randint(1, min(8, len(cached))))
-            lru.remove_many(blocks)
-            model.remove_many(blocks)
-        elif op == 3 and cached:
-            b = rng.choice(cached)
-            lru.remove(b)
-            model.remove_many([b])
+        pool = outside if op < 2 else cached  # 0, 1: make blocks cached; 2, 3: revive cached ones
+        if op < 4 and pool:
+            blocks = rng.sample(pool, rng.randint(1, min(8, len(pool))) if op % 2 == 0 else 1)
+            if op < 2:
+                lru.extend(blocks) if op == 0 else lru.append(blocks[0])
+                model.extend(blocks)
+            else:
+                lru.remove_many(blocks) if op == 2 else lru.remove(blocks[0])
+                model.remove_many(blocks)
         elif cached:
             assert lru.pop_oldest() == model.pop_oldest()
         assert list(lru) == list(model.d) and len(lru) == len(model.d)
