@@ -59,14 +59,17 @@ def stack_runs(stack: np.ndarray) -> np.ndarray:
 
 
 def runs_stack(runs: np.ndarray) -> np.ndarray:
-    """The inverse of ``stack_runs``."""
+    """The inverse of ``stack_runs``: steps of -1 with each run's jump from the one before, summed."""
     r = runs.astype(np.int64).reshape(-1, 2)
     first, lengths = r[:, 0], r[:, 1]
-    if len(r) and (lengths.min() < 1 or (first - lengths + 1).min() < 0):
+    if len(r) == 0:
+        return np.zeros(0, np.uint32)
+    last = first - lengths + 1
+    if lengths.min() < 1 or last.min() < 0:
         raise ValueError("a run of the free stack goes below block 0 or is empty")
-    which = np.repeat(np.arange(len(r)), lengths)
-    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return (first[which] - offsets).astype(np.uint32)
+    steps = np.full(int(lengths.sum()), -1, dtype=np.int64)
+    steps[np.cumsum(lengths) - lengths] = first - np.concatenate(([0], last[:-1]))
+    return np.cumsum(steps).astype(np.uint32)
 
 
 def pool_to_dict(pool: BlockPool) -> dict:

@@ -163,11 +163,11 @@ class PrefixIndex:
 
     def settle(self) -> None:
         """Index everything staged: hashes held by several nodes go to the dict, those held by one
-        to ``FrozenKeys`` (found by numpy: one stable sort of the hashes' first eight bytes)."""
+        to ``FrozenKeys`` (found by numpy: one sort of the hashes' first eight bytes)."""
         staged, self._staged = self._staged, []
         if not staged:
             return
-        blob = b"".join(bytes(h) for _, h, _ in staged)
+        blob = b"".join(h for _, h, _ in staged)
         slots = np.repeat(np.array([s for s, _, _ in staged], dtype=np.int64), [len(b) for _, _, b in staged])
         blocks = np.concatenate([b for _, _, b in staged])
         del staged
@@ -184,19 +184,35 @@ class PrefixIndex:
         single = order[starts[lengths == 1]]
         if len(single):
             self._frozen = FrozenKeys(hi[single], lo[single], values[single])
+        multi = lengths > 1
+        if multi.any():
+            self._settle_shared(blob, order[np.repeat(multi, lengths)], lengths[multi], hi, lo, slots, blocks)
+
+    def _settle_shared(self, blob: bytes, members: np.ndarray, lengths: np.ndarray, hi: np.ndarray,
+                       lo: np.ndarray, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """The runs of ``split_runs`` longer than one (``members``, run after run): a run of one
+        hash becomes a ``Shared`` entry, built from lists sliced per run; a run of several
+        hashes alike at the top of their first eight bytes (rare) is added pair by pair."""
+        offsets = np.cumsum(lengths) - lengths
+        top, low = hi[members], lo[members]
+        same = np.ones(len(members), dtype=np.int64)
+        same[1:] = (top[1:] == top[:-1]) & (low[1:] == low[:-1])
+        same[offsets] = 1  # a run's first member is compared with nothing
+        mixed = (np.add.reduceat(same, offsets) != lengths).tolist()
+        on, at = slots[members], blocks[members]
+        on_list, at_list, first = on.tolist(), at.tolist(), members[offsets].tolist()
+        bits = np.zeros(int(on.max()) + 1, dtype=bool)
         entries = self._entries
-        for start, length in zip(starts[lengths > 1].tolist(), lengths[lengths > 1].tolist()):
-            run = order[start:start + length]
-            if len(set(lo[run].tolist())) != 1:  # different hashes, same first 8 bytes
-                self._pairs -= length
-                for i in run.tolist():
+        for k, (off, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            if mixed[k]:
+                for i in members[off:off + n].tolist():
+                    self._pairs -= 1
                     self.add(blob[16 * i:16 * i + 16], int(slots[i]), int(blocks[i]))
                 continue
-            i = int(run[0])
-            on = slots[run]
-            shared = entries[blob[16 * i:16 * i + 16]] = Shared(zip(on.tolist(), blocks[run].tolist()))
-            bits = np.zeros(int(on.max()) + 1, dtype=bool)
-            bits[on] = True
+            i = first[k]
+            shared = entries[blob[16 * i:16 * i + 16]] = Shared(zip(on_list[off:off + n], at_list[off:off + n]))
+            bits[:] = False
+            bits[on[off:off + n]] = True
             shared.mask = int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")
 
     def remove(self, h: bytes, slot: int) -> None:
