@@ -107,10 +107,18 @@ class PrefixIndex:
     def _thaw_leading(self, hashes: Sequence[bytes]) -> None:
         """Move the leading ``hashes`` the recovered keys hold into the dict, up to the first that
         neither holds (where a lookup or a match stops)."""
-        entries = self._entries
-        for h in hashes:
-            if h not in entries and (self._frozen is None or self._thaw(h) is None):
+        entries, frozen = self._entries, self._frozen
+        missing = [h for h in hashes if h not in entries]
+        if not missing:
+            return
+        for h, i in zip(missing, frozen.find_many(missing) if len(missing) > 2 else map(frozen.find, missing)):
+            if h in entries:  # the prompt holds it twice
+                continue
+            if i < 0:
                 break
+            entries[h] = frozen.take(i)
+        if not frozen.live:
+            self._frozen = None
 
     def holders(self, h: bytes) -> dict[int, int]:
         """``{slot: block}`` of every node indexing ``h``."""

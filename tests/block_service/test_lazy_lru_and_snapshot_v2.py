@@ -266,8 +266,27 @@ def test_hashes_alike_in_their_first_eight_bytes_stay_apart() -> None:
     _node_with(table, "b", "s2", [y])
     _node_with(table, "c", "s3", [x])
     after = _recovered(table)
-    assert after.match_prefix([b"\x08" * 8 + b"\x02" * 8]) == {"a": 0, "b": 0, "c": 0}  # z's first bytes
+    near_z = b"\x08" * 8 + b"\x02" * 8  # z's first eight bytes
+    assert after.match_prefix([near_z, near_z[:15] + b"\x03", z]) == {"a": 0, "b": 0, "c": 0}  # (one numpy pass)
+    assert after.match_prefix([near_z]) == {"a": 0, "b": 0, "c": 0}
     assert after.match_prefix([x, z]) == {"a": 2, "b": 0, "c": 1}
     assert after.match_prefix([y]) == {"a": 0, "b": 1, "c": 0}
     assert after.match_prefix([b"\x07" * 8 + b"\x03" * 8]) == {"a": 0, "b": 0, "c": 0}
+    after.check()
+
+
+def test_prompts_read_first_after_a_recovery_match_as_before() -> None:
+    """The first reads after a recovery move a prompt's keys out of ``FrozenKeys`` in one pass; a
+    hash no node holds, or one already moved, must not shift the others."""
+    table = PageTable()
+    for node in "ab":
+        table.register_node(node, 32, 16, 1 << 18)
+    p = [bytes([5, i]) * 8 for i in range(4)]
+    _node_with(table, "a", "s1", p)
+    _node_with(table, "b", "s2", p[:2])
+    prompts = [[p[1], p[0], p[2]], [p[0], p[3], p[2]], [p[1], b"\x00" * 16, p[2], p[3]], [b"\x01" * 16, p[0]], p]
+    expected = [table.match_prefix(q) for q in prompts]
+    after = _recovered(table)
+    assert [after.match_prefix(q) for q in prompts] == expected
+    assert after.allocate_many([AllocateRequest("a", "x", "t", p, 64)])[0].num_cached_blocks == 4
     after.check()
