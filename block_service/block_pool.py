@@ -17,7 +17,7 @@ Sized for a fleet (issue 19: 1,000 nodes x 100,000 blocks in one process): per b
 count (a list slot, 8 bytes: read on every path, and the counts are small shared ints), an owner
 code (uint16, into the pool's short list of tenant names), a slot in the hash list (8 bytes; the
 hash object only once committed), the LRU's position (int32; plus a queue entry or two per cached
-block, ``BlockLru``), an "indexed" flag (1 byte) and, when free, a uint32 in the free stack — ~23
+block, ``BlockLru``), an "indexed" flag (1 byte) and, when free, a uint32 in the free stack — ~27
 bytes instead of ~64 for lists of Python objects; and the
 prefix index is the page table's one ``PrefixIndex`` for every node (this pool is ``slot`` there),
 not a dict per pool.
