@@ -61,6 +61,13 @@ class PrefixIndex:
             return e >> SLOT_BITS if e & SLOT_MASK == slot else None
         return e.get(slot)
 
+    def mask(self, h: bytes) -> int:
+        """The bitset of the nodes indexing ``h`` (0: none)."""
+        e = self._entries.get(h)
+        if e is None:
+            return 0
+        return 1 << (e & SLOT_MASK) if type(e) is int else e.mask
+
     def lookup(self, hashes: Sequence[bytes], slot: int) -> list[int]:
         """Blocks of the node in ``slot`` holding the leading ``hashes``, up to the first miss."""
         get = self._entries.get

@@ -42,7 +42,7 @@ PURE = [
     "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",
     "block_service.backup", "block_service.restore", "block_service.validation", "block_service.node_state",
     "block_service.prefix_index", "block_service.block_lru", "block_service.pool_codec",
-    "block_service.lineage", "block_service.replication_log", "block_service.standby_acks", "block_service.role",
+    "block_service.lineage", "block_service.lower_tiers", "block_service.replication_log", "block_service.standby_acks", "block_service.role",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
     "compute_service.block_link", "compute_service.block_sync", "compute_service.sliding_window", "kvfleet.backoff",
     "compute_service.model_config", "compute_service.rope_config", "compute_service.kv_cache_dtype",
