@@ -4,30 +4,13 @@ Stats' per-tier counts and per-tenant charges, a sync replacing a node's index, 
 
 from __future__ import annotations
 
-import asyncio
-
-import grpc
-
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable, recover
 from block_service.lower_tiers import PrefixMatch
-from block_service.server import BlockManagerServicer
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
 from kvfleet.block_hash import block_hashes
 from kvfleet.tenants import MIB, Tenant
-from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
-
-
-async def _serving(store: DurablePageTable, body) -> None:
-    server = grpc.aio.server()
-    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(store), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with BlockManagerClient(f"127.0.0.1:{port}") as client:
-            await body(client)
-    finally:
-        await server.stop(None)
+from tests.block_service.test_block_server import serve_and_run
 
 
 def test_tier_moves_lookups_and_figures_through_the_server(tmp_path) -> None:
@@ -59,7 +42,7 @@ def test_tier_moves_lookups_and_figures_through_the_server(tmp_path) -> None:
         await client.sync_node("n1", 8, 16, MIB, [])  # without an index: left as it is
         assert (await client.match_tiers(hs[:3]))["n1"] == PrefixMatch(0, 1, 16)
 
-    asyncio.run(_serving(store, body))
+    serve_and_run(store, body)
     store.sync()
     table, _ = recover(str(tmp_path))
     assert table.match_tiers(hs) == store.table.match_tiers(hs)
