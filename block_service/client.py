@@ -19,7 +19,6 @@ import grpc
 from block_service import wire
 from block_service.blocks_report import BlocksReport, NodeBlocks
 from block_service.bookkeeping import ApplyResult
-from block_service.lower_tiers import PrefixMatch
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
@@ -129,11 +128,12 @@ class BlockManagerClient:
 
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Per node, the leading blocks of the prompt in its pool (hot)."""
-        return {n: m.hot for n, m in (await self.match_tiers(block_hashes, node_ids)).items()}
+        return (await self.match_tiers(block_hashes, node_ids))[0]
 
     async def match_tiers(self, block_hashes: Sequence[bytes],
-                          node_ids: Sequence[str] | None = None) -> dict[str, PrefixMatch]:
-        """Per node, the hot run and the blocks past it held in a lower tier (``PrefixMatch``)."""
+                          node_ids: Sequence[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """``(hot, lower)``: per node the hot run, and past it the blocks held in a lower tier
+        (only nodes holding any)."""
         req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])
         return wire.matches_from_pb(await self._call("MatchPrefix", req))
 

@@ -30,7 +30,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from block_service.prefix_index import PrefixIndex, slots_of
+from block_service.prefix_index import PrefixIndex
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import InvalidArgument
@@ -50,17 +50,6 @@ def validate_tier_change(c: TierChange, replacing: bool = False) -> None:
     if c.tier not in allowed:
         raise InvalidArgument(f"tier must be one of {', '.join(map(repr, allowed))}, got {c.tier!r}")
     check_id("tenant", c.tenant)
-
-
-@dataclass(slots=True, frozen=True)
-class PrefixMatch:
-    """How much of a prompt one node holds: ``hot`` leading blocks in its device pool, then
-    ``lower`` more it holds in any tier (host, disk, or hot again after a lower-tier block), up to
-    the first block it holds nowhere. A lower-tier block costs a copy back instead of a prefill."""
-
-    hot: int
-    lower: int = 0
-    block_size: int = 0
 
 
 @dataclass(slots=True)
@@ -125,6 +114,11 @@ class LowerTiers:
         self._masks: dict[bytes, int] = {}
         self._nodes: dict[int, NodeTiers] = {}
         self._tiered = 0  # bitset of the slots holding at least one block in a lower tier
+
+    @property
+    def empty(self) -> bool:
+        """No node holds anything below its pool (a lookup has nothing more to do)."""
+        return not self._tiered
 
     def node(self, slot: int) -> NodeTiers | None:
         return self._nodes.get(slot)
@@ -236,18 +230,7 @@ class LowerTiers:
         cur = self._tiered if among is None else self._tiered & among
         if not cur or not hashes:
             return {}
-        masks, hot_mask = self._masks, hot.mask
-        total: dict[int, int] = {}
-        for d, h in enumerate(hashes):
-            new = cur & (masks.get(h, 0) | hot_mask(h))
-            if new != cur:
-                total.update(dict.fromkeys(slots_of(cur ^ new), d))
-                cur = new
-                if not cur:
-                    break
-        if cur:
-            total.update(dict.fromkeys(slots_of(cur), len(hashes)))
-        return {s: n - hot_depth.get(s, 0) for s, n in total.items() if n > hot_depth.get(s, 0)}
+        return {s: n - hot_depth.get(s, 0) for s, n in hot.match_past(hashes, self._masks, cur).items()}
 
     # ---- snapshots and checks ---------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from block_service.block_pool import BlockPool, validate_shape
-from block_service.lower_tiers import LowerTiers, PrefixMatch, TierOutcome, validate_tier_change
+from block_service.lower_tiers import LowerTiers, TierOutcome, validate_tier_change
 from block_service.node_state import NodeState
 from block_service.node_sync import LiveSequence, SyncResult, plan_sync
 from block_service.pool_codec import pool_from_dict, pool_to_dict
@@ -347,25 +347,27 @@ class PageTable:
 
     def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Per node, how many leading blocks of the prompt are committed there. Changes nothing."""
-        validate_hashes(block_hashes)
-        nodes = [(n, self._node(n)) for n in node_ids] if node_ids else self._nodes.items()
-        depth = self._index.match(block_hashes)
-        return {n: depth.get(node.pool.slot, 0) for n, node in nodes}
+        return self.match_tiers(block_hashes, node_ids)[0]
 
-    def match_tiers(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, PrefixMatch]:
-        """``match_prefix`` and, per node, the blocks past its hot run it holds in a lower tier
-        (``LowerTiers.match``: nothing more to pay while no node holds a lower tier)."""
+    def match_tiers(self, block_hashes: Sequence[bytes],
+                    node_ids: Sequence[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """``(hot, lower)``: per node (every node, or those named) how many leading blocks of the
+        prompt are committed in its pool, and for the nodes holding any, how many blocks past those
+        it holds in a lower tier (``LowerTiers.match``). Changes nothing. ``lower`` is sparse and
+        costs nothing while no node holds a lower tier: the fleet-scale lookup stays as it was."""
         validate_hashes(block_hashes)
         nodes = [(n, self._node(n)) for n in node_ids] if node_ids else self._nodes.items()
         depth = self._index.match(block_hashes)
+        hot = {n: depth.get(node.pool.slot, 0) for n, node in nodes}
+        if self._tiers.empty:
+            return hot, {}
         among = None
         if node_ids:
             among = 0
             for _, node in nodes:
                 among |= 1 << node.pool.slot
-        lower = self._tiers.match(block_hashes, self._index, depth, among)
-        return {n: PrefixMatch(depth.get(node.pool.slot, 0), lower.get(node.pool.slot, 0), node.pool.block_size)
-                for n, node in nodes}
+        by_slot = self._tiers.match(block_hashes, self._index, depth, among)
+        return hot, {n: by_slot[node.pool.slot] for n, node in nodes if node.pool.slot in by_slot} if by_slot else {}
 
     # ---- lower tiers (issue 15) ----------------------------------------------------------------
 

@@ -121,8 +121,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     @_answers
     async def MatchPrefix(self, request, context):
-        return wire.matches_to_pb(self.table.match_tiers(wire.split_hashes(request.block_hashes),
-                                                         list(request.node_ids)))
+        hot, lower = self.table.match_tiers(wire.split_hashes(request.block_hashes), list(request.node_ids))
+        return wire.matches_to_pb(hot, lower, self.table.block_size)
 
     @_answers
     async def RegisterNode(self, request, context):

@@ -7,10 +7,10 @@ blocks of one sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from block_service.bookkeeping import GROWTH, ApplyResult, ItemError, TierBatch
-from block_service.lower_tiers import LOWER_TIERS, PrefixMatch
+from block_service.lower_tiers import LOWER_TIERS
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import Counters, Holder, NodeStats, TenantStats, TierBlocks
@@ -48,14 +48,16 @@ def tier_changes_from_pb(m: pb.TierChanges) -> TierBatch:
         for h, code, t in zip(hashes, m.tiers, m.tenants)])
 
 
-def matches_to_pb(matches: dict[str, PrefixMatch]) -> pb.MatchPrefixResponse:
+def matches_to_pb(hot: dict[str, int], lower: dict[str, int], block_size: Callable[[str], int]) -> pb.MatchPrefixResponse:
     return pb.MatchPrefixResponse(nodes=[
-        pb.NodePrefixMatch(node_id=n, num_cached_blocks=m.hot, block_size=m.block_size, num_lower_tier_blocks=m.lower)
-        for n, m in matches.items()])
+        pb.NodePrefixMatch(node_id=n, num_cached_blocks=k, block_size=block_size(n), num_lower_tier_blocks=lower.get(n, 0))
+        for n, k in hot.items()])
 
 
-def matches_from_pb(m: pb.MatchPrefixResponse) -> dict[str, PrefixMatch]:
-    return {n.node_id: PrefixMatch(n.num_cached_blocks, n.num_lower_tier_blocks, n.block_size) for n in m.nodes}
+def matches_from_pb(m: pb.MatchPrefixResponse) -> tuple[dict[str, int], dict[str, int]]:
+    """``(hot, lower)`` as ``PageTable.match_tiers`` answers them (``lower``: nodes with any)."""
+    return ({n.node_id: n.num_cached_blocks for n in m.nodes},
+            {n.node_id: n.num_lower_tier_blocks for n in m.nodes if n.num_lower_tier_blocks})
 
 
 # ---- refusals -----------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ class BlockServicePrefixLookup:
     async def _committed(self, hashes: list[bytes], node_ids: list[str]) -> dict[str, PrefixHit]:
         """block_service's answer, or nothing when it cannot give one."""
         try:
-            found = {n: PrefixHit(m.hot, m.lower) for n, m in (await self.client.match_tiers(hashes, node_ids)).items()}
+            hot, lower = await self.client.match_tiers(hashes, node_ids)
+            found = {n: PrefixHit(k, lower.get(n, 0)) for n, k in hot.items()}
         except NotFound:  # a node's pool not (yet) registered: it is being resynced
             return {}
         except Exception as e:

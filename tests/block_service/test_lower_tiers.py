@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from block_service.local_allocator import LocalBlockAllocator
-from block_service.lower_tiers import LowerTiers, PrefixMatch
+from block_service.lower_tiers import LowerTiers
 from block_service.page_table import PageTable
 from block_service.prefix_index import PrefixIndex
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, BlockAllocator, TierChange
@@ -112,7 +112,7 @@ def test_local_allocator_caps_counts_and_lookups():
     alloc.record_tiers([TierChange(hs[i], "t", TIER_HOST) for i in (1, 2, 3)])
     assert alloc.take_tier_refusals() == [hs[3]]
     assert alloc.take_tier_refusals() == []
-    assert table.match_tiers(hs) == {"local": PrefixMatch(1, 2, 16)}
+    assert table.match_tiers(hs) == ({"local": 1}, {"local": 2})
     assert table.match_prefix(hs) == {"local": 1}    # the hot answer is unchanged
     (ts,) = [t for t in table.tenant_stats("local") if t.tenant == "t"]
     assert (ts.blocks_charged, ts.lower_tier_blocks, ts.lower_tier_allowed) == (1, 2, 2)
@@ -126,7 +126,7 @@ def test_local_allocator_caps_counts_and_lookups():
     assert restored.tenant_stats("local") != [] and restored.lower_tiers("local") == table.lower_tiers("local")
     table.deregister_node("local")                     # dropped with the node
     table.register_node("local", 4, 16, MIB)
-    assert table.lower_tiers("local") == [] and table.match_tiers(hs)["local"] == PrefixMatch(0, 0, 16)
+    assert table.lower_tiers("local") == [] and table.match_tiers(hs) == ({"local": 0}, {})
     table.check()
 
 

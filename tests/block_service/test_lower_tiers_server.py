@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from block_service.client import BlockManagerClient
 from block_service.durable import DurablePageTable, recover
-from block_service.lower_tiers import PrefixMatch
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
 from kvfleet.block_hash import block_hashes
 from kvfleet.tenants import MIB, Tenant
@@ -28,8 +27,8 @@ def test_tier_moves_lookups_and_figures_through_the_server(tmp_path) -> None:
         result = await client.apply([], [], [], node_id="n0", tiers=moves)
         assert [(e.kind, e.index, e.code) for e in result.errors] == [("tier", 1, "INVALID_ARGUMENT")]
         assert result.tier_refused == [hs[3]]
-        assert await client.match_tiers(hs) == {"n0": PrefixMatch(1, 2, 16), "n1": PrefixMatch(0, 0, 16)}
-        assert await client.match_tiers(hs, ["n1"]) == {"n1": PrefixMatch(0, 0, 16)}
+        assert await client.match_tiers(hs) == ({"n0": 1, "n1": 0}, {"n0": 2})
+        assert await client.match_tiers(hs, ["n1"]) == ({"n1": 0}, {})
         assert await client.match_prefix(hs) == {"n0": 1, "n1": 0}
         report = await client.blocks(["n0"])
         assert [(t.tier, t.num_cached) for t in report.nodes[0].tiers] == [("device", 0), ("host", 1), ("disk", 1)]
@@ -38,9 +37,9 @@ def test_tier_moves_lookups_and_figures_through_the_server(tmp_path) -> None:
         assert (a.lower_tier_blocks, a.lower_tier_allowed, a.counters.refusals_lower_tier) == (2, 2, 1)
         # the node's own account replaces block_service's (a resync after a restart, a reconciliation)
         await client.sync_node("n1", 8, 16, MIB, [], [TierChange(hs[0], "a", TIER_HOST)])
-        assert (await client.match_tiers(hs[:3]))["n1"] == PrefixMatch(0, 1, 16)
+        assert (await client.match_tiers(hs[:3]))[1] == {"n0": 2, "n1": 1}
         await client.sync_node("n1", 8, 16, MIB, [])  # without an index: left as it is
-        assert (await client.match_tiers(hs[:3]))["n1"] == PrefixMatch(0, 1, 16)
+        assert (await client.match_tiers(hs[:3]))[1] == {"n0": 2, "n1": 1}
 
     serve_and_run(store, body)
     store.sync()
