@@ -81,7 +81,7 @@ def render(report: BlocksReport) -> str:
         s = n.stats
         lines.append(f"node {s.node_id}: {s.num_blocks} blocks of {s.block_size} tokens, "
                      f"{s.num_sequences} sequences, refusals pool={s.counters.refusals_pool} "
-                     f"quota={s.counters.refusals_quota} lower-tier={s.counters.refusals_lower_tier}")
+                     f"quota={s.counters.refusals_quota}")
         lines += ["  " + line for line in _table(
             ["tier", "used", "cached", "free"],
             [[t.tier, str(t.num_used), str(t.num_cached), str(t.num_free)] for t in n.tiers])]
