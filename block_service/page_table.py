@@ -438,7 +438,8 @@ class PageTable:
         return NodeStats(
             node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
             num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
-            lower_tier=self._tiers.counts(pool.slot), num_sequences=len(node.seq_ids), tokens_stored=pool.num_used * bs - tail_waste,
+            lower_tier=self._tiers.counts(pool.slot), num_sequences=len(node.seq_ids),
+            tokens_stored=pool.num_used * bs - tail_waste,
             token_capacity=pool.num_used * bs, counters=replace(node.counters),
         )
 
