@@ -107,7 +107,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.step_token_budget
+        # a batch still draining above a lowered cap keeps every decode token: only prompts wait
+        budget = max(self.step_token_budget, min(len(self.running), self.config.max_num_batched_tokens))
         self.running.sort(key=_rank)
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:
@@ -124,7 +125,7 @@ class Scheduler:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
-        self.budget_used_up = batch.num_tokens >= self.step_token_budget
+        self.budget_used_up = batch.num_tokens >= budget
         return batch
 
     def _grow(self, plan: list[tuple[Sequence, int]], batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

@@ -276,3 +276,16 @@ def test_the_step_token_budget_follows_the_live_cap():
     advance(batch)
     batch = sched.schedule()
     assert batch.num_tokens == 5 and not sched.budget_used_up
+
+
+def test_a_batch_draining_above_a_lowered_cap_keeps_its_decodes():
+    """The budget follows the cap, but sequences already running above it are not starved of their
+    tokens while they drain: a step carries all their decodes, and no prompt."""
+    sched, _ = make_scheduler(budget=8, max_seqs=8)
+    for i in range(8):
+        sched.add(seq(f"s{i}", 1, start=10 * i))
+    advance(sched.schedule())
+    sched.set_num_seqs_cap(2)  # a budget of 2 tokens a step
+    sched.add(seq("late", 4, start=100))
+    batch = sched.schedule()
+    assert len(batch.decodes) == 8 and not batch.prefills and sched.budget_used_up
