@@ -104,9 +104,9 @@ class PrefixIndex:
                 append(e >> SLOT_BITS)
         return found
 
-    def _thaw_leading(self, hashes: Sequence[bytes]) -> None:
+    def _thaw_leading(self, hashes: Sequence[bytes], past_misses: bool = False) -> None:
         """Move the leading ``hashes`` the recovered keys hold into the dict, up to the first that
-        neither holds (where a lookup or a match stops)."""
+        neither holds (where a lookup or a match stops), or all of them (``past_misses``)."""
         entries, frozen = self._entries, self._frozen
         missing = [h for h in hashes if h not in entries]
         if not missing:
@@ -115,6 +115,8 @@ class PrefixIndex:
             if h in entries:  # the prompt holds it twice
                 continue
             if i < 0:
+                if past_misses:
+                    continue
                 break
             entries[h] = frozen.take(i)
         if not frozen.live:
@@ -278,6 +280,35 @@ class PrefixIndex:
         if cur:
             depth.update(dict.fromkeys(slots_of(cur), len(hashes)))
         return depth
+
+    def match_past(self, hashes: Sequence[bytes], extra: dict[bytes, int], among: int) -> dict[int, int]:
+        """For the slots of ``among`` (a bitset) that hold leading ``hashes`` past their run in this
+        index (``match``) when the blocks in ``extra`` (hash → bitset: the lower tiers') count too:
+        how many leading hashes they hold then; the others are left out. One walk, two ANDs and
+        two dict lookups per hash: ``hot`` (still in this index's run) and ``held`` (in either),
+        and only the slots dropping out of ``held`` after ``hot`` are expanded, so its cost does not
+        grow with the nodes holding the prefix hot. ``match`` itself is left as it was."""
+        if self._frozen is not None:
+            self._thaw_leading(hashes, past_misses=True)  # the lower tiers may go on past a miss here
+        entries, get_extra = self._entries, extra.get
+        total: dict[int, int] = {}
+        hot = held = among
+        for d, h in enumerate(hashes):
+            e = entries.get(h)
+            m = 0 if e is None else 1 << (e & SLOT_MASK) if type(e) is int else e.mask
+            new = held & (m | get_extra(h, 0))
+            if new != held:
+                past = (held ^ new) & ~hot  # out now, out of the hot run before: a run past it
+                if past:
+                    total.update(dict.fromkeys(slots_of(past), d))
+                held = new
+                if not held:
+                    return total
+            hot &= m
+        past = held & ~hot
+        if past:
+            total.update(dict.fromkeys(slots_of(past), len(hashes)))
+        return total
 
 
 def slots_of(bits: int) -> list[int]:

@@ -290,3 +290,18 @@ def test_prompts_read_first_after_a_recovery_match_as_before() -> None:
     assert [after.match_prefix(q) for q in prompts] == expected
     assert after.allocate_many([AllocateRequest("a", "x", "t", p, 64)])[0].num_cached_blocks == 4
     after.check()
+
+
+def test_lower_tier_matches_read_recovered_keys_past_the_hot_run() -> None:
+    """``match_tiers`` walks on past the first hash the pools miss (a lower tier may hold it): keys
+    still in ``FrozenKeys`` beyond that point count as they did before the snapshot."""
+    from kvfleet.allocator import TIER_HOST, TierChange
+
+    table = PageTable()
+    table.register_node("a", 32, 16, 1 << 18)
+    p = [bytes([6, i]) * 8 for i in range(5)]
+    _node_with(table, "a", "s", [p[0], p[1], b"\x02" * 16, p[3], p[4]])  # p[2] not in the pool...
+    table.record_tiers("a", [TierChange(p[2], "t", TIER_HOST)])        # ...but in host memory
+    expected = table.match_tiers(p)
+    assert expected == ({"a": 2}, {"a": 3})
+    assert _recovered(table).match_tiers(p) == expected
