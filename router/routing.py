@@ -2,7 +2,9 @@
 
     cost(node) = w · (prompt blocks not cached on node) + (node's active blocks)
 
-A cached prompt block saves its prefill there; an active block is work the node is already doing.
+A cached prompt block saves its prefill there; an active block is work the node is already doing:
+a block its in-flight requests added there, not the prefix they found cached (``RouterNode.start``),
+so requests sharing a prefix do not make the node holding it look busier the more of them it serves.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
 (``active > ratio · least + margin``) the least-loaded node is taken instead.
@@ -49,7 +51,7 @@ class RoutingConfig:
 @dataclass(slots=True, frozen=True)
 class NodeLoad:
     node_id: str
-    active_blocks: int           # blocks held by the node's running sequences
+    active_blocks: int           # blocks the node's in-flight requests added beyond their cached prefixes
     cached_prefix_blocks: int    # leading prompt blocks already committed on the node
     ready_since: float           # when the node turned READY (same clock as `now`)
 
