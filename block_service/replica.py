@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import aetcd
 
+from block_service.durable_mark import behind, parse_mark, publish_marks, read_mark
 from block_service.election import Election
 from block_service.follower import Follower, LineageMismatch, close_quietly
-from block_service.lineage import ensure_lineage
+from block_service.lineage import ensure_lineage, read_lineage
 from block_service.role import Role
 from kvfleet.backoff import Backoff, LogThrottle, error_line
 from kvfleet.leader import Leader, watch_leader
@@ -58,6 +59,7 @@ class Replica:
         self.election: Election | None = None
         self._changed = asyncio.Event()
         self._campaign_after = 0.0  # monotonic; a replica that just lost the lease lets the standby go first
+        self._behind_said: int | None = None  # the leader's mark last reported as ahead of this state
 
     async def _watch(self) -> None:
         async for leader in watch_leader(self.client):
@@ -76,7 +78,7 @@ class Replica:
                 leader = self.leader
                 try:
                     if leader is None or leader.address == self.address:  # none, or this replica's previous run
-                        may = self.follower.followed or not self.standby_first
+                        may = self.follower.followed or (leader is None and await self._may_lead())
                         if leader is None and may and time.monotonic() >= self._campaign_after:
                             if await self._campaign():
                                 backoff.reset()
@@ -118,17 +120,41 @@ class Replica:
         await close_quietly(follow)
         return None
 
+    async def _may_lead(self) -> bool:
+        """Before following anyone in this run: with no leader's mark in etcd (a new fleet), the
+        replica not started ``--standby``; with one, a replica whose state holds every record the
+        mark names (durable_mark.py), so that leading loses none of them."""
+        mark = await read_mark(self.client)
+        if mark is None:
+            return not self.standby_first
+        mine, lineage = self.follower.store.durable_lsn, read_lineage(self.state_dir)
+        theirs = behind(mark, lineage, mine)
+        if theirs is None:
+            return True
+        if lineage != parse_mark(mark)[0]:  # empty (a new standby), or another history: following says which
+            return False
+        if self._behind_said != theirs:
+            self._behind_said = theirs
+            log.error("replica at %s: its state ends at record %d, the last leader acknowledged %d; it will not "
+                      "lead (that would lose them) but follows whoever does: start the replica that holds them, "
+                      "or restore it from a backup", self.address, mine, theirs)
+        return False
+
     async def _campaign(self) -> bool:
-        election = Election(self.client, Leader(self.address, ensure_lineage(self.state_dir)), self.ttl_s)
+        lineage = ensure_lineage(self.state_dir)
+        election = Election(self.client, Leader(self.address, lineage), self.ttl_s)
         if not await election.campaign():
             return False
         self.election = election
         self.role.holds = election.holds
         log.info("block_service at %s is the leader (lease TTL %d s)", self.address, self.ttl_s)
+        marks = asyncio.create_task(publish_marks(self.client, lineage, lambda: self.follower.store.durable_lsn,
+                                                  self.ttl_s / 3))
         try:
             await self.on_lead()
             await election.lead()
         finally:
+            await close_quietly(marks)
             self.role.holds = _never
             self.election = None
             self._campaign_after = time.monotonic() + self.ttl_s

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from compute_service.cpu_host import host_cpu_flags, intra_op_threads, resolve_dtype, usable_cpus
 from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv_cache_manager import KVCacheManager
@@ -45,7 +47,8 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     block_size: int | str = 256
     kv_cache_memory: int | None = None   # bytes; None = a fraction of free memory
-    dtype: str = "float32"
+    dtype: str = "float32"               # or bfloat16, float16, auto (cpu_host.resolve_dtype: bfloat16 on
+    #                                      a CPU with native bfloat16, else float32); resolved on construction
     kv_cache_dtype: str = "auto"         # auto (= dtype), float32, bfloat16, float16, fp8_e4m3
     device: str = "cpu"
     max_num_seqs: int = 64
@@ -57,6 +60,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.block_size = parse_block_size(self.block_size)
+        self.dtype = resolve_dtype(self.dtype, self.device.split(":")[0], host_cpu_flags())
         parse_dtype(self.dtype)
         resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         parse_kv_layout(self.kv_layout)
@@ -102,6 +106,10 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            threads = intra_op_threads(usable_cpus(), os.environ)  # cpu_host.py: why one CPU is left free
+            if threads is not None:
+                torch.set_num_threads(threads)
         dtype = parse_dtype(config.dtype)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.device)  # FP8 here? checked first
@@ -246,6 +254,11 @@ class LLMEngine:
         self._busy += time.perf_counter() - started
         for seq, token in zip(sampled, tokens):
             outputs.append(self._append_token(self.requests[seq.seq_id], token))
+        # a prefill chunk that samples nothing yet is progress too: an output without tokens tells a
+        # streaming caller the request is alive (a 128K prompt prefills for minutes before its first token)
+        sampled_ids = {seq.seq_id for seq in sampled}
+        outputs += [self._output(self.requests[seq.seq_id], [], "", None)
+                    for seq, _ in batch.prefills if seq.seq_id not in sampled_ids]
         return outputs
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams) -> list[RequestOutput]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from compute_service.block_usage import BlockUsage
 from compute_service.sequence import Sequence
-from kvfleet.allocator import BlockAllocator, Refusal
+from kvfleet.allocator import DROPPED, BlockAllocator, Refusal
 from kvfleet.block_hash import (
     cluster_seed,
     next_block_hash,
@@ -41,6 +42,7 @@ class KVCacheManager:
         self.block_size = allocator.block_size
         self.share_across_tenants = share_prefix_across_tenants
         self.seed = cluster_seed()
+        self.usage = BlockUsage()  # what each block holds and how often it was reused (KV snapshots)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -61,6 +63,9 @@ class KVCacheManager:
         if isinstance(result, Refusal):
             return result
         seq.block_table = list(result.block_ids)
+        cached = result.num_cached_blocks
+        self.usage.hit(seq.block_table[:cached], seq.block_hashes[:cached])
+        self.usage.overwritten(seq.block_table[cached:])
         seq.num_allocated_tokens = seq.num_tokens
         seq.num_committed_blocks = result.num_cached_blocks
         seq.num_computed = result.num_cached_blocks * self.block_size
@@ -91,6 +96,7 @@ class KVCacheManager:
         if isinstance(result, Refusal):
             return result
         seq.block_table = list(result.block_ids)
+        self.usage.overwritten(seq.block_table)  # cached blocks (a restored snapshot's) it took are rewritten
         seq.num_allocated_tokens = self.reserve_tokens
         seq.num_committed_blocks = seq.num_computed = 0
         return None
@@ -109,6 +115,7 @@ class KVCacheManager:
                 results.append(answer)
                 continue
             seq.block_table.extend(answer)
+            self.usage.overwritten(answer)
             seq.num_allocated_tokens = max(seq.num_allocated_tokens, seq.num_computed + n)
             results.append(None)
         return results
@@ -124,6 +131,7 @@ class KVCacheManager:
                 continue
             self._extend_hashes(seq, num_full)
             commits.extend((seq.seq_id, i, seq.block_hashes[i]) for i in range(seq.num_committed_blocks, num_full))
+            self._record_commits(seq, range(seq.num_committed_blocks, num_full))
             seq.num_committed_blocks = num_full
         if commits:
             self.allocator.commit(commits)
@@ -149,6 +157,13 @@ class KVCacheManager:
             self.allocator.release(ids)
         for seq in seqs:
             seq.block_table = []
+
+    def _record_commits(self, seq: Sequence, indexes: range) -> None:
+        bs, extra = self.block_size, tenant_extra_key(seq.tenant, self.share_across_tenants)
+        for i in indexes:
+            if seq.block_table[i] != DROPPED:
+                self.usage.committed(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else b"",
+                                     seq.token_ids[i * bs:(i + 1) * bs], extra)
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

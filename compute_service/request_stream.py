@@ -2,6 +2,7 @@
 
     start command → checks → spans (in the router's trace) → early block allocation → engine
     engine outputs → ``RequestEvent``s (up to ``stream_interval`` tokens per chunk) → the stream
+    (a prefill chunk that samples no token yet → an empty chunk: the router hears the node is alive)
     finish, refusal, cancel or the stream ending → spans closed, unclaimed early blocks released, the
     node's in-flight count down
 
@@ -127,6 +128,9 @@ class RequestStream:
             return
         if out.failure is not None:  # the node's trouble, not the request's: the router fails it over
             self.fail(grpc.StatusCode.UNAVAILABLE, out.failure)
+            return
+        if not out.new_token_ids and not out.finished:  # a prefill chunk done, no token yet
+            self.emit(compute_pb2.RequestEvent(request_id=self.request_id, chunk=compute_pb2.ComputeChunk()))
             return
         if self._first:
             self._first = False

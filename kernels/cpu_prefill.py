@@ -1,7 +1,11 @@
 """Paged prefill on CPU in torch: per sequence, gather its blocks once, then float32 GEMMs.
 
-Prefill is compute-bound, and on CPU a batched matmul (MKL/oneDNN) beats ``scaled_dot_product_attention``
-2-3× at long prompts (bench/paged_attention.py --prefill measures it). Rows of new tokens are taken
+A sequence with no cached prefix (its whole prompt in this step, no sliding window cutting into it)
+attends to exactly its own new tokens, causally: torch's fused flash attention
+(``scaled_dot_product_attention``, ``is_causal``) serves it in the pool's dtype, 1.3-2x faster than
+the GEMMs below at 145-4,096 tokens with one thread in torch 2.13 (bfloat16 and float32 alike;
+float32 outputs within 1e-6 of them). The rest, prompts that continue a cached prefix (chunked
+prefill, prefix-cache hits), sliding windows and FP8 caches, take the GEMMs. Rows of new tokens are taken
 in chunks so that one chunk's scores ``[num_kv_heads, G, rows, keys]`` stay under a memory budget, and a
 chunk multiplies only the keys its last row can see::
 
@@ -16,6 +20,7 @@ With a sliding window a chunk also starts its keys at the oldest one its first r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.reference import gather_kv, window_start
 
@@ -45,6 +50,10 @@ def cpu_paged_prefill(
         if q_len == 0:
             continue
         prefix = ctx - q_len
+        if prefix == 0 and k_scale is None and (window is None or window >= q_len):
+            out[start : start + q_len] = _causal_self_attention(
+                query[start : start + q_len], k_cache, v_cache, block_tables[b], scale)
+            continue
         lo = window_start(prefix, window)
         k = gather_kv(k_cache, block_tables[b], ctx, k_scale, lo)  # [Hkv, ctx - lo, D]: key j is position lo + j
         v = gather_kv(v_cache, block_tables[b], ctx, v_scale, lo)
@@ -76,3 +85,16 @@ def cpu_paged_prefill(
             out[start + r0 : start + r1] = o.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(
                 m, num_heads, head_dim)
     return out
+
+
+def _causal_self_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` ``[n, H, D]`` over the ``n`` keys just stored at the start of
+    ``block_table``: torch's fused kernel, in the cache's dtype (it accumulates in float32)."""
+    n, bs = query.shape[0], k_cache.shape[2]
+    ids = block_table[: -(-n // bs)].long()
+    k = k_cache[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]  # [1, Hkv, n, D]
+    v = v_cache[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None].to(k.dtype), k, v, is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)

@@ -9,7 +9,7 @@ request or the pool).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,6 +87,29 @@ class AllocatorStats:
     prefix_hits: int       # of those, found committed
 
 
+# Lower tiers of a node's KV cache (issue 15): the device pool is hot; below it a host-memory pool and
+# a disk directory hold committed blocks demoted instead of evicted.
+TIER_HOST = "host"
+TIER_DISK = "disk"
+TIER_NONE = ""  # in no lower tier of the node (promoted back into the pool, or dropped)
+
+
+@dataclass(slots=True, frozen=True)
+class TierChange:
+    """A committed block of this node moved between its lower tiers.
+
+    ``tier`` is ``TIER_HOST`` or ``TIER_DISK`` when the node now holds the block's KV there (demoted
+    from the pool when block_service reused its pool block, or moved from host to disk), and
+    ``TIER_NONE`` when the node holds it in no lower tier any more (promoted back into the pool, where
+    its commit makes it hot again, or dropped). ``tenant`` is the tenant whose lower-tier cap the block
+    is charged to (the tenant that committed it).
+    """
+
+    block_hash: bytes
+    tenant: str
+    tier: str
+
+
 class BlockAllocator(Protocol):
     """What an engine needs from the page table of its node."""
 
@@ -125,3 +148,18 @@ class BlockAllocator(Protocol):
     def end_step(self) -> None:
         """The engine finished a step: a remote allocator sends its queued deltas now, off the
         critical path of the next forward pass."""
+
+    def record_tiers(self, changes: Sequence[TierChange]) -> None:
+        """Tell the page table which committed blocks this node holds in which lower tier (queued and
+        sent with the step's other deltas by a remote allocator), so that prefix lookups and routing
+        value a lower-tier hit above a miss and below a hot one, and the tenant's lower-tier cap is
+        charged."""
+
+    def take_tier_refusals(self) -> list[bytes]:
+        """Hashes whose move into a lower tier the page table refused since the last call (the tenant's
+        lower-tier cap is full): the node drops its copies of them."""
+
+    def set_tier_source(self, source: Callable[[], list[TierChange]]) -> None:
+        """Where the node's whole lower-tier index can be read: a remote allocator re-sends it when it
+        registers or re-registers with block_service, and with each reconciliation, replacing what
+        block_service held for the node."""

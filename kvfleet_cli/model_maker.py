@@ -35,7 +35,22 @@ PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192,
                   rope_theta=500000.0),
+    # 128K context on a CPU: 2 layers, 2 query heads of 64 over one KV head, so a 131,072-token prefill
+    # takes minutes. RoPE as Llama 3.1 ships 128K: base 500000 (the slowest of its 32 frequencies turns
+    # once in ~2.1M positions, far past 131,072, so no two positions of the window rotate alike) and
+    # llama3 scaling by 8 from 16,384 (the frequencies whose wavelength exceeds 16,384 / low_freq_factor
+    # are slowed 8x, as in a model trained at 16K and extended), which also puts the engine's llama3
+    # rotation on the 128K path.
+    "long": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=131072,
+                 rope_theta=500000.0,
+                 rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=16384)),
 }
+# Weights' standard deviation by preset (default 0.05). The long preset's are strong (as the test models'
+# 0.25): with weak ones attention over thousands of random tokens averages to the same vector whatever
+# they are, and a wrong position, a lost block or a mis-scaled FP8 row would not change a token.
+WEIGHT_STD = {"long": 0.25}
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -94,7 +109,7 @@ def model_config(preset: str, architecture: str = "llama", **overrides) -> dict:
     return config
 
 
-def random_weights(config: dict, seed: int) -> dict:
+def random_weights(config: dict, seed: int, std: float = 0.05) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -102,7 +117,6 @@ def random_weights(config: dict, seed: int) -> dict:
     head_dim = config["head_dim"]
     q_out = config["num_attention_heads"] * head_dim
     kv_out = config["num_key_value_heads"] * head_dim
-    std = 0.05
 
     def normal(*shape):
         return torch.randn(*shape, generator=gen) * std
@@ -141,7 +155,8 @@ def make_model(out: str | Path, preset: str = "tiny", architecture: str = "llama
     out = Path(out)
     config = model_config(preset, architecture, **overrides)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(config, seed, WEIGHT_STD.get(preset, 0.05))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",

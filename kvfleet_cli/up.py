@@ -89,12 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
                              "flags given on the command line win")
+    parser.add_argument("--kv-snapshot-dir", default=None,
+                        help="the nodes' KV snapshots (`kvfleet compute --kv-snapshot-dir`): written when a node "
+                             "drains, restored when it starts, so a restarted cluster starts warm (default: off)")
 
 
 def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The nodes' ``--kv-layout`` and ``--max-model-len``, as ``kvfleet compute`` takes them."""
     limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
     return ("--kv-layout", args.kv_layout, *limit)
+
+
+def _snapshot_args(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("--kv-snapshot-dir", args.kv_snapshot_dir) if args.kv_snapshot_dir else ()
 
 
 def file_defaults(args: argparse.Namespace) -> dict:
@@ -143,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
                            kv_cache_dtype=args.kv_cache_dtype, block_service_standby=args.block_service_standby,
-                           compute_args=_layout_args(args))
+                           compute_args=(*_layout_args(args), *_snapshot_args(args)))
     stop = False
 
     def on_signal(*_):

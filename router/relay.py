@@ -8,7 +8,8 @@ from the prompt plus every token already forwarded (marked as output already del
 client's sampling unchanged), so the client sees each token exactly once and the new node's engine
 counts ``max_tokens`` and finds stop strings over the whole output; under greedy sampling the
 resumed run produces exactly the tokens and text the uninterrupted run would have. A node that goes
-silent for ``stall_timeout_s`` counts as failed too.
+silent for ``stall_timeout_s`` counts as failed too; while it prefills a long prompt it sends an
+empty chunk after each prefill chunk, heard here and not forwarded.
 
 Which node errors are answers for the client and which are the node's problem (another node is
 tried) is policy, in ``router/resume.py``; this module only moves the messages.
@@ -171,6 +172,8 @@ class Relay:
                     over = True
                     raise NodeFailure.from_event(event.error)
                 chunk = event.chunk
+                if not (chunk.token_ids or chunk.text or chunk.finish_reason):
+                    continue  # the node's prefill progress: it is alive (heard above), nothing to relay
                 token_ids, reason = end_of_turn(chunk.token_ids, chunk.finish_reason, req.stop_token_ids)
                 progress.relayed(token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
                 node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))

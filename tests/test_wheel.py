@@ -75,9 +75,11 @@ def test_the_wheel_carries_its_stubs_and_kernel_sources_and_runs_installed(tmp_p
     assert {f"{p}/__init__.py" for p in PACKAGES} <= names
 
     python = throwaway_venv(tmp_path / "venv")
+    # nothing from the source tree: with it on PYTHONPATH, pip finds kvfleet's egg-info there, calls
+    # the wheel "already installed" and installs nothing
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing from the source tree
+                    str(wheel)], check=True, timeout=300, env=env)
     probe = subprocess.run([python, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr
     found = json.loads(probe.stdout)

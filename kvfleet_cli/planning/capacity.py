@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compute_service.kv_cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES
+from compute_service.kv_cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES, SCALE_BYTES
 from kvfleet_cli.planning.devices import Device
 from kvfleet_cli.planning.shapes import ModelShape
 
@@ -101,6 +101,12 @@ def capacity(shape: ModelShape, device: Device, request: CapacityRequest, block_
     tp = request.tensor_parallel
     kv_dtype, item = kv_dtype_bytes(shape, request.kv_cache_dtype)
     per_token = shape.kv_elements_per_token(tp) * item
+    formula = shape.kv_formula(item, tp)
+    if kv_dtype in SCALE_BYTES and shape.mla is None:
+        # the pool stores one scale per (token, KV head) row of K and of V (compute_service.kv_cache_dtype)
+        rows = 2 * shape.num_layers * shape.kv_heads_per_device(tp)
+        per_token += rows * SCALE_BYTES[kv_dtype]
+        formula += f" + {rows} rows x {SCALE_BYTES[kv_dtype]} B scales = {per_token:,} B"
     weights = shape.weights_bytes()
     weights_per_device = -(-weights // tp)
     if request.kv_cache_memory is not None:
@@ -112,7 +118,7 @@ def capacity(shape: ModelShape, device: Device, request: CapacityRequest, block_
     num_blocks = max(0, budget) // block_bytes
     per_seq = blocks_for(request.context, block_size)
     return Capacity(
-        kv_dtype=kv_dtype, kv_bytes_per_token=per_token, kv_formula=shape.kv_formula(item, tp),
+        kv_dtype=kv_dtype, kv_bytes_per_token=per_token, kv_formula=formula,
         weights_bytes=weights, weights_bytes_per_device=weights_per_device, activation_reserve_bytes=reserve,
         kv_budget_bytes=budget, block_bytes=block_bytes, num_blocks=num_blocks, blocks_per_seq=per_seq,
         last_block_waste_tokens=per_seq * block_size - request.context, max_concurrent_seqs=num_blocks // per_seq)

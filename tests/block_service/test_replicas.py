@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from replicas import ReplicaProcess, leader_address, wait_leader
+from replicas import TTL_S, ReplicaProcess, leader_address, wait_leader
 
 from block_service import leader_client
 from block_service.client import BlockManagerClient
@@ -187,3 +187,47 @@ def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas)
     mine, theirs = asyncio.run(_wait_same_state(b.address, a.address))
     assert theirs == mine  # a follows b now
     assert "n9" not in [node[0] for node in mine[1]]
+
+
+def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(etcd, replicas) -> None:
+    """a leads, dies; b takes over and acknowledges more; b dies; a restarts: a lacks b's records, so
+    it must wait for b rather than lead (and serve a page table without them). b back: b leads."""
+    a = replicas("a", "--sync-standby")
+    wait_leader(etcd.url, a.address, [a])
+    b = replicas("b", "--standby", "--sync-standby")
+
+    async def write(n: int, prefix: str) -> None:
+        async with await leader_client.connect("etcd", etcd.url, timeout_s=5) as client:
+            if prefix == "first":
+                await client.register_node("n0", 400, 16, 1 << 16)
+                await _wait_same_state(a.address, b.address)
+            deadline = time.monotonic() + 60
+            for i in range(n):
+                while True:
+                    try:
+                        [result] = await client.allocate_many([AllocateRequest("n0", f"{prefix}{i}", "t", [], 16)])
+                        break
+                    except Exception:
+                        assert time.monotonic() < deadline, "no leader took the write"
+                        await asyncio.sleep(0.1)
+                assert isinstance(result, Allocation)
+
+    asyncio.run(write(5, "first"))
+    a.kill()
+    asyncio.run(write(10, "second"))  # acknowledged by b, now the leader
+    assert leader_address(etcd.url) == b.address
+    time.sleep(TTL_S)  # b's mark written (every TTL/3)
+    b.kill()
+    a_again = replicas("a", "--sync-standby")
+    until = time.monotonic() + 4 * TTL_S  # b's lease lapses within TTL; a would campaign at once
+    while time.monotonic() < until:
+        assert leader_address(etcd.url) != a_again.address, "a replica without b's records took the lead"
+        time.sleep(0.2)
+    assert "will not lead" in a_again.log_text()
+    b_again = ReplicaProcess("b", b.state_dir.parent, etcd.url, "--standby", "--sync-standby")  # as up restarts it
+    b_again.argv[b_again.argv.index("--listen") + 1] = b.address
+    b_again.start()
+    try:
+        wait_leader(etcd.url, b.address, [b_again])
+    finally:
+        b_again.kill()

@@ -45,7 +45,7 @@ def test_clients_on_the_machine_reach_the_router_over_its_unix_socket(start_clus
     cluster = start_cluster(1)
     assert cluster.router_unix_address.startswith("unix:")
     chunks = stream(cluster.router_unix_address, request(tokens=PROMPTS[2], max_tokens=24, ignore_eos=True))
-    assert tokens_of(chunks) == reference[2] and len(chunks) == 24
+    assert tokens_of(chunks) == reference[2] and chunks[-1].usage.completion_tokens == 24
 
 
 def test_a_stream_interval_groups_tokens_and_changes_nothing_else(start_cluster, reference):
@@ -53,14 +53,18 @@ def test_a_stream_interval_groups_tokens_and_changes_nothing_else(start_cluster,
     for prompt, expected in zip(PROMPTS, reference):
         chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=24, ignore_eos=True))
         assert tokens_of(chunks) == expected
-        assert [len(c.token_ids) for c in chunks] == [5, 5, 5, 5, 4]
+        # 5 tokens a chunk, the last one 4; a busy machine may merge unsent chunks, never split them
+        sizes = [len(c.token_ids) for c in chunks]
+        assert all(n % 5 == 0 for n in sizes[:-1]) and sizes[-1] % 5 == 4 and len(sizes) >= 2
         assert chunks[-1].usage.completion_tokens == 24
 
 
 def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
     cluster = start_cluster(1)
     chunks = stream(cluster.router_address, request(text="hello streaming world", max_tokens=40, ignore_eos=True))
-    assert len(chunks) >= 10 and all(len(c.token_ids) <= 2 for c in chunks)
+    # one chunk per step while the router keeps up; a busy machine merges a request's unsent chunks
+    # (serve_session.py), so only "more than one" holds whatever the load
+    assert len([c for c in chunks if c.token_ids]) >= 2 and len(tokens_of(chunks)) == 40
     assert chunks[0].request_id and all(c.request_id == chunks[0].request_id for c in chunks)
     assert "".join(c.text for c in chunks)  # text arrives with the tokens
 

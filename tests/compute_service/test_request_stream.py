@@ -90,3 +90,19 @@ def test_resumed_tokens_that_already_finish_the_request_are_refused(node):
     (event,) = asyncio.run(main())
     assert event.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "2 resumed tokens already finish the request (length)" in event.error.message
+
+
+def test_a_chunked_prefill_streams_an_empty_chunk_per_chunk_before_its_first_token(llama_dir, node):
+    """A long prompt prefills in chunks of ``max_num_batched_tokens`` for minutes before its first
+    token: each chunk that samples nothing is an empty chunk, which the router's stall watch hears."""
+    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=64 << 20,
+                                                           max_num_batched_tokens=64)))
+    try:
+        chunked = NodeContext(NodeStatus("node-c", state=NodeState.READY), engine, block_size=16)
+        chunks = serve(chunked, "long", random_prompt(200, seed=12), 0, 3)  # 4 chunks: 64 + 64 + 64 + 8
+    finally:
+        engine.shutdown()
+    assert [len(c.token_ids) for c in chunks] == [0, 0, 0, 1, 1, 1]
+    assert not chunks[0].HasField("usage") and chunks[3].HasField("usage")  # the first token's carries it
+    unchunked = serve(node, "whole", random_prompt(200, seed=12), 0, 3)
+    assert [t for c in chunks for t in c.token_ids] == [t for c in unchunked for t in c.token_ids]

@@ -42,7 +42,7 @@ def test_device_memory_and_kv_dtype_change_the_capacity(capsys):
     _, out, _ = run(capsys, "--preset", "mistral-7b", "--device-memory", str(40 << 30), "--kv-cache-dtype", "fp8_e4m3",
                     "--context", "4096", "--json")
     plan = json.loads(out)
-    assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 1
+    assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * (128 * 1 + 4)  # FP8 elements + a float32 scale per row
     assert plan["device"].startswith("H100-80G (42,949,672,960 B)")
 
 

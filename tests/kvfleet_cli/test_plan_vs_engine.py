@@ -28,10 +28,12 @@ def plan(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def admitted(model_dir, budget: int, block_size: int, context: int, num_seqs: int) -> tuple[int, int]:
+def admitted(model_dir, budget: int, block_size: int, context: int, num_seqs: int,
+             kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """(running, waiting) after one step of ``num_seqs`` distinct prompts of ``context`` tokens."""
     engine = LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=budget, max_num_seqs=1024,
-                                               max_num_batched_tokens=num_seqs * context))
+                                               max_num_batched_tokens=num_seqs * context,
+                                               kv_cache_dtype=kv_cache_dtype))
     for i in range(num_seqs):
         prompt = [(i * 7 + j) % 256 for j in range(context)]  # distinct first blocks: no prefix sharing
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -52,6 +54,19 @@ def test_predicted_concurrency_is_what_the_engine_admits(capsys, tiny_dir, block
     n = predicted["max_concurrent_seqs"]
     assert n >= 2
     assert admitted(tiny_dir, budget, block_size, context, n + 1) == (n, 1)
+
+
+def test_fp8_plan_counts_the_scales_the_engine_stores(capsys, tiny_dir):
+    """FP8 rows carry a float32 scale each (per token and KV head): a plan that counted one byte per
+    element alone promised more sequences than the pool holds."""
+    per_token = 2 * 4 * 2 * (32 * 1 + 4)  # tiny: 4 layers, 2 KV heads of 32 FP8 bytes + a 4-byte scale
+    budget = 30 * 16 * per_token
+    predicted = plan(capsys, "--model", str(tiny_dir), "--device", "cpu", "--memory-bandwidth", "10",
+                     "--context", "100", "--block-size", "16", "--kv-cache-memory", str(budget),
+                     "--kv-cache-dtype", "fp8_e4m3")
+    assert predicted["kv_bytes_per_token"] == per_token
+    n = predicted["max_concurrent_seqs"]
+    assert admitted(tiny_dir, budget, 16, 100, n + 1, "fp8_e4m3") == (n, 1)
 
 
 def test_predicted_weights_are_the_checkpoints_parameters(capsys, tiny_dir):

@@ -186,3 +186,42 @@ def test_an_end_of_turn_token_the_node_does_not_stop_at_ends_the_request():
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_STOP
     assert chunks[-1].usage.completion_tokens == 2
     assert stub(nodes, "a").finished == [("r-1", True)]  # cancelled on the node
+
+
+class SlowPrefill:
+    """A node that prefills for ``heartbeats`` x ``every_s`` seconds, sending an empty chunk (its
+    prefill progress) every ``every_s``, then its tokens."""
+
+    def __init__(self, heartbeats: int, every_s: float, tokens: list[int]):
+        self.heartbeats, self.every_s, self.tokens = heartbeats, every_s, tokens
+        self.finished: list = []
+
+    def start(self, message):
+        inbox = asyncio.Queue()
+
+        async def feed():
+            for _ in range(self.heartbeats):
+                await asyncio.sleep(self.every_s)
+                inbox.put_nowait(compute_pb2.RequestEvent(request_id=message.request_id,
+                                                          chunk=compute_pb2.ComputeChunk()))
+            for i, t in enumerate(self.tokens):
+                chunk = compute_pb2.ComputeChunk(token_ids=[t], text=str(t))
+                if i == len(self.tokens) - 1:
+                    chunk.finish_reason = LENGTH
+                inbox.put_nowait(compute_pb2.RequestEvent(request_id=message.request_id, chunk=chunk))
+
+        self.feeding = asyncio.get_running_loop().create_task(feed())
+        return inbox
+
+    def finish(self, request_id, cancel):
+        self.finished.append((request_id, cancel))
+
+
+def test_a_long_prefill_that_reports_progress_is_not_a_stall():
+    """Prefill progress (empty chunks) for 20 stall timeouts' worth: heard, not forwarded."""
+    nodes = table({})
+    info = NodeInfo("a", "a:1", "m", 64, 16, NodeState.READY)
+    nodes.nodes["a"] = RouterNode(info, None, SlowPrefill(40, 0.05, [1, 2, 3, 4, 5]), ready_since=float("-inf"))
+    chunks = run(nodes, stall_timeout_s=0.5)
+    assert [list(c.token_ids) for c in chunks] == [[1], [2], [3], [4], [5]]
+    assert stub(nodes, "a").finished == [("r-1", False)]
