@@ -10,7 +10,9 @@ Three rules keep the engine's step from waiting on the network:
 - **Ask early.** A request's first allocation is asked for when the request reaches the node
   (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
   the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
-  re-allocates after a preemption) falls back to asking then.
+  re-allocates after a preemption) falls back to asking then. An early grant never keeps the
+  sequence being admitted waiting: when the pool refuses that one, the newest grants give way
+  (``give_back_early``), since their requests are queued behind it.
 - **Write-behind.** Commits, drops, releases and reserve top-ups answer nothing the engine needs now:
   they are queued and sent together after a step. What others wait for goes at the end of its
   step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
@@ -178,6 +180,27 @@ class AllocatorPolicy:
             return result
         self._release_now(seq_id)
         return None
+
+    def give_back_early(self, keep: str, shortfall: int) -> list[str]:
+        """The pool refused ``keep``, the sequence the engine is admitting, ``shortfall`` blocks
+        short: other early grants go back (releases queued; their sequences ask again when
+        admitted), the newest first, until the blocks they hold past their cache hits cover it (or
+        none is left). Those grants belong to requests queued behind ``keep``, which the scheduler
+        admits only after it: holding blocks for them would keep it waiting for blocks that only
+        its own admission would free, and with nothing running on the node it would wait forever.
+        The older grants stay: they protect the prefixes they hit from eviction. Returns the
+        sequences whose grants were given back (none: asking again gains nothing)."""
+        given: list[str] = []
+        for seq_id in reversed(list(self._early)):
+            if shortfall <= 0:
+                break
+            if seq_id == keep:
+                continue
+            _, grant, _ = self._early.pop(seq_id)
+            shortfall -= len(grant.block_ids) - grant.num_cached_blocks
+            self._release_now(seq_id)
+            given.append(seq_id)
+        return given
 
     def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
         """The engine now holds ``result``; queue its reserve block."""

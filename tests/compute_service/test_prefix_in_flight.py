@@ -135,3 +135,16 @@ def test_recent_commits_are_numbered_and_bounded():
     assert commits.committed_since(b"b", mark) and not commits.committed_since(b"a", mark)
     commits.record([b"a"])                                  # committed again: newer than the mark
     assert commits.committed_since(b"a", mark) and not commits.committed_since(b"b", mark)  # b forgotten
+
+
+def test_a_sharer_proceeds_when_the_prefill_it_waits_for_ends_without_committing():
+    sched, kv = make_scheduler(budget=2 * BS)
+    first, second = seq("first", SYSTEM + [1] * 4), seq("second", SYSTEM + [2] * 30)
+    sched.add(first)
+    sched.add(second)
+    run_step(sched, kv, sched.schedule())                  # first's two leading blocks, second held
+    assert [s.seq_id for s in sched.waiting] == ["second"]
+    sched.finish([first])                                  # aborted before its last two blocks
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("second", 2 * BS)]
+    assert second.num_cached_tokens == 2 * BS              # what first committed, the rest its own
