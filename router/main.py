@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait-scale-s", type=float, default=10.0,
                         help="seconds of waiting worth one unit of the queue's wait term (default 10: a request "
                              "is overtaken only by requests that arrive less than 15 s after it)")
-    parser.add_argument("--prefix-weight", type=float, default=4.0,
-                        help="routing cost of one uncached prompt block, in active blocks (default 4; 0: load only)")
+    parser.add_argument("--prefix-weight", type=float, default=1.0,
+                        help="routing cost of one uncached prompt block, in active blocks")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
     parser.add_argument("--hot-spot-ratio", type=float, default=2.0,
                         help="fall back to least loaded above ratio x least-loaded active blocks + margin")

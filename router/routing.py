@@ -5,9 +5,6 @@
 A cached prompt block saves its prefill there; an active block is work the node is already doing:
 a block its in-flight requests added there, not the prefix they found cached (``RouterNode.start``),
 so requests sharing a prefix do not make the node holding it look busier the more of them it serves.
-An uncached block weighs ``w = 4`` active blocks by default: at 1, the load term (hundreds of
-blocks queued on a busy node) outweighed any prefix, so requests sharing a system prompt or a
-history spread over the nodes and each node held every prefix, with less room left to keep any.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
 (``active > ratio · least + margin``) the least-loaded node is taken instead.
@@ -32,7 +29,7 @@ _EPS = 1e-9
 
 @dataclass(slots=True, frozen=True)
 class RoutingConfig:
-    prefix_weight: float = 4.0         # w: cost of one uncached prompt block, in active blocks (BENCHMARKS, Routing)
+    prefix_weight: float = 1.0         # w: cost of one uncached prompt block, in active blocks
     hot_spot_ratio: float = 2.0        # the winner is "far busier" above ratio · least + margin
     hot_spot_margin_blocks: int = 16
     warmup_s: float = 30.0             # cold-start ramp length

@@ -20,7 +20,7 @@ def test_prefix_cached_node_wins_against_a_little_more_load():
     p = picker()
     d = p.choose([node("a", active=3, cached=8), node("b", active=0)], num_prompt_blocks=10, now=0)
     assert (d.node_id, d.reason, d.cached_prefix_blocks) == ("a", "kv", 8)
-    assert d.cost == 4 * 2 + 3  # the default weight: an uncached block costs 4 active ones
+    assert d.cost == 1 * 2 + 3
 
 
 def test_load_wins_when_the_prefix_saving_is_small():
