@@ -4,12 +4,12 @@ Conversations share a few long system prompts; each turn's prompt is the whole h
 prompt, earlier user turns and the model's own earlier replies), so a node that served a
 conversation's last turn holds all but its newest user message. A local cluster of ``--nodes``
 nodes (etcd, block_service, router) serves the same seeded schedule twice, each time on a fresh
-cluster: the router's default routing (``--prefix-weight 1``: the cost of a node is its uncached
-prompt blocks plus its active blocks) and load-only routing (``--prefix-weight 0``). Reports mean and
-p90 time to first token, the prefix hit rate (cached / prompt tokens, from each request's usage) and
-throughput.
+cluster: the router's default KV-aware routing (the cost of a node is ``--prefix-weight`` times its
+uncached prompt blocks plus its active blocks) and load-only routing (``--prefix-weight 0``). Reports
+mean and p90 time to first token, the prefix hit rate (cached / prompt tokens, from each request's
+usage), throughput, and per turn where the time went (``per_turn``).
 
-    python bench/routing.py [--quick] [--json] [--nodes 2] [--rounds 1]
+    python bench/routing.py [--quick] [--json] [--nodes 2] [--rounds 1] [--prefix-weight W]
 
 Each node runs one intra-op thread (OMP_NUM_THREADS=1), so two nodes share this machine's two cores
 without oversubscribing them; the router's cold-start ramp is off (``--warmup-s 0``).
@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ensure_model  # noqa: E402
+from router.routing import RoutingConfig  # noqa: E402
 
 FULL = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, user_len=(64, 192), reply=64,
             mean_gap_s=0.5, think_s=0.5)
@@ -138,14 +139,32 @@ def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes:
         return run_loop(_run(cluster.router_address, conversations, shape))
 
 
-def summarize(run: RunResult) -> dict:
+def per_turn(run: RunResult, system_len: int) -> list[dict]:
+    """Per turn index (0 = every conversation's first): mean TTFT, mean uncached prompt tokens (the
+    prefill each turn paid), how many turns went to the node that served the conversation's previous
+    turn, and how many found more than the system prompt cached (some of their history): where
+    routing's gain or loss shows."""
+    by_key = {(t.conversation, t.turn): t for t in run.turns}
+    rows = []
+    for index in sorted({t.turn for t in run.turns}):
+        turns = [t for t in run.turns if t.turn == index]
+        before = [by_key.get((t.conversation, index - 1)) for t in turns]
+        rows.append(dict(
+            turn=index, mean_ttft_s=round(statistics.fmean(t.ttft_s for t in turns), 3),
+            mean_uncached_tokens=round(statistics.fmean(t.prompt_tokens - t.cached_tokens for t in turns)),
+            same_node=sum(b is not None and b.node == t.node for t, b in zip(turns, before)),
+            history_hits=sum(t.cached_tokens > system_len for t in turns)))
+    return rows
+
+
+def summarize(run: RunResult, system_len: int) -> dict:
     ttfts = sorted(t.ttft_s for t in run.turns)
     prompt = sum(t.prompt_tokens for t in run.turns)
     cached = sum(t.cached_tokens for t in run.turns)
     generated = sum(t.new_tokens for t in run.turns)
     return dict(mean_ttft_s=statistics.fmean(ttfts), p90_ttft_s=ttfts[int(0.9 * (len(ttfts) - 1))],
                 hit_rate=cached / prompt if prompt else 0.0, tokens_per_s=generated / run.seconds,
-                seconds=run.seconds, requests=len(run.turns),
+                seconds=run.seconds, requests=len(run.turns), per_turn=per_turn(run, system_len),
                 per_node={n: sum(t.node == n for t in run.turns) for n in sorted({t.node for t in run.turns})})
 
 
@@ -156,7 +175,11 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="KV-aware and load-only runs, alternating")
     parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
+    parser.add_argument("--prefix-weight", type=float, default=RoutingConfig().prefix_weight,
+                        help="the KV-aware side's --prefix-weight (default: the router's)")
     args = parser.parse_args()
+    if args.prefix_weight <= 0:
+        parser.error("--prefix-weight must be positive: 0 is the load-only side")
     if args.nodes < 2:
         parser.error("--nodes must be at least 2: routing needs a choice")
     if args.rounds < 1:
@@ -166,10 +189,10 @@ def main() -> int:
     conversations = schedule(shape)
     kv_runs, load_runs = [], []
     for _ in range(args.rounds):
-        kv_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=1.0))
+        kv_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=args.prefix_weight))
         load_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=0.0))
-    kv = [summarize(r) for r in kv_runs]
-    load = [summarize(r) for r in load_runs]
+    kv = [summarize(r, shape["system_len"]) for r in kv_runs]
+    load = [summarize(r, shape["system_len"]) for r in load_runs]
     same_tokens = all(r.replies == kv_runs[0].replies for r in kv_runs + load_runs)
 
     def mean(rows: list[dict], key: str) -> float:
@@ -182,6 +205,7 @@ def main() -> int:
         kv_hit_rate=round(mean(kv, "hit_rate"), 4), load_hit_rate=round(mean(load, "hit_rate"), 4),
         kv_tokens_per_s=round(mean(kv, "tokens_per_s"), 1), load_tokens_per_s=round(mean(load, "tokens_per_s"), 1),
         kv_per_node=kv[0]["per_node"], load_per_node=load[0]["per_node"], identical_replies=same_tokens,
+        kv_per_turn=kv[0]["per_turn"], load_per_turn=load[0]["per_turn"], prefix_weight=args.prefix_weight,
         nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name,
     )
     if not args.json:
@@ -189,9 +213,15 @@ def main() -> int:
               f"system prompts of {shape['system_len']} tokens, {args.nodes} nodes, model {model.name}")
         print("| routing | mean TTFT s | p90 TTFT s | prefix hit rate | tokens/s | requests per node |")
         print("|---|---:|---:|---:|---:|---|")
-        for name, rows in (("KV-aware (prefix weight 1)", kv), ("load-only (prefix weight 0)", load)):
+        sides = ((f"KV-aware (prefix weight {args.prefix_weight:g})", kv), ("load-only (prefix weight 0)", load))
+        for name, rows in sides:
             print(f"| {name} | {mean(rows, 'mean_ttft_s'):.3f} | {mean(rows, 'p90_ttft_s'):.3f} | "
                   f"{mean(rows, 'hit_rate'):.1%} | {mean(rows, 'tokens_per_s'):.1f} | {rows[0]['per_node']} |")
+        print("per turn (first round): mean TTFT s / uncached prompt tokens / on the previous turn's node / "
+              "found history cached")
+        for name, rows in sides:
+            print(f"  {name}: " + "; ".join(f"turn {r['turn']}: {r['mean_ttft_s']:.2f} / {r['mean_uncached_tokens']} / "
+                                           f"{r['same_node']} / {r['history_hits']}" for r in rows[0]["per_turn"]))
         print(f"mean TTFT ratio (load-only / KV-aware): {result['ttft_ratio']}x (goal >= 2x); "
               f"identical replies: {same_tokens}")
     else:

@@ -10,7 +10,9 @@ Three rules keep the engine's step from waiting on the network:
 - **Ask early.** A request's first allocation is asked for when the request reaches the node
   (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
   the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
-  re-allocates after a preemption) falls back to asking then.
+  re-allocates after a preemption) falls back to asking then. An early grant never keeps the
+  sequence being admitted waiting: when the pool refuses that one, the newest grants give way
+  (``give_back_early``), since their requests are queued behind it.
 - **Write-behind.** Commits, drops, releases and reserve top-ups answer nothing the engine needs now:
   they are queued and sent together after a step. What others wait for goes at the end of its
   step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
@@ -51,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from compute_service.recent_commits import RecentCommits
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
@@ -105,9 +108,11 @@ class AllocatorPolicy:
         self.block_size = block_size
         self.defer_steps = defer_steps
         self._tables: dict[str, _Table] = {}
-        self._early: dict[str, tuple[AllocateRequest, Allocation]] = {}  # granted, not yet claimed
+        # granted, not yet claimed: (ask, grant, the commits it saw: RecentCommits.mark when sent)
+        self._early: dict[str, tuple[AllocateRequest, Allocation, int]] = {}
         self._asks: list[AllocateRequest] = []      # preallocations to send
-        self._in_flight: dict[str, bool] = {}       # preallocations sent → released before their answer
+        self._in_flight: dict[str, tuple[bool, int]] = {}  # sent → (released before its answer, mark)
+        self._recent_commits = RecentCommits()
         self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
         self._commits: list[tuple[str, int, bytes]] = []
         self._releases: list[str] = []
@@ -135,7 +140,8 @@ class AllocatorPolicy:
     def take_asks(self) -> list[AllocateRequest]:
         """The preallocations to send now."""
         asks, self._asks = self._asks, []
-        self._in_flight.update((r.seq_id, False) for r in asks)
+        mark = self._recent_commits.mark()  # the commits queued so far are sent before the asks
+        self._in_flight.update((r.seq_id, (False, mark)) for r in asks)
         return asks
 
     def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
@@ -145,30 +151,56 @@ class AllocatorPolicy:
         True when a release was queued that the bridge should send soon."""
         queued = False
         for request, result in zip(asks, results):
-            released = self._in_flight.pop(request.seq_id, False)
+            released, mark = self._in_flight.pop(request.seq_id, (False, 0))
             if not isinstance(result, Allocation):
                 continue
             if released:
                 self._release_now(request.seq_id)
                 queued = True
             else:
-                self._early[request.seq_id] = (request, result)
+                self._early[request.seq_id] = (request, result, mark)
         return queued and not self._in_step
 
     # -- the engine's calls -----------------------------------------------------------------------
 
     def allocate(self, seq_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | None:
         """The early allocation if it was asked as the engine asks now (then it is claimed), else
-        None: the engine's ask goes to block_service (an early one asked differently is given back)."""
+        None: the engine's ask goes to block_service (an early one asked differently is given back).
+        An early grant is stale, and given back too, when the first block it missed was committed
+        on this node after it was asked (another sequence prefilled the shared prefix meanwhile):
+        asking now finds that block cached instead of computing it again."""
         early = self._early.pop(seq_id, None)
         if early is None:
             return None
-        request, result = early
-        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens:
+        request, result, mark = early
+        hit = result.num_cached_blocks
+        stale = hit < len(block_hashes) and self._recent_commits.committed_since(block_hashes[hit], mark)
+        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens and not stale:
             self.claim(seq_id, request.tenant, result, num_tokens)
             return result
         self._release_now(seq_id)
         return None
+
+    def give_back_early(self, keep: str, shortfall: int) -> list[str]:
+        """The pool refused ``keep``, the sequence the engine is admitting, ``shortfall`` blocks
+        short: other early grants go back (releases queued; their sequences ask again when
+        admitted), the newest first, until the blocks they hold past their cache hits cover it (or
+        none is left). Those grants belong to requests queued behind ``keep``, which the scheduler
+        admits only after it: holding blocks for them would keep it waiting for blocks that only
+        its own admission would free, and with nothing running on the node it would wait forever.
+        The older grants stay: they protect the prefixes they hit from eviction. Returns the
+        sequences whose grants were given back (none: asking again gains nothing)."""
+        given: list[str] = []
+        for seq_id in reversed(list(self._early)):
+            if shortfall <= 0:
+                break
+            if seq_id == keep:
+                continue
+            _, grant, _ = self._early.pop(seq_id)
+            shortfall -= len(grant.block_ids) - grant.num_cached_blocks
+            self._release_now(seq_id)
+            given.append(seq_id)
+        return given
 
     def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
         """The engine now holds ``result``; queue its reserve block."""
@@ -238,6 +270,7 @@ class AllocatorPolicy:
         if not commits:
             return
         self._commits.extend(commits)
+        self._recent_commits.record(h for _, _, h in commits)
         if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
             self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
         else:
@@ -271,7 +304,7 @@ class AllocatorPolicy:
                 self._topups.pop(seq_id, None)
                 self._drops.pop(seq_id, None)  # the release gives back the whole table
             elif seq_id in self._in_flight:
-                self._in_flight[seq_id] = True
+                self._in_flight[seq_id] = (True, self._in_flight[seq_id][1])
                 continue
             elif self._early.pop(seq_id, None) is None:
                 self._asks = [r for r in self._asks if r.seq_id != seq_id]
@@ -360,7 +393,7 @@ class AllocatorPolicy:
         """What block_service holds for this node as far as the node knows: claimed tables (reserve
         included) and early allocations not yet claimed. A node re-registering sends these."""
         live = [LiveSequence(s, t.tenant, list(t.block_ids), t.num_tokens) for s, t in self._tables.items()]
-        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a) in self._early.items()]
+        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a, _) in self._early.items()]
         return live
 
     # -- internals --------------------------------------------------------------------------------

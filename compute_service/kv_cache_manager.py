@@ -71,6 +71,24 @@ class KVCacheManager:
         seq.num_computed = result.num_cached_blocks * self.block_size
         return None
 
+    def prefix_in_flight(self, seq: Sequence, prefilling: Iterable[Sequence]) -> bool:
+        """Whether blocks ``seq`` would reuse are being written right now by one of ``prefilling``
+        (sequences of this step still computing their prompt): the first block such a sequence
+        has not committed yet is also one of ``seq``'s reusable leading blocks. Hashes are chained,
+        so one equal hash means an equal prefix up to it. Admitted now, ``seq`` would compute
+        those blocks again; admitted once they are committed, it finds them cached."""
+        if self.reserve_tokens is not None:
+            return False  # contiguous: no prefix sharing
+        reusable = reusable_blocks(seq.num_tokens, self.block_size)
+        if reusable == 0:
+            return False
+        self._extend_hashes(seq, seq.num_tokens // self.block_size)
+        for other in prefilling:
+            first = other.num_committed_blocks
+            if first < reusable and first < len(other.block_hashes) and other.block_hashes[first] == seq.block_hashes[first]:
+                return True
+        return False
+
     def _reserve(self, seq: Sequence) -> Refusal | None:
         """Contiguous: the whole reservation at once, nothing looked up in the prefix cache."""
         assert seq.num_tokens <= self.reserve_tokens, "the engine refuses prompts past max_model_len"

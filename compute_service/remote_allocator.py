@@ -355,7 +355,14 @@ class RemoteBlockAllocator:
             return result
 
         blocks = -(-num_tokens // self.block_size)
-        return self._call(ask, lambda: Refusal.unavailable(self.node_id, tenant, blocks), seq_id)
+        result = self._call(ask, lambda: Refusal.unavailable(self.node_id, tenant, blocks), seq_id)
+        if isinstance(result, Refusal) and result.reason == "pool":
+            short = result.blocks_asked - (result.blocks_allowed - result.blocks_charged)
+            with self._lock:  # early grants of requests queued behind it give way (sent before the retry)
+                given = self._policy.give_back_early(seq_id, short)
+            if given:
+                result = self._call(ask, lambda: Refusal.unavailable(self.node_id, tenant, blocks), seq_id)
+        return result
 
     def extend(self, growth: Sequence[tuple[str, int]]) -> list[list[int] | Refusal]:
         with self._lock:

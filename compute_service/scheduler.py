@@ -6,6 +6,13 @@ cannot grow takes the blocks of the lowest-priority, newest running sequence, wh
 (its KV dropped, its tokens kept) and requeued to be recomputed; committed blocks stay in the
 prefix cache, so recomputation usually starts from a prefix hit.
 
+A waiting sequence whose leading blocks another sequence of this step is prefilling right now
+(same prefix, not committed yet) is held back: admitted in the same step, it would compute them
+again, because a block is only found in the prefix cache once committed, after the step that
+writes it. It is admitted as soon as those blocks are committed (at most as long as that prefill
+lasts) with them as a cache hit. Sequences behind it are admitted meanwhile, and the batch is never
+idle for it: the prefill it waits for is in the batch.
+
 A transient refusal (block_service unreachable) is neither a full pool nor a quota: nothing is
 preempted or refused for it. A waiting sequence stays at the head of the queue; a running one
 that cannot grow sits this step out, holding its blocks, and is scheduled again once they come.
@@ -119,7 +126,7 @@ class Scheduler:
             budget -= n
         scheduled = self._grow(plan, batch)
         if not batch.preempted:
-            scheduled += self._admit(budget, batch)
+            scheduled += self._admit(budget, batch, [s for s, _ in scheduled])
         for seq, n in scheduled:
             if n == 1:
                 batch.decodes.append(seq)
@@ -149,15 +156,20 @@ class Scheduler:
                 granted.append((seq, n))
         return granted
 
-    def _admit(self, budget: int, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    def _admit(self, budget: int, batch: ScheduledBatch, stepping: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Waiting sequences by rank while budget, seats and blocks last. A full pool stops
         admission (the head of the queue waits for blocks); a tenant over its quota only holds
-        back that tenant's requests, and one that could never fit its quota is refused."""
+        back that tenant's requests, and one that could never fit its quota is refused; one whose
+        prefix a sequence of this step (``stepping``, then those admitted) is prefilling waits."""
         admitted: list[tuple[Sequence, int]] = []
         self.waiting.sort(key=_rank)
         held_back: list[Sequence] = []
+        stepping = list(stepping)
         while self.waiting and budget > 0 and len(self.running) < self.num_seqs_cap:
             seq = self.waiting.pop(0)
+            if self.kv.prefix_in_flight(seq, stepping):
+                held_back.append(seq)
+                continue
             refusal = self.kv.allocate(seq)
             if refusal is not None and refusal.transient:
                 self.waiting.insert(0, seq)
@@ -178,6 +190,7 @@ class Scheduler:
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             admitted.append((seq, n))
+            stepping.append(seq)
             budget -= n
         self.waiting[:0] = held_back
         return admitted

@@ -36,11 +36,12 @@ class RouterNode:
     channel: Any                       # the gRPC channel to the node (made by the table's ``dial``)
     stream: Any                        # the router's Serve stream to it (router.node_stream.NodeStream)
     ready_since: float | None = None   # None: not READY
-    active_blocks: int = 0             # blocks held by this router's in-flight requests there
+    active_blocks: int = 0             # blocks this router's in-flight requests added there (``start``)
     num_in_flight: int = 0
     num_routed: int = 0                # requests sent here since it joined
     failed_at: float | None = None     # last time a call to it failed (cleared by a READY update)
     _blocks_of: dict[str, int] = field(default_factory=dict)
+    _found_of: dict[str, int] = field(default_factory=dict)  # request → prefix blocks it found cached here
 
     @property
     def node_id(self) -> str:
@@ -50,9 +51,15 @@ class RouterNode:
         """How many whole blocks of this node ``num_tokens`` tokens fill."""
         return num_tokens // self.info.block_size
 
-    def start(self, seq_id: str, request: compute_pb2.ComputeRequest) -> Inbox:
-        """Send an attempt at ``seq_id`` on this node's stream; it counts in flight (and its prompt's
-        blocks as held here) until ``finish``. Its events arrive in the returned inbox."""
+    def start(self, seq_id: str, request: compute_pb2.ComputeRequest, cached_blocks: int = 0) -> Inbox:
+        """Send an attempt at ``seq_id`` on this node's stream; it counts in flight (and its blocks
+        as held here) until ``finish``. Its events arrive in the returned inbox.
+
+        Only the blocks past the ``cached_blocks`` leading ones it was routed here for count: those
+        are on the node already, held once however many requests read them, and cost no prefill.
+        Counted in full, a shared system prompt or a conversation's history would make the node
+        that holds it look busier with every request sent there for it, and push the next one away."""
+        self._found_of[seq_id] = cached_blocks
         self.track(seq_id, len(request.prompt_token_ids))
         self.num_in_flight += 1
         self.num_routed += 1
@@ -67,12 +74,13 @@ class RouterNode:
 
     def track(self, request_id: str, num_tokens: int) -> None:
         """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node."""
-        blocks = -(-num_tokens // self.info.block_size)
+        blocks = max(-(-num_tokens // self.info.block_size) - self._found_of.get(request_id, 0), 0)
         self.active_blocks += blocks - self._blocks_of.get(request_id, 0)
         self._blocks_of[request_id] = blocks
 
     def untrack(self, request_id: str) -> None:
         self.active_blocks -= self._blocks_of.pop(request_id, 0)
+        self._found_of.pop(request_id, None)
 
 
 class NodeTable:

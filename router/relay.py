@@ -82,7 +82,8 @@ class Relay:
         self.prefix = prefix
         self.max_attempts = max_attempts
 
-    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress) -> RouterNode:
+    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress) -> tuple[RouterNode, int]:
+        """The node for this attempt, and how many of the prompt's leading blocks it holds."""
         with tracer.start_as_current_span("route") as span:
             candidates = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
             if not candidates:
@@ -105,7 +106,7 @@ class Relay:
             span.set_attribute("kvfleet.num_candidates", len(candidates))
             node = self.nodes.get(decision.node_id)
             self.prefix.routed(tenant.name, ids, node)
-            return node
+            return node, decision.cached_prefix_blocks
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
@@ -114,9 +115,9 @@ class Relay:
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
-            node = await self._route(req, tenant, ids, progress)
+            node, cached_blocks = await self._route(req, tenant, ids, progress)
             try:
-                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress)) as chunks:
+                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -146,6 +147,7 @@ class Relay:
 
     async def _attempt(
         self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress,
+        cached_blocks: int = 0,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         message = compute_pb2.ComputeRequest(
             request_id=progress.attempt_id(req.seq_id),
@@ -156,7 +158,7 @@ class Relay:
         span = tracer.start_span("compute", kind=trace.SpanKind.CLIENT,
                                  attributes={"kvfleet.node_id": node.node_id, "kvfleet.attempt": progress.attempts})
         propagate.inject(message.trace_context, context=trace.set_span_in_context(span))
-        inbox = node.start(req.seq_id, message)
+        inbox = node.start(req.seq_id, message, cached_blocks)
         watch = StallWatch(inbox, NodeStalled(f"no token from node {node.node_id} for {self.stall_timeout_s:g}s"),
                            self.stall_timeout_s)
         over = False  # the node is done with it (finished, refused, or its stream broke)

@@ -7,7 +7,9 @@ in a lower tier (host memory or disk, issue 15: ``lower``, the blocks past the h
 but costs a copy back into the pool, so it counts as a fraction ``1 - l`` of a miss, where ``l``
 (``lower_tier_hit_weight``, default 0.5: a copy back costs about half a prefill) is the share of
 a hot hit a lower-tier hit is worth; ``missed`` blocks are in no tier. So for the same load, hot
-beats lower beats miss (for ``0 < l < 1``). An active block is work the node is already doing.
+beats lower beats miss (for ``0 < l < 1``). An active block is work the node is already doing:
+a block its in-flight requests added there, not the prefix they found cached (``RouterNode.start``),
+so requests sharing a prefix do not make the node holding it look busier the more of them it serves.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
 (``active > ratio · least + margin``) the least-loaded node is taken instead.
@@ -57,7 +59,7 @@ class RoutingConfig:
 @dataclass(slots=True, frozen=True)
 class NodeLoad:
     node_id: str
-    active_blocks: int           # blocks held by the node's running sequences
+    active_blocks: int           # blocks the node's in-flight requests added beyond their cached prefixes
     cached_prefix_blocks: int    # leading prompt blocks already committed on the node (hot)
     ready_since: float           # when the node turned READY (same clock as `now`)
     lower_tier_prefix_blocks: int = 0  # prompt blocks past those the node holds in a lower tier

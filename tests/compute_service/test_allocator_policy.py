@@ -290,3 +290,19 @@ def test_a_commit_past_the_length_grows_it_as_block_service_does():
     policy.commit([("s", 2, H[2])])
     policy.fold_commits(policy.take().commits, refused={0})  # refused: nothing changes
     assert policy.live_sequences() == [LiveSequence("s", "t", [0, 1, 2], 40)]
+
+
+def test_early_grants_give_way_to_the_sequence_the_pool_refused_newest_first():
+    policy = AllocatorPolicy(BS)
+    for seq_id, hashes in (("head", H[:2]), ("b", H[2:4]), ("c", H[4:6]), ("d", H[6:8])):
+        policy.ask(asked(seq_id, 40, hashes))
+    asks = policy.take_asks()
+    policy.fold_asks(asks, [Allocation([0, 1, 2], 0), Allocation([3, 4, 5], 1), Allocation([6, 7, 8], 0),
+                            Allocation([9, 10, 11], 0)])
+    assert policy.allocate("head", H[:3], 50) is None     # asked differently: given back, asked now
+    # refused for the pool, 4 blocks short: d's and c's new blocks (3 + 3) cover it; b keeps its hit
+    assert policy.give_back_early("head", 4) == ["d", "c"]
+    assert policy.take().releases == ["head", "d", "c"]
+    assert [s.seq_id for s in policy.live_sequences()] == ["b"]
+    assert policy.give_back_early("head", 9) == ["b"]     # still short: the rest goes too
+    assert policy.give_back_early("head", 9) == []        # nothing more to give: no retry

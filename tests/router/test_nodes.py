@@ -106,3 +106,22 @@ def test_capacity_is_the_sum_of_the_ready_nodes_live_caps():
         await table.close()
 
     asyncio.run(scenario())
+
+
+def test_a_request_counts_only_the_blocks_it_adds_past_the_prefix_it_found_cached():
+    async def scenario():
+        table, _ = make_table()
+        await table.apply(MembershipChange("n0", info()))
+        node = table.get("n0")
+        prompt = list(range(5 * 16 + 3))  # five full blocks and part of a sixth
+        node.start("s1", compute_pb2.ComputeRequest(request_id="s1-a", prompt_token_ids=prompt), cached_blocks=5)
+        node.start("s2", compute_pb2.ComputeRequest(request_id="s2-a", prompt_token_ids=prompt), cached_blocks=0)
+        assert node.active_blocks == 1 + 6   # s1 found the prefix held there; s2 computes all of it
+        node.track("s1", len(prompt) + 20)   # s1 generated into a seventh block
+        assert node.active_blocks == 2 + 6
+        table.finish(node, "s2", "s2-a", cancel=False)
+        table.finish(node, "s1", "s1-a", cancel=False)
+        assert node.active_blocks == 0
+        await table.close()
+
+    asyncio.run(scenario())
