@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import Allocation, AllocatorStats, Refusal, TierChange
 
 
 class LocalBlockAllocator:
@@ -51,3 +51,12 @@ class LocalBlockAllocator:
 
     def end_step(self) -> None:
         """Nothing to send in process."""
+
+    def record_tiers(self, changes: Sequence[TierChange]) -> None:
+        """No-op until the page table indexes lower tiers (replaced by tiersbs)."""
+
+    def take_tier_refusals(self) -> list[bytes]:
+        return []
+
+    def set_tier_source(self, source: Callable[[], list[TierChange]]) -> None:
+        self.tier_source = source

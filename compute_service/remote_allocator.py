@@ -49,7 +49,7 @@ from compute_service.allocator_policy import (
 from compute_service.block_link import DOWN, BlockLink, trouble_of
 from compute_service.block_sync import BlockSync, SyncOutcome
 from kvfleet import block_hash
-from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal, TierChange
 from kvfleet.backoff import error_line
 from kvfleet.errors import NotFound
 from kvfleet.tracing import BatchLinks, batch_span
@@ -412,3 +412,12 @@ class RemoteBlockAllocator:
 
         self._stats = self._call(ask, lambda: self._stats)
         return self._stats
+
+    def record_tiers(self, changes: Sequence[TierChange]) -> None:
+        """No-op until block_service indexes lower tiers (replaced by tiersbs)."""
+
+    def take_tier_refusals(self) -> list[bytes]:
+        return []
+
+    def set_tier_source(self, source: Callable[[], list[TierChange]]) -> None:
+        self.tier_source = source
