@@ -22,7 +22,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory of block files for a disk tier below host (this node's own: its block "
                              "files are wiped at start); needs --kv-disk-bytes and --kv-host-memory")
     parser.add_argument("--kv-disk-bytes", type=int, default=0, metavar="BYTES", help="bytes of the disk tier")
-    parser.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
+    parser.add_argument("--preemption-mode", default="auto", metavar="|".join(PREEMPTION_MODES),
                         help="a preempted sequence's KV: swapped to the host tier and back, recomputed, or auto "
                              "(whichever the copy bandwidth and prefill speed measured at start say is cheaper)")
 
@@ -47,6 +47,8 @@ def check_tier_flags(host_memory: int, disk_dir: str | None, disk_bytes: int, pr
         if path.exists() and not path.is_dir():
             raise ValueError(f"--kv-disk-dir {disk_dir} is not a directory")
         probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
+        if not probe.is_dir():
+            raise ValueError(f"--kv-disk-dir {disk_dir} cannot be created: {probe} is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ValueError(f"--kv-disk-dir {disk_dir} cannot be written by this user")
 

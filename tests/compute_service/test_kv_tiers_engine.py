@@ -5,6 +5,7 @@ token must equal a run without tiers: a block whose bytes changed on the way sho
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine
@@ -117,3 +118,15 @@ def test_swap_preemption_round_trip_is_token_exact_and_skips_recompute(llama_dir
     assert stats.prompt_tokens_computed < recompute.stats().prompt_tokens_computed
     assert stats.tiers.swapped == 0  # every swapped sequence came back and gave its slots up
     swapping.allocator.page_table.check()
+
+
+def test_auto_preemption_measures_copies_and_prefill_at_start_and_refuses_bad_tiers(llama_dir):
+    eng = engine(llama_dir, 8, kv_host_memory=16 * per_block(llama_dir))
+    cost = eng.tiers.cost
+    assert cost.out_bytes_per_s > 0 and cost.in_bytes_per_s > 0 and cost.prefill_tokens_per_s > 0
+    assert eng.stats().tiers.host_blocks == 16
+    assert engine(llama_dir, 8, kv_host_memory=16 * per_block(llama_dir), preemption_mode="recompute").tiers.cost is None
+    with pytest.raises(ValueError, match="holds no KV block"):
+        engine(llama_dir, 8, kv_host_memory=per_block(llama_dir) - 1)
+    with pytest.raises(ValueError, match="go together"):
+        EngineConfig(kv_host_memory=1 << 20, kv_disk_bytes=1 << 20)
