@@ -42,16 +42,6 @@ class Move:
 
 
 @dataclass(slots=True)
-class TierPlan:
-    moves: list[Move] = field(default_factory=list)
-    changes: list[TierChange] = field(default_factory=list)
-
-    def extend(self, other: TierPlan) -> None:
-        self.moves.extend(other.moves)
-        self.changes.extend(other.changes)
-
-
-@dataclass(slots=True)
 class _Entry:
     slot: int
     tenant: str
@@ -64,6 +54,18 @@ class TierCounts:
     host_used: int        # hashed blocks held in host
     disk_used: int        # hashed blocks held on disk
     swapped: int          # host slots holding swapped-out sequences' blocks
+
+
+@dataclass(slots=True)
+class TierPlan:
+    """The copies a change of the tiers needs, in order, and the records for the page table."""
+
+    moves: list[Move] = field(default_factory=list)
+    changes: list[TierChange] = field(default_factory=list)
+
+    def extend(self, other: TierPlan) -> None:
+        self.moves.extend(other.moves)
+        self.changes.extend(other.changes)
 
 
 class TierIndex:
@@ -171,30 +173,25 @@ class TierIndex:
     # -- internals --------------------------------------------------------------------------------
 
     def _host_slot(self, plan: TierPlan) -> int | None:
-        """A free host slot; when none, the LRU hashed block leaves host for disk (or is dropped)."""
-        if self._free[TIER_HOST]:
-            return self._free[TIER_HOST].pop()
-        host = self._tiers[TIER_HOST]
-        if not host:
+        return self._slot(TIER_HOST, plan)
+
+    def _slot(self, tier: str, plan: TierPlan) -> int | None:
+        """A free slot of ``tier``; when none, its least recent hashed block leaves: from host down
+        to disk (whose own least recent block may leave first), from disk (or a host without
+        disk) dropped. None when the tier holds no hashed block (empty, or all swapped)."""
+        if self._free[tier]:
+            return self._free[tier].pop()
+        held = self._tiers[tier]
+        if not held:
             return None
-        block_hash, entry = host.popitem(last=False)
-        disk_slot = self._disk_slot(plan)
-        if disk_slot is None:
+        block_hash, entry = held.popitem(last=False)
+        below = self._slot(TIER_DISK, plan) if tier == TIER_HOST else None
+        if below is None:
             plan.changes.append(TierChange(block_hash, entry.tenant, TIER_NONE))
         else:
-            self._tiers[TIER_DISK][block_hash] = _Entry(disk_slot, entry.tenant)
-            plan.moves.append(Move(TIER_HOST, entry.slot, TIER_DISK, disk_slot))
+            self._tiers[TIER_DISK][block_hash] = _Entry(below, entry.tenant)
+            plan.moves.append(Move(TIER_HOST, entry.slot, TIER_DISK, below))
             plan.changes.append(TierChange(block_hash, entry.tenant, TIER_DISK))
-        return entry.slot
-
-    def _disk_slot(self, plan: TierPlan) -> int | None:
-        if self._free[TIER_DISK]:
-            return self._free[TIER_DISK].pop()
-        disk = self._tiers[TIER_DISK]
-        if not disk:
-            return None
-        block_hash, entry = disk.popitem(last=False)
-        plan.changes.append(TierChange(block_hash, entry.tenant, TIER_NONE))
         return entry.slot
 
 
