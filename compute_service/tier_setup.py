@@ -41,15 +41,16 @@ def build_tiers(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_si
     except OSError as e:
         raise ValueError(f"--kv-disk-dir {disk_dir}: {e.strerror or e}") from None
     except RuntimeError as e:  # the host tensors could not be allocated (pinned memory refused)
-        raise ValueError(f"--kv-host-memory {host_memory} bytes could not be allocated: {e}") from None
+        raise ValueError(f"--kv-host-memory {host_memory} bytes could not be allocated: "
+                         f"{(str(e).splitlines() or ['?'])[0]}") from None
     if preemption_mode == "auto":
         out_rate, in_rate = store.measure(MEASURE_BLOCKS)
         store.cost = SwapCost(out_rate, in_rate, prefill_tokens_per_s())
         log.info("swap cost model: copies %.0f MB/s out, %.0f MB/s in; prefill %.0f tokens/s",
                  out_rate / 1e6, in_rate / 1e6, store.cost.prefill_tokens_per_s)
-    log.info("KV tiers: host %d blocks (%d bytes), disk %d blocks%s, preemption %s", host_blocks,
-             host_blocks * bytes_per_block, store.index.disk_blocks,
-             f" in {disk_dir} (its block files wiped at start)" if disk_dir else "", preemption_mode)
+    if disk_dir is not None:
+        log.info("KV disk tier: %d blocks in %s (its block files were wiped at start: the directory is this "
+                 "node's own)", store.index.disk_blocks, disk_dir)
     return store
 
 
