@@ -37,12 +37,11 @@ class HostPool:
 
     def to_pool(self, slots: list[int], blocks: list[int]) -> None:
         """Pool block ``blocks[i]`` = host ``slots[i]`` (on the current stream)."""
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.pool.device)
-        host_idx = torch.tensor(slots, dtype=torch.int64)
         dev = self.pool.device
-        self.pool[:, :, idx] = self.kv[host_idx].to(dev, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+        idx = torch.tensor(blocks, dtype=torch.int64, device=dev)
+        self.pool[:, :, idx] = _gather(self.kv, slots, dev).permute(1, 2, 0, 3, 4, 5)
         if self.scales is not None:
-            self.pool_scales[:, :, idx] = self.scales[host_idx].to(dev, non_blocking=True).permute(1, 2, 0, 3, 4)
+            self.pool_scales[:, :, idx] = _gather(self.scales, slots, dev).permute(1, 2, 0, 3, 4)
 
     def bytes_of(self, slot: int) -> np.ndarray:
         """Slot ``slot``'s block as bytes (KV then scales): a view, valid until the slot is written."""
@@ -72,3 +71,14 @@ def _copy_rows(host: torch.Tensor, slots: list[int], rows: torch.Tensor) -> None
     rows = rows.contiguous()
     for i, slot in enumerate(slots):
         host[slot].copy_(rows[i], non_blocking=True)
+
+
+def _gather(host: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
+    """Host ``slots`` on ``device``, stacked; from pinned memory each slot (contiguous) is copied
+    asynchronously into a staging tensor of the current stream."""
+    if not host.is_pinned():
+        return host[torch.tensor(slots, dtype=torch.int64)].to(device)
+    staged = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=device)
+    for i, slot in enumerate(slots):
+        staged[i].copy_(host[slot], non_blocking=True)
+    return staged
