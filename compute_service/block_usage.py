@@ -30,6 +30,7 @@ class CommittedBlock:
     extra: bytes                # the first block's extra key (tenant); b"" for the others
     hits: int = 0               # prefix hits on this block since it was written
     last_used: int = 0          # the tracker's clock at its commit or last hit (higher: more recent)
+    tenant: str = ""            # the tenant that committed it (a lower tier charges its cap); "" when restored
 
 
 class BlockUsage:
@@ -39,11 +40,11 @@ class BlockUsage:
         self.version = 0  # changes with every change: a periodic snapshot of an unchanged pool is skipped
 
     def committed(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Iterable[int],
-                  extra: bytes = b"", hits: int = 0) -> None:
+                  extra: bytes = b"", hits: int = 0, tenant: str = "") -> None:
         self._clock += 1
         self.version += 1
         self._blocks[block_id] = CommittedBlock(block_id, block_hash, parent_hash, tuple(token_ids),
-                                                extra if not parent_hash else b"", hits, self._clock)
+                                                extra if not parent_hash else b"", hits, self._clock, tenant)
 
     def hit(self, block_ids: Iterable[int], block_hashes: Iterable[bytes]) -> None:
         """Prefix hits: ``block_ids`` were found holding ``block_hashes``. A block this tracker
@@ -56,15 +57,21 @@ class BlockUsage:
                 block.last_used = self._clock
                 self.version += 1
 
-    def overwritten(self, block_ids: Iterable[int]) -> None:
+    def overwritten(self, block_ids: Iterable[int]) -> list[CommittedBlock]:
+        """The blocks are handed fresh; what they held (the committed blocks about to be lost from
+        the pool: a node with lower tiers demotes them first)."""
+        lost = []
         for block_id in block_ids:
-            if self._blocks.pop(block_id, None) is not None:
+            block = self._blocks.pop(block_id, None)
+            if block is not None:
+                lost.append(block)
                 self.version += 1
+        return lost
 
     def blocks(self) -> list[CommittedBlock]:
         """Every block whose content is known, in no particular order (copies: the caller may keep them)."""
-        return [CommittedBlock(b.block_id, b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits, b.last_used)
-                for b in self._blocks.values()]
+        return [CommittedBlock(b.block_id, b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits, b.last_used,
+                               b.tenant) for b in self._blocks.values()]
 
     def __len__(self) -> int:
         return len(self._blocks)

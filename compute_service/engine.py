@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from compute_service.kv_pool import (
     num_blocks_for,
     parse_block_size,
 )
+from compute_service.kv_tiers import PrefixLookups, TierCounts
 from compute_service.model_config import ModelConfig
 from compute_service.model_runner import ModelRunner
 from compute_service.request_output import RequestOutput, StopChecker
@@ -35,6 +36,8 @@ from compute_service.sampler import Sampler
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence
 from compute_service.sliding_window import droppable_window
+from compute_service.tier_flags import check_tier_flags
+from compute_service.tier_setup import build_tiers, measure_prefill
 from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.weights import load_model, parse_dtype
 from kvfleet.allocator import AllocatorStats, BlockAllocator, Refusal
@@ -57,6 +60,10 @@ class EngineConfig:
     kv_layout: str = "paged"             # or contiguous: max_model_len reserved per sequence (kv_layout.py)
     node_id: str = "local"
     share_prefix_across_tenants: bool = False
+    kv_host_memory: int = 0              # bytes of host tier below the pool (0: none; tier_flags.py)
+    kv_disk_dir: str | None = None       # disk tier below host: a directory of block files, wiped at start
+    kv_disk_bytes: int = 0
+    preemption_mode: str = "auto"        # auto (by measured cost), swap or recompute
 
     def __post_init__(self) -> None:
         self.block_size = parse_block_size(self.block_size)
@@ -66,6 +73,7 @@ class EngineConfig:
         parse_kv_layout(self.kv_layout)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        check_tier_flags(self.kv_host_memory, self.kv_disk_dir, self.kv_disk_bytes, self.preemption_mode)
 
 
 def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
@@ -85,6 +93,9 @@ class EngineStats:
     num_preemptions: int
     busy_seconds: float
     blocks: AllocatorStats
+    lookups: PrefixLookups = field(default_factory=PrefixLookups)  # admission lookups: hot, host, disk, miss
+    tiers: TierCounts | None = None   # lower tiers' capacity and use (None: no host tier)
+    num_swapped: int = 0              # preemptions swapped out instead of recomputed
 
 
 @dataclass(slots=True)
@@ -131,12 +142,18 @@ class LLMEngine:
             def allocator_factory(n: int, bs: int, bpb: int) -> BlockAllocator:
                 return LocalBlockAllocator.standalone(n, bs, bpb, node_id=config.node_id)
         self.allocator = allocator_factory(num_blocks, block_size, self.bytes_per_block)
-        self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
-                                 droppable_window(mc.layer_windows), reserve)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.kv)
         kv_cache, kv_scales = allocate_kv_cache(mc, num_blocks, block_size, kv_dtype, self.device)
         self.runner = ModelRunner(model, kv_cache, block_size, self.device, kv_scales)
+        self.tiers = None if reserve is not None else build_tiers(
+            kv_cache, kv_scales, block_size, self.bytes_per_block, self.allocator.record_tiers,
+            config.kv_host_memory, config.kv_disk_dir, config.kv_disk_bytes, config.preemption_mode,
+            lambda: self._prefill_rate(model, block_size, kv_dtype))
+        if self.tiers is not None:
+            self.allocator.set_tier_source(self.tiers.entries)
+        self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
+                                 droppable_window(mc.layer_windows), reserve, self.tiers)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.kv)
         self.sampler = Sampler(self.device)
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
@@ -145,6 +162,19 @@ class LLMEngine:
         log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, %s layout, KV cache %s: %s",
                  mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len, config.kv_layout,
                  self.kv_cache_dtype, kv_memory_per_token(mc, self.kv_cache_dtype))
+        counts = self.tiers.counts() if self.tiers is not None else None
+        log.info("KV tiers: hot %d blocks, host %d blocks, disk %d blocks; preemption %s", num_blocks,
+                 counts.host_blocks if counts else 0, counts.disk_blocks if counts else 0,
+                 config.preemption_mode if counts else "recompute")
+
+    def _prefill_rate(self, model, block_size: int, kv_dtype: torch.dtype) -> float:
+        """Prefill tokens/s of a short chunk through a scratch pool (the swap cost model's)."""
+        def scratch(num_blocks: int) -> ModelRunner:
+            cache, scales = allocate_kv_cache(self.model_config, num_blocks, block_size, kv_dtype, self.device)
+            return ModelRunner(model, cache, block_size, self.device, scales)
+
+        tokens = min(self.config.max_num_batched_tokens, 2 * block_size, self.max_model_len - 1)
+        return measure_prefill(scratch, tokens, block_size)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -234,6 +264,8 @@ class LLMEngine:
         return [self._finish(r, "abort", [], failure=reason) for r in failed]
 
     def _step(self) -> list[RequestOutput]:
+        if self.tiers is not None:
+            self.tiers.apply_refusals(self.allocator.take_tier_refusals())
         batch = self.scheduler.schedule()
         self.stalled = batch.is_empty and not batch.refused  # every sequence waits for blocks
         outputs = [self._finish(self.requests[seq.seq_id], "abort", [], refusal)
@@ -241,6 +273,8 @@ class LLMEngine:
         if batch.is_empty:
             return outputs
         started = time.perf_counter()
+        if self.tiers is not None:
+            self.tiers.before_forward()  # the step's demotions, promotions and swaps have landed
         logits, sampled = self.runner.execute(batch)
         for seq, n in batch.prefills:
             seq.num_computed += n
@@ -279,7 +313,8 @@ class LLMEngine:
             max_num_seqs_live=self.scheduler.num_seqs_cap,
             generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
-            blocks=self.allocator.stats())
+            blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
+            tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped)
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from compute_service.block_usage import BlockUsage
+from compute_service.kv_tiers import LowerTiers, PrefixLookups
 from compute_service.sequence import Sequence
 from kvfleet.allocator import DROPPED, BlockAllocator, Refusal
 from kvfleet.block_hash import (
@@ -35,7 +36,7 @@ from kvfleet.block_hash import (
 
 class KVCacheManager:
     def __init__(self, allocator: BlockAllocator, share_prefix_across_tenants: bool = False,
-                 window: int | None = None, reserve_tokens: int | None = None):
+                 window: int | None = None, reserve_tokens: int | None = None, tiers: LowerTiers | None = None):
         self.allocator = allocator
         self.window = window
         self.reserve_tokens = reserve_tokens  # contiguous layout: slots each sequence reserves; None: paged
@@ -43,6 +44,8 @@ class KVCacheManager:
         self.share_across_tenants = share_prefix_across_tenants
         self.seed = cluster_seed()
         self.usage = BlockUsage()  # what each block holds and how often it was reused (KV snapshots)
+        self.tiers = tiers         # host/disk tiers below the pool (kv_tier_store.py); None: evicted is lost
+        self.lookups = PrefixLookups()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -54,7 +57,11 @@ class KVCacheManager:
     def allocate(self, seq: Sequence) -> Refusal | None:
         """Blocks for all of ``seq``'s current tokens; reuses cached prefix blocks, so on success
         ``seq.num_computed`` starts past them. At least one token is always left to compute (its
-        logits are needed), so a fully cached prompt recomputes its last block."""
+        logits are needed), so a fully cached prompt recomputes its last block.
+
+        With lower tiers, the blocks past the hot prefix found in host or on disk are promoted
+        (copied into the fresh blocks) instead of recomputed, and a sequence swapped out at its
+        preemption gets its blocks back; the commit path then makes them hot again."""
         if self.reserve_tokens is not None:
             return self._reserve(seq)
         self._extend_hashes(seq, seq.num_tokens // self.block_size)
@@ -65,10 +72,16 @@ class KVCacheManager:
         seq.block_table = list(result.block_ids)
         cached = result.num_cached_blocks
         self.usage.hit(seq.block_table[:cached], seq.block_hashes[:cached])
-        self.usage.overwritten(seq.block_table[cached:])
+        self._hand_fresh(seq.block_table[cached:])
         seq.num_allocated_tokens = seq.num_tokens
-        seq.num_committed_blocks = result.num_cached_blocks
-        seq.num_computed = result.num_cached_blocks * self.block_size
+        seq.num_committed_blocks = cached
+        if self.tiers is not None and self.tiers.is_swapped(seq.seq_id):
+            seq.num_computed = self.tiers.swap_in(seq, cached)
+            return None
+        found = [] if self.tiers is None else self.tiers.promote(seq.block_hashes[cached:reusable],
+                                                                  seq.block_table[cached:reusable])
+        self.lookups.add(cached, found, reusable)
+        seq.num_computed = (cached + len(found)) * self.block_size
         return None
 
     def prefix_in_flight(self, seq: Sequence, prefilling: Iterable[Sequence]) -> bool:
@@ -89,6 +102,25 @@ class KVCacheManager:
                 return True
         return False
 
+    def preempt(self, seq: Sequence) -> bool:
+        """Give a preemption victim's blocks back; first, when the lower tiers take it (cost and
+        room), its KV is swapped out to come back at re-admission. Whether it was swapped."""
+        swapped = self.tiers is not None and self.tiers.swap_out(seq)
+        self.release([seq])
+        return swapped
+
+    def forget(self, seqs: Iterable[Sequence]) -> None:
+        """Finished sequences: the swapped-out copies of any that never came back are freed."""
+        if self.tiers is not None:
+            for seq in seqs:
+                self.tiers.forget(seq.seq_id)
+
+    def _hand_fresh(self, block_ids: list[int]) -> None:
+        """Blocks the engine is about to write: what they held is demoted to a lower tier first."""
+        lost = self.usage.overwritten(block_ids)
+        if lost and self.tiers is not None:
+            self.tiers.demote(lost)
+
     def _reserve(self, seq: Sequence) -> Refusal | None:
         """Contiguous: the whole reservation at once, nothing looked up in the prefix cache."""
         assert seq.num_tokens <= self.reserve_tokens, "the engine refuses prompts past max_model_len"
@@ -96,7 +128,7 @@ class KVCacheManager:
         if isinstance(result, Refusal):
             return result
         seq.block_table = list(result.block_ids)
-        self.usage.overwritten(seq.block_table)  # cached blocks (a restored snapshot's) it took are rewritten
+        self._hand_fresh(seq.block_table)  # cached blocks (a restored snapshot's) it took are rewritten
         seq.num_allocated_tokens = self.reserve_tokens
         seq.num_committed_blocks = seq.num_computed = 0
         return None
@@ -115,7 +147,7 @@ class KVCacheManager:
                 results.append(answer)
                 continue
             seq.block_table.extend(answer)
-            self.usage.overwritten(answer)
+            self._hand_fresh(answer)
             seq.num_allocated_tokens = max(seq.num_allocated_tokens, seq.num_computed + n)
             results.append(None)
         return results
@@ -163,7 +195,7 @@ class KVCacheManager:
         for i in indexes:
             if seq.block_table[i] != DROPPED:
                 self.usage.committed(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else b"",
-                                     seq.token_ids[i * bs:(i + 1) * bs], extra)
+                                     seq.token_ids[i * bs:(i + 1) * bs], extra, tenant=seq.tenant)
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

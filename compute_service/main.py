@@ -15,6 +15,7 @@ import sys
 
 from compute_service import warm_start
 from compute_service.node_lifecycle import serve
+from compute_service.tier_flags import add_tier_arguments, check_tier_flags
 from kvfleet.metrics_server import add_metrics_argument
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between reconciliations of this node's blocks with block_service "
                              "(block_service releases what the node no longer holds; default 30)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once READY")
+    add_tier_arguments(parser)
     add_metrics_argument(parser)
     warm_start.add_arguments(parser)
     parser.add_argument("--dependency-timeout", type=_positive_float, default=60.0,
@@ -106,6 +108,7 @@ def preflight(args: argparse.Namespace) -> None:
         args.dtype = resolve_dtype(args.dtype, torch.device(args.device).type, host_cpu_flags())
         kv_cache_dtype(args.kv_cache_dtype, args.dtype, torch.device(args.device))
         parse_kv_layout(args.kv_layout)
+        check_tier_flags(args.kv_host_memory, args.kv_disk_dir, args.kv_disk_bytes, args.preemption_mode)
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
         raise PreflightError(str(e)) from None
     check_port_free(args.listen)

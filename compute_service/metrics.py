@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
 
+from compute_service.kv_tiers import PrefixLookups, TierCounts
 from kvfleet.allocator import AllocatorStats
 from kvfleet.metric_families import counter, gauge
 
@@ -37,6 +38,9 @@ class NodeSample:
     busy_seconds: float           # spent in model steps
     blocks: AllocatorStats
     max_num_seqs_live: int = 0    # the live cap on running sequences (the P99 controller's, or the maximum)
+    lookups: PrefixLookups | None = None  # admission lookups by where the block was found (lower KV tiers)
+    tiers: TierCounts | None = None       # lower tiers' capacity and use; None: no host tier
+    num_swapped: int = 0                  # preemptions swapped out instead of recomputed
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -63,9 +67,32 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield counter("node_prompt_tokens_computed", "Prompt tokens the node prefilled (cache hits excluded)", node,
                   [(key, s.prompt_tokens_computed)])
     yield counter("node_busy_seconds", "Seconds the engine spent in model steps", node, [(key, s.busy_seconds)])
+    yield from _tier_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
                 [((s.node_id, s.state), 1)])
+
+
+def _tier_families(s: NodeSample) -> Iterator[Metric]:
+    """The lower KV tiers (kv_tiers.py): where admission found each block it looked up, and what
+    host and disk hold."""
+    key = (s.node_id,)
+    if s.lookups is not None:
+        found = s.lookups
+        yield counter("kv_tier_lookups", "Blocks looked up at admission by where they were found: hot (the pool), "
+                      "host or disk (promoted, not recomputed), miss (computed)", ("node", "tier"),
+                      [((s.node_id, tier), n) for tier, n in (("hot", found.hot), ("host", found.host),
+                                                               ("disk", found.disk), ("miss", found.miss))])
+    yield counter("num_preemptions_swapped", "Preemptions whose KV was swapped to the host tier, not recomputed",
+                  ("node",), [(key, s.num_swapped)])
+    if s.tiers is not None:
+        t = s.tiers
+        yield gauge("kv_tier_blocks", "Blocks held in the node's lower KV tiers (swapped: preempted sequences')",
+                    ("node", "tier"), [((s.node_id, tier), n) for tier, n in (("host", t.host_used),
+                                                                              ("disk", t.disk_used),
+                                                                              ("swapped", t.swapped))])
+        yield gauge("kv_tier_capacity_blocks", "Capacity of the node's lower KV tiers, in blocks", ("node", "tier"),
+                    [((s.node_id, "host"), t.host_blocks), ((s.node_id, "disk"), t.disk_blocks)])
 
 
 async def sample(node, status, block_size: int) -> NodeSample:
@@ -76,4 +103,5 @@ async def sample(node, status, block_size: int) -> NodeSample:
         num_in_flight=status.num_in_flight, num_running=stats.num_running, num_waiting=stats.num_waiting,
         max_num_seqs_live=stats.max_num_seqs_live, num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
         prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
+        lookups=stats.lookups, tiers=stats.tiers, num_swapped=stats.num_swapped,
     )

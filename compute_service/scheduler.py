@@ -4,7 +4,9 @@ Each step fills a token budget: running sequences first (a decode token each, or
 prefill chunk), then waiting ones by priority (highest first, then oldest). A running sequence that
 cannot grow takes the blocks of the lowest-priority, newest running sequence, which is preempted
 (its KV dropped, its tokens kept) and requeued to be recomputed; committed blocks stay in the
-prefix cache, so recomputation usually starts from a prefix hit.
+prefix cache, so recomputation usually starts from a prefix hit. With a host tier, the victim's KV
+may be swapped out instead and copied back at re-admission (``KVCacheManager.preempt``: the cost
+model of swap_cost.py decides).
 
 A waiting sequence whose leading blocks another sequence of this step is prefilling right now
 (same prefix, not committed yet) is held back: admitted in the same step, it would compute them
@@ -86,6 +88,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped = 0  # of those, swapped out to the host tier instead of recomputed
         self.num_seqs_cap = config.max_num_seqs  # live cap on admission (the P99 controller's), <= max
         self.step_token_budget = config.max_num_batched_tokens  # follows the live cap in proportion
         self.budget_used_up = False  # the last step's tokens filled its budget
@@ -197,12 +200,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        self.kv.release([seq])
+        swapped = self.kv.preempt(seq)  # swapped out (lower tiers, by cost) or to be recomputed
         seq.reset_for_recompute()
         self.waiting.append(seq)
         self.num_preemptions += 1
+        self.num_swapped += swapped
         batch.preempted.append(seq)
-        log.debug("preempted %s (priority %d, %d tokens)", seq.seq_id, seq.priority, seq.num_tokens)
+        log.debug("preempted %s (priority %d, %d tokens, %s)", seq.seq_id, seq.priority, seq.num_tokens,
+                  "swapped out" if swapped else "to recompute")
 
     def _finish_refused(self, seq: Sequence, refusal: Refusal, batch: ScheduledBatch) -> None:
         log.warning("request %s cannot be served: %s", seq.seq_id, refusal.message())
@@ -222,3 +227,4 @@ class Scheduler:
                 self.waiting.remove(seq)
             seq.status = Status.FINISHED
         self.kv.release([s for s in seqs if s.block_table])
+        self.kv.forget(seqs)

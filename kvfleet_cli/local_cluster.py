@@ -88,6 +88,7 @@ class LocalCluster:
         kv_cache_dtype: str = "auto",
         block_service_standby: bool = False,
         lease_ttl_s: int = 5,
+        kv_disk: tuple[str | Path, int] | None = None,
     ):
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
@@ -103,6 +104,7 @@ class LocalCluster:
         self.kv_cache_dtype = kv_cache_dtype
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
+        self.kv_disk = kv_disk  # (directory, bytes): each node's disk KV tier in directory/<node id>
         self.router_args = tuple(router_args)
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level
@@ -259,6 +261,8 @@ class LocalCluster:
                 "--node-id", node_id, "--block-size", str(self.block_size),
                 "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
                 *self._metrics_args(node_id), *self.compute_args, *extra]
+        if self.kv_disk is not None:
+            argv += ["--kv-disk-dir", str(Path(self.kv_disk[0]) / node_id), "--kv-disk-bytes", str(self.kv_disk[1])]
         argv += self._block_service_flag()
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)
         if wait:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from compute_service.kv_cache_dtype import KV_CACHE_DTYPES
 from compute_service.kv_layout import KV_LAYOUTS
+from compute_service.tier_flags import add_tier_arguments, check_tier_flags
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.models_pull import default_model_dir
@@ -89,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
                              "flags given on the command line win")
+    add_tier_arguments(parser)
     parser.add_argument("--kv-snapshot-dir", default=None,
                         help="the nodes' KV snapshots (`kvfleet compute --kv-snapshot-dir`): written when a node "
                              "drains, restored when it starts, so a restarted cluster starts warm (default: off)")
@@ -98,6 +100,12 @@ def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The nodes' ``--kv-layout`` and ``--max-model-len``, as ``kvfleet compute`` takes them."""
     limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
     return ("--kv-layout", args.kv_layout, *limit)
+
+
+def _tier_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The nodes' host tier and preemption mode (each node's disk tier is a directory of its own:
+    ``LocalCluster``'s ``kv_disk``)."""
+    return ("--kv-host-memory", str(args.kv_host_memory), "--preemption-mode", args.preemption_mode)
 
 
 def _snapshot_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -135,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"kvfleet up: --max-model-len must be at least 1, got {args.max_model_len}", file=sys.stderr)
         return 2
+    try:
+        check_tier_flags(args.kv_host_memory, args.kv_disk_dir, args.kv_disk_bytes, args.preemption_mode)
+    except ValueError as e:
+        print(f"kvfleet up: {e}", file=sys.stderr)
+        return 2
     if args.model is None:
         real = default_model_dir()
         args.model = str(real) if (real / "config.json").is_file() else TINY_MODEL
@@ -150,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
                            kv_cache_dtype=args.kv_cache_dtype, block_service_standby=args.block_service_standby,
-                           compute_args=(*_layout_args(args), *_snapshot_args(args)))
+                           compute_args=(*_layout_args(args), *_snapshot_args(args), *_tier_args(args)),
+                           kv_disk=(args.kv_disk_dir, args.kv_disk_bytes) if args.kv_disk_dir else None)
     stop = False
 
     def on_signal(*_):

@@ -50,6 +50,7 @@ PURE = [
     "compute_service.model_config", "compute_service.rope_config", "compute_service.kv_cache_dtype",
     "compute_service.kv_layout", "compute_service.batch_controller", "compute_service.live_cap",
     "compute_service.block_usage", "compute_service.kv_snapshot", "compute_service.tier_queue",
+    "compute_service.kv_tiers", "compute_service.swap_cost", "compute_service.tier_flags",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "router.chat_template", "router.openai_requests", "router.openai_responses",

@@ -45,3 +45,17 @@ def test_blocks_by_state_add_up_and_an_empty_pool_is_not_a_division_by_zero():
 def test_the_live_cap_is_a_gauge():
     r = registry_of(metrics.families(_sample(max_num_seqs_live=7)))
     assert r.get_sample_value("kvfleet:max_num_seqs_live", {"node": "node-0"}) == 7
+
+
+def test_lower_tier_lookups_and_blocks_are_exported():
+    from compute_service.kv_tiers import PrefixLookups, TierCounts
+
+    r = registry_of(metrics.families(_sample(lookups=PrefixLookups(hot=5, host=3, disk=2, miss=7),
+                                             tiers=TierCounts(100, 400, 30, 90, 4), num_swapped=2)))
+    node = {"node": "node-0"}
+    assert [r.get_sample_value("kvfleet:kv_tier_lookups_total", {**node, "tier": t})
+            for t in ("hot", "host", "disk", "miss")] == [5, 3, 2, 7]
+    assert r.get_sample_value("kvfleet:kv_tier_blocks", {**node, "tier": "disk"}) == 90
+    assert r.get_sample_value("kvfleet:kv_tier_blocks", {**node, "tier": "swapped"}) == 4
+    assert r.get_sample_value("kvfleet:kv_tier_capacity_blocks", {**node, "tier": "host"}) == 100
+    assert r.get_sample_value("kvfleet:num_preemptions_swapped_total", node) == 2
