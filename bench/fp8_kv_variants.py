@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.fp8_accuracy import CORPORA  # noqa: E402
+from bench.fp8_accuracy import CORPORA, model_dir_or_none  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 
 FULL = dict(prompts=8, positions=256)
@@ -205,8 +205,6 @@ def run(model_dir: Path, corpus: str, num_prompts: int, positions: int, names: l
 
 
 def main() -> int:
-    from kvfleet_cli.models_pull import default_model_dir
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts x 128 positions (default 8 x 256)")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -215,12 +213,14 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
     args = parser.parse_args()
-    shape = QUICK if args.quick else FULL
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if not (model_dir / "config.json").is_file():
-        print(f"fp8_kv_variants: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
+    if args.prompts is not None and args.prompts < 1:
+        print(f"fp8_kv_variants: --prompts must be at least 1, got {args.prompts}", file=sys.stderr)
+        return 2
+    model_dir = model_dir_or_none(args.model, "fp8_kv_variants")
+    if model_dir is None:
         return 2
     names = [n for n in args.variants.split(",") if n] if args.variants else None
+    shape = QUICK if args.quick else FULL
     result = run(model_dir, args.corpus, args.prompts or shape["prompts"], shape["positions"], names)
     print(f"{result['model']}, corpus {result['corpus']} (calibrated on {result['calibration_corpus']}): "
           f"{result['prompts']} prompts x {result['positions']} positions, teacher-forced against exact K/V, "
