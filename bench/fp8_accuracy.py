@@ -91,9 +91,8 @@ SENTENCES = [
     "Honey never spoils: jars found in ancient tombs were still safe to eat.",
     "The software update fixed the battery drain but introduced a new display bug.",
 ]
-UNCENTRED = "fp8_e4m3 uncentred"  # FP8 as it was before kv_centering.py: keys stored as computed
-FULL = dict(prompts=64, positions=256, dtypes=("float32", "bfloat16", "fp8_e4m3", UNCENTRED))
-QUICK = dict(prompts=16, positions=256, dtypes=("float32", "fp8_e4m3", UNCENTRED))  # ~2 min on 2 cores: no bf16
+FULL = dict(prompts=64, positions=256, dtypes=("float32", "bfloat16", "fp8_e4m3"))
+QUICK = dict(prompts=16, positions=256, dtypes=("float32", "fp8_e4m3"))  # ~1.5 min on 2 cores: no bf16 baseline
 BLOCK_SIZE = 16
 PROMPTS_PER_PASS = 8  # sequences packed into one prefill
 
@@ -175,7 +174,6 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
     import torch
 
     from compute_service.cpu_linear import pack_linears
-    from compute_service.kv_centering import CALIBRATION_TEXT, key_centers, set_key_centers
     from compute_service.kv_pool import allocate_kv_cache, kv_cache_dtype
     from compute_service.model_config import ModelConfig
     from compute_service.tokenizer import Tokenizer
@@ -188,17 +186,14 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
     pack_linears(model, per_pass * positions)  # the engine's oneDNN-packed linears
     prompts = CORPORA[corpus](Tokenizer(model_dir), num_prompts, positions)
     num_blocks = per_pass * -(-positions // BLOCK_SIZE)
-    pools = {name: allocate_kv_cache(mc, num_blocks, BLOCK_SIZE, kv_cache_dtype(_pool_dtype(name), "float32", cpu),
-                                     cpu) for name in dtypes}
-    # the engine's FP8: keys stored minus their (layer, KV head) centre, calibrated as the engine does
-    centers = key_centers(model, Tokenizer(model_dir).encode(CALIBRATION_TEXT), mc.max_context_len)
+    pools = {name: allocate_kv_cache(mc, num_blocks, BLOCK_SIZE, kv_cache_dtype(name, "float32", cpu), cpu)
+             for name in dtypes}
     # per compared dtype: [positions that agree, sum of KL, largest flipped lead]; one batch of
     # log-probabilities at a time (all of them would be prompts x positions x vocab floats)
     tally = {name: [0, 0.0, 0.0] for name in dtypes[1:]}
     top1_prob = 0.0  # sum over positions of the float32 pass's top-1 probability
     started = time.perf_counter()
     for i in range(0, num_prompts, per_pass):
-        set_key_centers(model, None)
         ref = forward_all_positions(model, pools["float32"], prompts[i:i + per_pass], positions)
         if i == 0:
             granularity = scale_granularity_error(pools["float32"][0])
@@ -207,7 +202,6 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
         margin = top2[:, 0] - top2[:, 1]
         top1_prob += float(top2[:, 0].exp().sum())
         for name in dtypes[1:]:
-            set_key_centers(model, centers if name == "fp8_e4m3" else None)
             got = forward_all_positions(model, pools[name], prompts[i:i + per_pass], positions)
             flipped = got.argmax(-1) != ref_top
             tally[name][0] += int((~flipped).sum())
@@ -222,13 +216,9 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
         result[name] = {"top1_agreement": agree / compared, "mean_kl": kl / compared, "max_flip_margin": lead}
     fp8 = result["fp8_e4m3"]
     result.update(top1_agreement=fp8["top1_agreement"], mean_kl=fp8["mean_kl"], **granularity,
-                  kv_bytes_per_token={name: _bytes_per_token(mc, _pool_dtype(name)) for name in dtypes},
+                  kv_bytes_per_token={name: _bytes_per_token(mc, name) for name in dtypes},
                   cpu=cpu_model(), seconds=round(time.perf_counter() - started, 1))
     return result
-
-
-def _pool_dtype(name: str) -> str:
-    return "fp8_e4m3" if name == UNCENTRED else name
 
 
 def _bytes_per_token(mc, name: str) -> int:

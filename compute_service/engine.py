@@ -20,7 +20,6 @@ from compute_service.cpu_host import host_cpu_flags, intra_op_threads, resolve_d
 from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.kv_centering import CALIBRATION_TEXT, key_centers, set_key_centers
 from compute_service.kv_layout import parse_kv_layout, reserved_tokens
 from compute_service.kv_pool import (
     allocate_kv_cache,
@@ -118,9 +117,6 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
         pack_linears(model, config.max_num_batched_tokens)
-        if self.kv_cache_dtype == "fp8_e4m3":  # keys stored centred: exact, and less FP8 error (kv_centering.py)
-            calibration = self.tokenizer.encode(CALIBRATION_TEXT)
-            set_key_centers(model, key_centers(model, calibration, mc.max_context_len))
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
         num_blocks = num_blocks_for(mc, block_size, kv_dtype, self.device, config.kv_cache_memory)

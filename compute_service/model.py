@@ -31,8 +31,6 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     window: int | None = None  # sliding window in tokens (None: full), set per layer by CausalLM
-    # FP8 pools: keys are stored minus this [kv_heads, head_dim] constant (kv_centering.py: exact)
-    k_center: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -58,8 +56,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
-        if self.k_center is not None:
-            k = k - self.k_center.to(k.dtype)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
