@@ -2,6 +2,7 @@
 its target over time, with and without the controller, and the throughput given up for it.
 
     python bench/p99_controller.py [--quick] [--json] [--target-ms MS] [--seconds S] [--clients N]
+                                   [--max-num-batched-tokens N]
 
 In-process, not a cluster: the node's own ``AsyncEngine`` with the controller's ``LiveCap`` on its
 step thread (exactly what ``kvfleet compute --p99-itl-target-ms`` runs), driven by asyncio clients
@@ -9,6 +10,10 @@ in the same process. On these shared 2-core machines a cluster's five processes 
 other more than the controller. Each client loops: a 32-token prompt, 32 greedy tokens, the next;
 the number of clients ramps from 1 to ``--clients`` over the first 40% of a run and holds there. The
 engine runs ``--max-num-seqs`` (64) sequences at most; requests above its cap wait in its queue.
+Each step carries at most ``--max-num-batched-tokens`` (default 128: two per sequence, each running
+sequence's token and as many prompt tokens again, as this 1:1 workload needs); the live cap scales
+that budget in proportion (``Scheduler.set_num_seqs_cap``). With a budget of 2048 a step can prefill
+a whole burst of admissions at once, and those steps are the tail (BENCHMARKS.md).
 
 Order: a batch-1 probe (one client), then four runs on the same engine, uncontrolled, controlled,
 controlled, uncontrolled (the machine's drift hits both sides alike; each controlled run starts a
@@ -150,7 +155,8 @@ async def main_async(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model = ensure_model()
-    engine = LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=512 << 20, max_num_seqs=args.max_num_seqs))
+    engine = LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=512 << 20, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     probe_s = 6.0 if args.quick else 10.0
     plain = AsyncEngine(engine)
     batch1 = await drive(plain, "batch-1", 1, probe_s)
@@ -163,7 +169,11 @@ async def main_async(args) -> dict:
             engine.scheduler.set_num_seqs_cap(args.max_num_seqs)
             runs[kind].append(await drive(plain, kind, args.clients, args.seconds))
             if target_ms is None:  # between batch-1 and saturated p99, from the first uncontrolled run
-                target_ms = b1_ms + 0.5 * (p99(runs[kind][0].window(*settled)[0]) * 1e3 - b1_ms)
+                saturated = runs[kind][0].window(*settled)[0]
+                if not saturated or not batch1.itls:  # e.g. a native kernel built during the run
+                    raise SystemExit("p99_controller: no tokens came out in a probe's window; the machine is too "
+                                     "busy for these lengths (try --seconds or --target-ms)")
+                target_ms = b1_ms + 0.5 * (p99(saturated) * 1e3 - b1_ms)
             continue
         config = ControllerConfig(target_ms / 1e3, args.max_num_seqs, interval_s=args.interval_s,
                                   window_s=10 * args.interval_s)
@@ -187,7 +197,8 @@ async def main_async(args) -> dict:
         "uncontrolled_tokens_per_s": round(unc_tokens / window_s, 1),
         "controlled_tokens_per_s": round(ctl_tokens / window_s, 1),
         "settled_caps": [r.caps[-1][1] for r in controlled],
-        "max_num_seqs": args.max_num_seqs, "clients": args.clients, "seconds": args.seconds,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "clients": args.clients, "seconds": args.seconds,
         "plot": str(PLOT.relative_to(ROOT)),
     }
 
@@ -200,14 +211,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="length of each run (default 90, quick 45)")
     parser.add_argument("--clients", type=int, default=96, help="clients at the top of the ramp (default 96)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128,
+                        help="tokens per step at the maximum cap (default 128: two per sequence)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine a second OpenMP thread that waits for "
                              "a busy core makes every step several times slower)")
     parser.add_argument("--interval-s", type=float, default=2.0, help="the controller's interval (default 2)")
     args = parser.parse_args()
     args.seconds = args.seconds or (45.0 if args.quick else 90.0)
-    if args.seconds < 20 or args.clients < 2 or args.max_num_seqs < 1 or args.threads < 1 or not args.interval_s > 0:
-        parser.error("need --seconds >= 20, --clients >= 2, --max-num-seqs >= 1, --threads >= 1, --interval-s > 0")
+    if (args.seconds < 20 or args.clients < 2 or args.max_num_seqs < 1 or args.threads < 1 or not args.interval_s > 0
+            or args.max_num_batched_tokens < args.max_num_seqs):
+        parser.error("need --seconds >= 20, --clients >= 2, --max-num-seqs >= 1, --threads >= 1, --interval-s > 0, "
+                     "--max-num-batched-tokens >= --max-num-seqs")
     if args.target_ms is not None and not args.target_ms > 0:
         parser.error("--target-ms must be positive")
     result = asyncio.run(main_async(args))

@@ -1,5 +1,7 @@
-"""What ``kvfleet blocks`` shows: per node, its pool by tier, the sequences holding the most blocks,
-the internal waste of partly filled last blocks, and per tenant the blocks charged against the quota.
+"""What ``kvfleet blocks`` shows: per node, its pool by tier (device, and the committed blocks it keeps
+below it in host memory and on disk), the sequences holding the most blocks, the internal waste of
+partly filled last blocks, and per tenant the blocks charged against the quota and the lower-tier
+blocks charged against the tenant's lower-tier cap.
 
 The second step of the field guide's OOM flow: the ``block_pool exhausted (alloc=N/N)`` line says a
 pool ran dry and which tenants hold it; this says which requests, how long they have held it, and
@@ -44,14 +46,21 @@ def to_json(report: BlocksReport) -> dict:
             "num_sequences": s.num_sequences, "tiers": [asdict(t) for t in n.tiers],
             "waste_tokens": n.waste_tokens, "waste_frac": round(s.fragmentation, 4),
             "refusals_pool": s.counters.refusals_pool, "refusals_quota": s.counters.refusals_quota,
+            "lower_tier": dict(s.lower_tier), "refusals_lower_tier": s.counters.refusals_lower_tier,
             "top_holders": [asdict(h) for h in n.holders],
         })
     tenants = [{
         "tenant": t.tenant, "node_id": t.node_id, "charged": t.blocks_charged, "quota": t.blocks_allowed,
         "reserved": t.blocks_reserved, "num_sequences": t.num_sequences,
         "refusals_pool": t.counters.refusals_pool, "refusals_quota": t.counters.refusals_quota,
+        "lower_tier": t.lower_tier_blocks, "lower_tier_quota": t.lower_tier_allowed,
+        "refusals_lower_tier": t.counters.refusals_lower_tier,
     } for t in report.tenants]
     return {"nodes": nodes, "tenants": tenants, "log_records": report.log_records}
+
+
+def _limit(blocks: int | None) -> str:
+    return "unlimited" if blocks is None else str(blocks)
 
 
 def _age(h: Holder) -> str:
@@ -87,10 +96,12 @@ def render(report: BlocksReport) -> str:
     if report.tenants:
         lines.append("tenants (blocks):")
         lines += ["  " + line for line in _table(
-            ["tenant", "node", "charged", "quota", "reserved", "sequences", "refused pool", "refused quota"],
-            [[t.tenant, t.node_id, str(t.blocks_charged), "unlimited" if t.blocks_allowed is None
-              else str(t.blocks_allowed), str(t.blocks_reserved), str(t.num_sequences),
-              str(t.counters.refusals_pool), str(t.counters.refusals_quota)] for t in report.tenants])]
+            ["tenant", "node", "charged", "quota", "reserved", "sequences", "refused pool", "refused quota",
+             "lower tier", "lower cap", "refused lower"],
+            [[t.tenant, t.node_id, str(t.blocks_charged), _limit(t.blocks_allowed), str(t.blocks_reserved),
+              str(t.num_sequences), str(t.counters.refusals_pool), str(t.counters.refusals_quota),
+              str(t.lower_tier_blocks), _limit(t.lower_tier_allowed), str(t.counters.refusals_lower_tier)]
+             for t in report.tenants])]
     if any(h.age_at_least for n in report.nodes for h in n.holders):
         lines.append("(>: allocated before block_service's last start; the age counts from that start)")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""A node's write-behind bookkeeping, applied item by item: growth, then commits, then releases.
+"""A node's write-behind bookkeeping, applied item by item: growth, commits, drops, releases, tiers.
 
 A compute node sends what its engine did since the last step in one batch (``ApplyMany``):
 growth, commits, drops (a sliding-window sequence's blocks outside its window), releases. One item
@@ -8,6 +8,10 @@ until the node re-registers (issue 11). So each item is applied on its own; a ba
 alone and reported (``ItemError``: which part, which index, the status code and the message), and
 the rest is applied in the same order as a whole batch would be. The applied items are returned
 too, so that the log records exactly what changed (``DurablePageTable.apply``).
+
+Last come the node's lower-tier moves (issue 15, ``TierBatch``): each is validated alone, the valid
+ones applied in order; a demotion past the tenant's lower-tier cap is an answer, not an error
+(``ApplyResult.tier_refused``: the node drops its copy).
 
 Growth goes first because a node commits the reserve block it filled in the same batch as the
 top-up that tells block_service the sequence grew into it; commits come before drops and releases
@@ -19,11 +23,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from block_service.lower_tiers import validate_tier_change
 from block_service.page_table import PageTable
-from kvfleet.allocator import Refusal
+from kvfleet.allocator import Refusal, TierChange
 from kvfleet.errors import BlockServiceError, InvalidArgument
 
-GROWTH, COMMIT, DROP, RELEASE = "growth", "commit", "drop", "release"
+GROWTH, COMMIT, DROP, RELEASE, TIER = "growth", "commit", "drop", "release", "tier"
+
+
+@dataclass(slots=True, frozen=True)
+class TierBatch:
+    """A node's lower-tier moves in one bookkeeping batch (a move names a hash, not a sequence,
+    so the batch names its node)."""
+
+    node_id: str
+    changes: Sequence[TierChange]
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +55,8 @@ class ItemError:
     message: str
 
     def line(self) -> str:
+        if self.kind == TIER:  # a move names a block hash, not a sequence
+            return f"tier move #{self.index} refused ({self.code}): {self.message}"
         return f"{self.kind} #{self.index} of sequence {self.seq_id!r} refused ({self.code}): {self.message}"
 
 
@@ -56,6 +72,7 @@ class ApplyResult:
     num_committed: int = 0
     growth: list[list[int] | Refusal | ItemError] = field(default_factory=list)
     errors: list[ItemError] = field(default_factory=list)
+    tier_refused: list[bytes] = field(default_factory=list)  # demotions past the tenant's lower-tier cap
 
 
 @dataclass(slots=True)
@@ -66,6 +83,7 @@ class Applied:
     commits: list[tuple[str, int, bytes]] = field(default_factory=list)
     drops: list[tuple[str, int]] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
+    tiers: list[TierChange] = field(default_factory=list)
 
 
 def apply_bookkeeping(
@@ -75,6 +93,7 @@ def apply_bookkeeping(
     releases: Sequence[str],
     tenant: str | None = None,
     drops: Sequence[tuple[str, int]] = (),
+    tiers: TierBatch | None = None,
 ) -> tuple[ApplyResult, Applied]:
     """Apply each item on its own; a sequence named twice in the growth or the releases is refused
     the second time (a batch of the page table names a sequence once, and so does its log record)."""
@@ -116,4 +135,26 @@ def apply_bookkeeping(
                                            lambda s: table.release([s], tenant), unique=True)):
         if not isinstance(answer, ItemError):
             applied.releases.append(item)
+    if tiers is not None and tiers.changes:
+        _apply_tiers(table, tiers, result, applied)
     return result, applied
+
+
+def _apply_tiers(table: PageTable, tiers: TierBatch, result: ApplyResult, applied: Applied) -> None:
+    """Each move validated alone, the valid ones applied in one call; an unknown node refuses
+    them all (NOT_FOUND: the node resyncs, and its sync re-sends its whole index)."""
+    valid = []
+    for i, c in enumerate(tiers.changes):
+        try:
+            validate_tier_change(c)
+        except BlockServiceError as err:
+            result.errors.append(ItemError(TIER, i, "", err.code, str(err)))
+        else:
+            valid.append(c)
+    try:
+        out = table.record_tiers(tiers.node_id, valid)
+    except BlockServiceError as err:
+        result.errors.append(ItemError(TIER, 0, "", err.code, f"{len(valid)} tier moves: {err}"))
+        return
+    result.tier_refused += out.refused
+    applied.tiers += out.applied

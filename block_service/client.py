@@ -23,7 +23,7 @@ from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import NodeStats, TenantStats
 from kvfleet import rpc
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.errors import ERRORS_BY_CODE, Unavailable
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
@@ -111,22 +111,31 @@ class BlockManagerClient:
 
     async def apply(self, commits: Sequence[tuple[str, int, bytes]], releases: Sequence[str],
                     growth: Sequence[tuple[str, int]], tenant: str | None = None,
-                    drops: Sequence[tuple[str, int]] = ()) -> ApplyResult:
-        """``extend`` (``growth``), ``commit``, ``drop_front`` (``drops``) and ``release`` in one
-        call, in that order, item by item: a bad item is refused alone and listed in
-        ``ApplyResult.errors``, the rest applied."""
+                    drops: Sequence[tuple[str, int]] = (), node_id: str = "",
+                    tiers: Sequence[TierChange] = ()) -> ApplyResult:
+        """``extend`` (``growth``), ``commit``, ``drop_front`` (``drops``), ``release`` and the
+        node's lower-tier moves (``tiers``, of ``node_id``) in one call, in that order, item by
+        item: a bad item is refused alone and listed in ``ApplyResult.errors``, the rest applied;
+        moves past a tenant's lower-tier cap come back in ``ApplyResult.tier_refused``."""
         resp = await self._call("ApplyMany", pb.ApplyManyRequest(
             commits=wire.commit_request_to_pb(commits, tenant),
             releases=pb.ReleaseManyRequest(seq_ids=releases, tenant=tenant or ""),
             growth=wire.extend_request_to_pb(growth, tenant),
             drops=pb.DropManyRequest(sequences=[pb.SequenceDrop(seq_id=s, num_blocks=n) for s, n in drops],
-                                     tenant=tenant or "")))
+                                     tenant=tenant or ""),
+            tiers=wire.tier_changes_to_pb(node_id, tiers) if tiers else None))
         return wire.apply_result_from_pb(resp)
 
     async def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Per node, the leading blocks of the prompt in its pool (hot)."""
+        return (await self.match_tiers(block_hashes, node_ids))[0]
+
+    async def match_tiers(self, block_hashes: Sequence[bytes],
+                          node_ids: Sequence[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """``(hot, lower)``: per node the hot run, and past it the blocks held in a lower tier
+        (only nodes holding any)."""
         req = pb.MatchPrefixRequest(block_hashes=b"".join(block_hashes), node_ids=node_ids or [])
-        resp = await self._call("MatchPrefix", req)
-        return {m.node_id: m.num_cached_blocks for m in resp.nodes}
+        return wire.matches_from_pb(await self._call("MatchPrefix", req))
 
     async def register_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int) -> bool:
         req = pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
@@ -134,10 +143,11 @@ class BlockManagerClient:
         return (await self._call("RegisterNode", req)).created
 
     async def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
-                        listed: Sequence[LiveSequence]) -> SyncResult:
+                        listed: Sequence[LiveSequence], tiers: Sequence[TierChange] | None = None) -> SyncResult:
         """Make block_service's view of this node equal to ``listed`` (every live sequence of the
-        node) and the pool's shape; the answer says what was released, adopted, updated, refused."""
-        req = wire.sync_request_to_pb(node_id, num_blocks, block_size, bytes_per_block, listed)
+        node), the pool's shape and, given ``tiers``, the node's whole lower-tier index; the answer
+        says what was released, adopted, updated, refused."""
+        req = wire.sync_request_to_pb(node_id, num_blocks, block_size, bytes_per_block, listed, tiers)
         return wire.sync_result_from_pb(await self._call("SyncNode", req))
 
     async def deregister_node(self, node_id: str) -> list[str]:

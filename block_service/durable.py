@@ -29,13 +29,14 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service import wal_records as rec
-from block_service.bookkeeping import ApplyResult, apply_bookkeeping
+from block_service.bookkeeping import ApplyResult, TierBatch, apply_bookkeeping
 from block_service.lineage import clear_reset, mark_reset
+from block_service.lower_tiers import TierOutcome, validate_tier_change
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
 from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
 from block_service.wal import LogWriter, frame, log_name, scan_log
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.errors import Unavailable
 from kvfleet.tenants import Tenant
 
@@ -201,14 +202,26 @@ class DurablePageTable:
         return released
 
     def sync_node(self, node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
-                  listed: Sequence[LiveSequence]) -> SyncResult:
-        """``PageTable.sync_node``; logged only when it changed something (a periodic
-        reconciliation that finds agreement writes nothing)."""
+                  listed: Sequence[LiveSequence], tiers: Sequence[TierChange] | None = None) -> SyncResult:
+        """``PageTable.sync_node``, then with ``tiers`` (the node's whole lower-tier index)
+        ``replace_tiers``; each logged only when it changed something (a periodic reconciliation
+        that finds agreement writes nothing). Invalid ``tiers`` raise before anything changes."""
         self._check_writable()
+        for c in tiers or ():
+            validate_tier_change(c, replacing=True)
         result = self.table.sync_node(node_id, num_blocks, block_size, bytes_per_block, listed)
         if result.changed:
             self._log(rec.encode_sync(node_id, num_blocks, block_size, bytes_per_block, result.listed))
+        if tiers is not None and self.table.replace_tiers(node_id, tiers):
+            self._log(rec.encode_tiers(node_id, tiers, replace=True))
         return result
+
+    def record_tiers(self, node_id: str, changes: Sequence[TierChange]) -> TierOutcome:
+        self._check_writable()
+        out = self.table.record_tiers(node_id, changes)
+        if out.applied:
+            self._log(rec.encode_tiers(node_id, out.applied))
+        return out
 
     def configure_tenants(self, configs: Iterable[Tenant], replace_all: bool = False) -> None:
         self._check_writable()
@@ -247,10 +260,10 @@ class DurablePageTable:
 
     def apply(self, growth: Sequence[tuple[str, int]], commits: Sequence[tuple[str, int, bytes]],
               releases: Sequence[str], tenant: str | None = None,
-              drops: Sequence[tuple[str, int]] = ()) -> ApplyResult:
+              drops: Sequence[tuple[str, int]] = (), tiers: TierBatch | None = None) -> ApplyResult:
         """A node's bookkeeping item by item (``bookkeeping``); the log gets what was applied."""
         self._check_writable()
-        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant, drops)
+        result, applied = apply_bookkeeping(self.table, growth, commits, releases, tenant, drops, tiers)
         if applied.growth:
             self._log(rec.encode_extend(applied.growth))
         if applied.commits:
@@ -259,6 +272,8 @@ class DurablePageTable:
             self._log(rec.encode_extend(applied.drops, rec.DROP))
         if applied.releases:
             self._log(rec.encode_release(applied.releases))
+        if applied.tiers:
+            self._log(rec.encode_tiers(tiers.node_id, applied.tiers))
         return result
 
     def append_replicated(self, payload: bytes) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import Allocation, AllocatorStats, Refusal, TierChange
 
 
 class LocalBlockAllocator:
@@ -16,6 +16,7 @@ class LocalBlockAllocator:
         self.node_id = node_id
         self.block_size = page_table.block_size(node_id)
         self.num_blocks = page_table.allocator_stats(node_id).num_blocks
+        self._tier_refusals: list[bytes] = []
 
     @classmethod
     def standalone(
@@ -51,3 +52,16 @@ class LocalBlockAllocator:
 
     def end_step(self) -> None:
         """Nothing to send in process."""
+
+    def record_tiers(self, changes: Sequence[TierChange]) -> None:
+        """Applied at once; the hashes the tenant's lower-tier cap refused wait for
+        ``take_tier_refusals``."""
+        if changes:
+            self._tier_refusals += self.page_table.record_tiers(self.node_id, changes).refused
+
+    def take_tier_refusals(self) -> list[bytes]:
+        refused, self._tier_refusals = self._tier_refusals, []
+        return refused
+
+    def set_tier_source(self, source: Callable[[], list[TierChange]]) -> None:
+        """Nothing to re-send: the page table lives in this process and never loses the node."""

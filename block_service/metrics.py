@@ -4,8 +4,10 @@
 
 The nodes export vLLM's names for their own pools (``kvfleet:kv_cache_usage_perc``, the prefix
 cache); block_service exports what vLLM has not, under ``pool_*`` names so that the two are never
-summed: every pool by state and fragmentation, per-tenant blocks charged against the quota, refusals
-by tenant and reason, the write-ahead log and the snapshot's age. Operations by kind
+summed: every pool by state and fragmentation, the committed blocks each node keeps below its pool
+by tier (``lower_tier_blocks``: host, disk), per-tenant blocks charged against the quota and against
+the lower-tier cap, refusals by tenant and reason (pool, quota, lower_tier), the write-ahead log and
+the snapshot's age. Operations by kind
 and the log's write latency are observed as they happen (``BlockServiceMetrics``): an RPC interceptor
 counts calls, the durable store reports each group commit's write + fsync time.
 Labels are node ids and tenant names, both bounded by configuration.
@@ -59,6 +61,8 @@ def families(s: BlockServiceSample) -> Iterator[Metric]:
                 node, [((n.node_id,), n.fragmentation) for n in s.nodes])
     yield gauge("num_sequences", "Live sequences holding blocks on the node", node,
                 [((n.node_id,), n.num_sequences) for n in s.nodes])
+    yield gauge("lower_tier_blocks", "Committed KV blocks the node keeps below its pool, by tier (host, disk)",
+                ("node", "tier"), [((n.node_id, tier), v) for n in s.nodes for tier, v in n.lower_tier.items()])
     yield counter("reconciled_releases", "Sequences released because their node no longer held them", node,
                   [((n.node_id,), n.counters.reconciled_releases) for n in s.nodes])
     tenant = ("tenant", "node")
@@ -66,14 +70,21 @@ def families(s: BlockServiceSample) -> Iterator[Metric]:
                 [((t.tenant, t.node_id), t.blocks_charged) for t in s.tenants])
     yield gauge("tenant_blocks_quota", "Blocks the tenant may hold on the node (absent: unlimited)", tenant,
                 [((t.tenant, t.node_id), t.blocks_allowed) for t in s.tenants if t.blocks_allowed is not None])
+    yield gauge("tenant_lower_tier_blocks", "Blocks charged to the tenant's lower-tier cap on the node", tenant,
+                [((t.tenant, t.node_id), t.lower_tier_blocks) for t in s.tenants])
+    yield gauge("tenant_lower_tier_quota", "Blocks the tenant may keep in the node's lower tiers (absent: unlimited)",
+                tenant, [((t.tenant, t.node_id), t.lower_tier_allowed) for t in s.tenants
+                         if t.lower_tier_allowed is not None])
     yield gauge("tenant_blocks_reserved", "Blocks reserved for the tenant on the node", tenant,
                 [((t.tenant, t.node_id), t.blocks_reserved) for t in s.tenants])
     yield gauge("tenant_sequences", "The tenant's live sequences on the node", tenant,
                 [((t.tenant, t.node_id), t.num_sequences) for t in s.tenants])
-    yield counter("block_refusals", "Block requests refused, by tenant, node and reason (pool or quota)",
-                  ("tenant", "node", "reason"),
+    yield counter("block_refusals",
+                  "Block requests refused, by tenant, node and reason (pool, quota, or lower_tier: a demotion "
+                  "past the tenant's lower-tier cap)", ("tenant", "node", "reason"),
                   [((t.tenant, t.node_id, reason), v) for t in s.tenants
-                   for reason, v in (("pool", t.counters.refusals_pool), ("quota", t.counters.refusals_quota))])
+                   for reason, v in (("pool", t.counters.refusals_pool), ("quota", t.counters.refusals_quota),
+                                     ("lower_tier", t.counters.refusals_lower_tier))])
     yield counter("wal_records", "Write-ahead log records durable since the first start", (), [((), s.log_records)])
     yield gauge("wal_bytes", "Size of the write-ahead log since the last snapshot", (), [((), s.log_bytes)])
     if s.snapshot_age_s is not None:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from block_service.block_pool import BlockPool, validate_shape
+from block_service.lower_tiers import LowerTiers, TierOutcome, validate_tier_change
 from block_service.node_state import NodeState
 from block_service.node_sync import LiveSequence, SyncResult, plan_sync
 from block_service.pool_codec import pool_from_dict, pool_to_dict
@@ -26,7 +27,7 @@ from block_service.prefix_index import MAX_SLOTS, PrefixIndex
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from block_service.tenants import QuotaLedger, tenant_from_record, tenant_to_record
 from block_service.validation import validate_hashes, validate_tokens
-from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, AllocatorStats, Refusal, TierChange
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import (
     AlreadyExists,
@@ -77,6 +78,7 @@ class PageTable:
         self._seqs: dict[str, SeqState] = {}
         self._tenants: dict[str, Tenant] = {}
         self._index = PrefixIndex()
+        self._tiers = LowerTiers()  # what each node holds below its pool (issue 15)
         self._free_slots: list[int] = []  # heap: a removed node's slot goes to the next new node
 
     # ---- nodes and tenants ---------------------------------------------------------------------
@@ -107,6 +109,7 @@ class PageTable:
         released = list(node.seq_ids)
         self._release(released)
         node.pool.unindex_all()
+        self._tiers.drop(node.pool.slot)
         heapq.heappush(self._free_slots, node.pool.slot)
         del self._nodes[node_id]
         return released
@@ -344,10 +347,64 @@ class PageTable:
 
     def match_prefix(self, block_hashes: Sequence[bytes], node_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Per node, how many leading blocks of the prompt are committed there. Changes nothing."""
+        return self.match_tiers(block_hashes, node_ids)[0]
+
+    def match_tiers(self, block_hashes: Sequence[bytes],
+                    node_ids: Sequence[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """``(hot, lower)``: per node (every node, or those named) how many leading blocks of the
+        prompt are committed in its pool, and for the nodes holding any, how many blocks past those
+        it holds in a lower tier (``LowerTiers.match``). Changes nothing. ``lower`` is sparse and
+        costs nothing while no node holds a lower tier: the fleet-scale lookup stays as it was."""
         validate_hashes(block_hashes)
         nodes = [(n, self._node(n)) for n in node_ids] if node_ids else self._nodes.items()
         depth = self._index.match(block_hashes)
-        return {n: depth.get(node.pool.slot, 0) for n, node in nodes}
+        hot = {n: depth.get(node.pool.slot, 0) for n, node in nodes}
+        if self._tiers.empty:
+            return hot, {}
+        among = None
+        if node_ids:
+            among = 0
+            for _, node in nodes:
+                among |= 1 << node.pool.slot
+        by_slot = self._tiers.match(block_hashes, self._index, depth, among)
+        return hot, {n: by_slot[node.pool.slot] for n, node in nodes if node.pool.slot in by_slot} if by_slot else {}
+
+    # ---- lower tiers (issue 15) ----------------------------------------------------------------
+
+    def record_tiers(self, node_id: str, changes: Sequence[TierChange]) -> TierOutcome:
+        """The node moved these committed blocks between its lower tiers (``TierChange``), in order.
+        The batch is validated first (a bad change raises, nothing applied); a demotion past the
+        tenant's lower-tier cap is refused alone (``TierOutcome.refused``: the node drops it)."""
+        node = self._node(node_id)
+        for c in changes:
+            validate_tier_change(c)
+        out = self._tiers.apply(node.pool.slot, changes, self._lower_caps(node))
+        for t in out.refused_tenants:
+            for c in (node.counters, node.tenant_counter(t)):
+                c.refusals_lower_tier += 1
+        return out
+
+    def replace_tiers(self, node_id: str, held: Sequence[TierChange]) -> bool:
+        """The node's whole lower-tier index is ``held`` (its own account, at a sync); True if
+        that changed what this table had. Taken above a cap too: the node holds them already."""
+        node = self._node(node_id)
+        for c in held:
+            validate_tier_change(c, replacing=True)
+        return self._tiers.replace(node.pool.slot, held)
+
+    def lower_tiers(self, node_id: str) -> list[TierChange]:
+        """What the node holds below its pool, as this table knows it."""
+        tiers = self._tiers.node(self._node(node_id).pool.slot)
+        return tiers.changes() if tiers is not None else []
+
+    def _lower_caps(self, node: NodeState) -> dict[str, int]:
+        bpb = node.pool.bytes_per_block
+        caps = {}
+        for t in self._tenants.values():
+            q = t.lower_tier_quota_blocks(bpb)
+            if q is not None:
+                caps[t.name] = q
+        return caps
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -381,7 +438,8 @@ class PageTable:
         return NodeStats(
             node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
             num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
-            num_sequences=len(node.seq_ids), tokens_stored=pool.num_used * bs - tail_waste,
+            lower_tier=self._tiers.counts(pool.slot), num_sequences=len(node.seq_ids),
+            tokens_stored=pool.num_used * bs - tail_waste,
             token_capacity=pool.num_used * bs, counters=replace(node.counters),
         )
 
@@ -389,8 +447,10 @@ class PageTable:
         """Per tenant configured or active on the node."""
         node = self._node(node_id)
         bs, ledger = node.pool.block_size, node.ledger
+        lower = self._tiers.charged(node.pool.slot)
+        caps = self._lower_caps(node)
         per: dict[str, list[int]] = {t: [0, 0, 0] for t in self._tenants}
-        for t in list(ledger.charged) + list(node.tenant_counters):
+        for t in list(ledger.charged) + list(node.tenant_counters) + list(lower):
             per.setdefault(t, [0, 0, 0])
         for seq in map(self._seqs.get, node.seq_ids):
             acc = per.setdefault(seq.tenant, [0, 0, 0])
@@ -401,6 +461,7 @@ class PageTable:
             TenantStats(
                 tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
                 blocks_allowed=ledger.allowed.get(t), blocks_reserved=ledger.reserved.get(t, 0),
+                lower_tier_blocks=lower.get(t, 0), lower_tier_allowed=caps.get(t),
                 num_sequences=n_seqs, tokens_stored=tokens, token_capacity=capacity,
                 counters=replace(node.tenant_counters.get(t) or Counters()),
             )
@@ -432,13 +493,19 @@ class PageTable:
         """The whole state (not the counters), in a form ``from_dict`` restores exactly."""
         return {
             "tenants": [tenant_to_record(t) for t in self._tenants.values()],
-            "nodes": {n: {"pool": pool_to_dict(node.pool), "ledger": node.ledger.to_dict()}
-                      for n, node in self._nodes.items()},
+            "nodes": {n: self._node_to_dict(node) for n, node in self._nodes.items()},
             "sequences": [
                 [s.seq_id, s.node_id, s.tenant, list(s.block_ids), s.num_tokens, s.num_committed]
                 for s in self._seqs.values()
             ],
         }
+
+    def _node_to_dict(self, node: NodeState) -> dict:
+        d = {"pool": pool_to_dict(node.pool), "ledger": node.ledger.to_dict()}
+        tiers = self._tiers.to_dict(node.pool.slot)
+        if tiers is not None:  # absent: nothing below the pool (and snapshots before issue 15)
+            d["lower_tiers"] = tiers
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> PageTable:
@@ -446,6 +513,8 @@ class PageTable:
         table._tenants = {t["name"]: tenant_from_record(t) for t in d["tenants"]}
         for slot, (node_id, nd) in enumerate(d["nodes"].items()):
             pool = pool_from_dict(nd["pool"], table._index, slot)
+            if "lower_tiers" in nd:
+                table._tiers.restore(slot, nd["lower_tiers"])
             ledger = QuotaLedger(pool.bytes_per_block)
             ledger.restore(nd["ledger"], table._tenants.values())
             table._nodes[node_id] = NodeState(pool, ledger)
@@ -475,6 +544,7 @@ class PageTable:
             node.ledger.check(pool.charged())
         assert sum(len(n.seq_ids) for n in self._nodes.values()) == len(self._seqs)
         self._index.check()
+        self._tiers.check({n.pool.slot for n in self._nodes.values()})
         assert indexed == self._index.num_pairs, (
             f"the prefix index holds {self._index.num_pairs} (hash, node) pairs, the pools {indexed}")
         slots = sorted(n.pool.slot for n in self._nodes.values())

@@ -180,6 +180,33 @@ class PrefixIndex:
             depth.update(dict.fromkeys(slots_of(cur), len(hashes)))
         return depth
 
+    def match_past(self, hashes: Sequence[bytes], extra: dict[bytes, int], among: int) -> dict[int, int]:
+        """For the slots of ``among`` (a bitset) that hold leading ``hashes`` past their run in this
+        index (``match``) when the blocks in ``extra`` (hash → bitset: the lower tiers') count too:
+        how many leading hashes they hold then; the others are left out. One walk, two ANDs and
+        two dict lookups per hash: ``hot`` (still in this index's run) and ``held`` (in either),
+        and only the slots dropping out of ``held`` after ``hot`` are expanded, so its cost does not
+        grow with the nodes holding the prefix hot. ``match`` itself is left as it was."""
+        entries, get_extra = self._entries, extra.get
+        total: dict[int, int] = {}
+        hot = held = among
+        for d, h in enumerate(hashes):
+            e = entries.get(h)
+            m = 0 if e is None else 1 << (e & SLOT_MASK) if type(e) is int else e.mask
+            new = held & (m | get_extra(h, 0))
+            if new != held:
+                past = (held ^ new) & ~hot  # out now, out of the hot run before: a run past it
+                if past:
+                    total.update(dict.fromkeys(slots_of(past), d))
+                held = new
+                if not held:
+                    return total
+            hot &= m
+        past = held & ~hot
+        if past:
+            total.update(dict.fromkeys(slots_of(past), len(hashes)))
+        return total
+
 
 def slots_of(bits: int) -> list[int]:
     """The set bits of ``bits``, lowest first (bin() runs in C; one pass over its digits)."""

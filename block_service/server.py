@@ -114,17 +114,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             raise InvalidArgument(f"the parts of one ApplyMany name different tenants: {sorted(tenants)}")
         tenant = tenants.pop() if tenants else None
         drops = [(d.seq_id, d.num_blocks) for d in request.drops.sequences]
-        result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant, drops)
+        tiers = wire.tier_changes_from_pb(request.tiers) if request.HasField("tiers") else None
+        result = self.store.apply(growth, commits, list(request.releases.seq_ids), tenant, drops, tiers)
         await self._durable()
         return wire.apply_result_to_pb(result)
 
     @_answers
     async def MatchPrefix(self, request, context):
-        matches = self.table.match_prefix(wire.split_hashes(request.block_hashes), list(request.node_ids))
-        return pb.MatchPrefixResponse(nodes=[
-            pb.NodePrefixMatch(node_id=n, num_cached_blocks=k, block_size=self.table.block_size(n))
-            for n, k in matches.items()
-        ])
+        hot, lower = self.table.match_tiers(wire.split_hashes(request.block_hashes), list(request.node_ids))
+        return wire.matches_to_pb(hot, lower, self.table.block_size)
 
     @_answers
     async def RegisterNode(self, request, context):
@@ -166,7 +164,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         for n in node_ids:
             stats = self.table.node_stats(n)
             m = wire.node_stats_to_pb(stats)
-            m.tiers.append(wire.device_tier_to_pb(stats))
+            m.tiers.extend(wire.tiers_to_pb(stats))
             m.top_holders.extend(wire.holder_to_pb(h) for h in self.table.top_holders(n, request.top_holders))
             nodes.append(m)
         return pb.BlockStatsResponse(

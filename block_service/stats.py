@@ -18,6 +18,7 @@ class Counters:
     refusals_pool: int = 0
     refusals_quota: int = 0
     reconciled_releases: int = 0  # sequences released because their node no longer listed them
+    refusals_lower_tier: int = 0  # demotions refused: the tenant's lower-tier cap was full
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -33,6 +34,7 @@ class NodeStats:
     tokens_stored: int    # distinct token positions held by used blocks
     token_capacity: int   # num_used * block_size
     counters: Counters = field(default_factory=Counters)
+    lower_tier: dict[str, int] = field(default_factory=dict)  # blocks held below the pool, per tier
 
     @property
     def utilisation(self) -> float:
@@ -55,6 +57,8 @@ class TenantStats:
     tokens_stored: int    # sum over the tenant's sequences (shared prefixes counted per sequence)
     token_capacity: int   # sum of their block tables' capacity
     counters: Counters = field(default_factory=Counters)
+    lower_tier_blocks: int = 0              # blocks charged to its lower-tier cap on the node
+    lower_tier_allowed: int | None = None   # that cap in blocks (None: unlimited)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -72,7 +76,8 @@ class Holder:
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class TierBlocks:
-    """One tier of a node's pool; only ``device`` exists today, host or disk tiers join as more."""
+    """One tier of a node's KV cache: ``device`` (the pool), and ``host`` and ``disk`` (issue 15:
+    committed blocks only, counted as cached; block_service does not know those tiers' sizes)."""
 
     tier: str
     num_used: int

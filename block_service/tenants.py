@@ -19,7 +19,7 @@ from kvfleet.tenants import Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
-_RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent")
+_RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent", "lower_tier_quota_mib")
 
 
 def tenant_to_record(t: Tenant) -> dict:

@@ -14,6 +14,12 @@ the calls on the state they were made on gives the same block ids. Calls that ch
     TENANTS    op replace_all:u8 json-list-of-tenant-configs
     SYNC       op node:str num_blocks:u32 block_size:u32 bytes_per_block:u64 count:u32
                (seq:str tenant:str num_tokens:u32 n:u32 block:u32*n)*count
+    TIERS      op node:str replace:u8 ntenants:u16 tenant:str*ntenants count:u32 hash[16]*count
+               code:u32*count    (code = tenant's index * 4 + tier: 0 none, 1 host, 2 disk)
+
+A TIERS record holds a node's lower-tier moves that were applied (``record_tiers``: the refused ones
+left out, so that its replay refuses nothing), or with ``replace`` its whole lower-tier index as
+a sync took it (``replace_tiers``). Many moves share one record: ~20 bytes each.
 
 A SYNC record holds the node's list as the page table took it (``SyncResult.listed``: refused
 sequences left out, or as they were), so that its replay refuses nothing.
@@ -28,14 +34,16 @@ from collections.abc import Sequence
 from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
 from block_service.tenants import tenant_from_record, tenant_to_record
-from kvfleet.allocator import AllocateRequest, Refusal
+from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, AllocateRequest, Refusal, TierChange
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.tenants import Tenant
 
-ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC, DROP = range(1, 10)
+ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC, DROP, TIERS = range(1, 11)
 OP_NAMES = {ALLOCATE: "allocate", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node", DROP: "drop_front"}
+            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers"}
+_TIER_CODES = {TIER_NONE: 0, TIER_HOST: 1, TIER_DISK: 2}
+_TIER_NAMES = (TIER_NONE, TIER_HOST, TIER_DISK)
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -108,6 +116,30 @@ def _decode_sync(r: _Reader) -> tuple:
     return (node, *shape, listed)
 
 
+def encode_tiers(node_id: str, changes: Sequence[TierChange], replace: bool = False) -> bytes:
+    names: dict[str, int] = {}
+    codes = [names.setdefault(c.tenant, len(names)) * 4 + _TIER_CODES[c.tier] for c in changes]
+    return b"".join([bytes([TIERS]), _s(node_id), bytes([replace]), _U16.pack(len(names)), *map(_s, names),
+                     _U32.pack(len(changes)), *(c.block_hash for c in changes),
+                     struct.pack(f"<{len(codes)}I", *codes)])
+
+
+def _decode_tiers(r: _Reader) -> tuple[int, tuple]:
+    r.pos = 1
+    node, replace = r.str(), r.raw(1)[0]
+    (ntenants,) = r.unpack(_U16)
+    tenants = [r.str() for _ in range(ntenants)]
+    (count,) = r.unpack(_U32)
+    hashes = r.raw(HASH_BYTES * count)
+    codes = struct.unpack(f"<{count}I", r.raw(4 * count))
+    changes = [TierChange(hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES], tenants[v >> 2], _TIER_NAMES[v & 3])
+               for i, v in enumerate(codes)]
+    return (REPLACE_TIERS if replace else TIERS), (node, changes)
+
+
+REPLACE_TIERS = -TIERS  # a TIERS record with ``replace`` set, as ``decode`` tells it apart
+
+
 class _Reader:
     __slots__ = ("data", "pos")
 
@@ -161,10 +193,12 @@ def decode(payload: bytes) -> tuple[int, tuple]:
         args = _decode_sync(r)
     elif op == TENANTS:
         args = ([tenant_from_record(c) for c in json.loads(payload[2:])], bool(payload[1]))
+    elif op == TIERS:
+        op, args = _decode_tiers(r)
     else:
         raise ValueError(f"unknown log record type {op}")
     if op != TENANTS and r.pos != len(payload):
-        raise ValueError(f"{len(payload) - r.pos} stray bytes after a {OP_NAMES[op]} record")
+        raise ValueError(f"{len(payload) - r.pos} stray bytes after a {OP_NAMES[abs(op)]} record")
     return op, args
 
 
@@ -172,11 +206,12 @@ def apply(table: PageTable, payload: bytes) -> int:
     """Replay one record on ``table``; returns its op. Raises if the record does not apply."""
     op, args = decode(payload)
     result = getattr(table, _METHODS[op])(*args)
-    if op in (ALLOCATE, EXTEND) and any(isinstance(x, Refusal) for x in result) or op == SYNC and result.refused:
-        raise ValueError(f"replayed {OP_NAMES[op]} was refused: the log does not fit this state")
+    if (op in (ALLOCATE, EXTEND) and any(isinstance(x, Refusal) for x in result) or op == SYNC and result.refused
+            or op == TIERS and result.refused):
+        raise ValueError(f"replayed {OP_NAMES[abs(op)]} was refused: the log does not fit this state")
     return op
 
 
 _METHODS = {ALLOCATE: "allocate_many", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node", DROP: "drop_front"}
+            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers", REPLACE_TIERS: "replace_tiers"}

@@ -7,13 +7,14 @@ blocks of one sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from block_service.bookkeeping import GROWTH, ApplyResult, ItemError
+from block_service.bookkeeping import GROWTH, ApplyResult, ItemError, TierBatch
+from block_service.lower_tiers import LOWER_TIERS
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
 from block_service.stats import Counters, Holder, NodeStats, TenantStats, TierBlocks
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.errors import InvalidArgument
 from kvfleet.tenants import Tenant
@@ -24,6 +25,39 @@ def split_hashes(data: bytes) -> list[bytes]:
     if len(data) % HASH_BYTES:
         raise InvalidArgument(f"block_hashes must be {HASH_BYTES}-byte hashes concatenated, got {len(data)} bytes")
     return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+# ---- lower tiers (issue 15) ---------------------------------------------------------------------
+
+_WIRE_TIERS = (TIER_NONE, TIER_HOST, TIER_DISK)  # a move's tier code on the wire is its index here
+_TIER_CODES = {t: i for i, t in enumerate(_WIRE_TIERS)}
+
+
+def tier_changes_to_pb(node_id: str, changes: Sequence[TierChange]) -> pb.TierChanges:
+    return pb.TierChanges(node_id=node_id, block_hashes=b"".join(c.block_hash for c in changes),
+                          tiers=bytes(_TIER_CODES[c.tier] for c in changes), tenants=[c.tenant for c in changes])
+
+
+def tier_changes_from_pb(m: pb.TierChanges) -> TierBatch:
+    """An unknown tier code becomes a tier the page table refuses (alone, with its reason)."""
+    hashes = split_hashes(m.block_hashes)
+    if not len(hashes) == len(m.tiers) == len(m.tenants):
+        raise InvalidArgument(f"tier moves: {len(hashes)} hashes, {len(m.tiers)} tiers and {len(m.tenants)} tenants")
+    return TierBatch(m.node_id, [
+        TierChange(h, t, _WIRE_TIERS[code] if code < len(_WIRE_TIERS) else f"code {code}")
+        for h, code, t in zip(hashes, m.tiers, m.tenants)])
+
+
+def matches_to_pb(hot: dict[str, int], lower: dict[str, int], block_size: Callable[[str], int]) -> pb.MatchPrefixResponse:
+    return pb.MatchPrefixResponse(nodes=[
+        pb.NodePrefixMatch(node_id=n, num_cached_blocks=k, block_size=block_size(n), num_lower_tier_blocks=lower.get(n, 0))
+        for n, k in hot.items()])
+
+
+def matches_from_pb(m: pb.MatchPrefixResponse) -> tuple[dict[str, int], dict[str, int]]:
+    """``(hot, lower)`` as ``PageTable.match_tiers`` answers them (``lower``: nodes with any)."""
+    return ({n.node_id: n.num_cached_blocks for n in m.nodes},
+            {n.node_id: n.num_lower_tier_blocks for n in m.nodes if n.num_lower_tier_blocks})
 
 
 # ---- refusals -----------------------------------------------------------------------------------
@@ -100,7 +134,8 @@ def _item_error_to_pb(e: ItemError) -> pb.ItemError:
 
 
 def apply_result_to_pb(r: ApplyResult) -> pb.ApplyManyResponse:
-    out = pb.ApplyManyResponse(num_committed=r.num_committed, errors=[_item_error_to_pb(e) for e in r.errors])
+    out = pb.ApplyManyResponse(num_committed=r.num_committed, errors=[_item_error_to_pb(e) for e in r.errors],
+                               refused_tier_hashes=b"".join(r.tier_refused))
     for g in r.growth:
         if isinstance(g, Refusal):
             out.growth.results.add(refusal=refusal_to_pb(g))
@@ -120,7 +155,7 @@ def apply_result_from_pb(m: pb.ApplyManyResponse) -> ApplyResult:
         else growth_errors[i]
         for i, r in enumerate(m.growth.results)
     ]
-    return ApplyResult(m.num_committed, growth, errors)
+    return ApplyResult(m.num_committed, growth, errors, split_hashes(m.refused_tier_hashes))
 
 
 # ---- commit -------------------------------------------------------------------------------------
@@ -150,12 +185,14 @@ def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, byte
 
 def tenant_to_pb(t: Tenant) -> pb.TenantQuota:
     return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
-                          paid_level=t.paid_level, max_concurrent=t.max_concurrent)
+                          paid_level=t.paid_level, max_concurrent=t.max_concurrent,
+                          lower_tier_quota_mib=t.lower_tier_quota_mib)
 
 
 def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
     return Tenant(name=m.name, quota_mib=m.quota_mib if m.HasField("quota_mib") else None,
-                  reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent)
+                  reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent,
+                  lower_tier_quota_mib=m.lower_tier_quota_mib if m.HasField("lower_tier_quota_mib") else None)
 
 
 # ---- figures and tables -------------------------------------------------------------------------
@@ -163,13 +200,13 @@ def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
 def _counters_to_pb(c: Counters) -> pb.BlockCounters:
     return pb.BlockCounters(prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
                             refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota,
-                            reconciled_releases=c.reconciled_releases)
+                            reconciled_releases=c.reconciled_releases, refusals_lower_tier=c.refusals_lower_tier)
 
 
 def _counters_from_pb(m: pb.BlockCounters) -> Counters:
     return Counters(prefix_queries=m.prefix_queries, prefix_hits=m.prefix_hits,
                     refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota,
-                    reconciled_releases=m.reconciled_releases)
+                    reconciled_releases=m.reconciled_releases, refusals_lower_tier=m.refusals_lower_tier)
 
 
 def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
@@ -185,12 +222,14 @@ def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
         node_id=m.node_id, num_blocks=m.num_blocks, block_size=m.block_size, bytes_per_block=m.bytes_per_block,
         num_free=m.num_free, num_cached=m.num_cached, num_used=m.num_used, num_sequences=m.num_sequences,
         tokens_stored=m.tokens_stored, token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+        lower_tier={t.tier: t.num_cached for t in m.tiers if t.tier in LOWER_TIERS},
     )
 
 
-def device_tier_to_pb(s: NodeStats) -> pb.TierBlocks:
-    """The pool's only tier today; more tiers would each add an entry."""
-    return pb.TierBlocks(tier="device", num_used=s.num_used, num_cached=s.num_cached, num_free=s.num_free)
+def tiers_to_pb(s: NodeStats) -> list[pb.TierBlocks]:
+    """The pool (device), then the blocks the node holds below it (host, disk: cached only)."""
+    return [pb.TierBlocks(tier="device", num_used=s.num_used, num_cached=s.num_cached, num_free=s.num_free),
+            *(pb.TierBlocks(tier=t, num_cached=s.lower_tier.get(t, 0)) for t in LOWER_TIERS)]
 
 
 def tier_from_pb(m: pb.TierBlocks) -> TierBlocks:
@@ -212,6 +251,7 @@ def tenant_stats_to_pb(s: TenantStats) -> pb.TenantBlockStats:
         tenant=s.tenant, node_id=s.node_id, blocks_charged=s.blocks_charged, blocks_allowed=s.blocks_allowed,
         blocks_reserved=s.blocks_reserved, num_sequences=s.num_sequences, tokens_stored=s.tokens_stored,
         token_capacity=s.token_capacity, counters=_counters_to_pb(s.counters),
+        lower_tier_blocks=s.lower_tier_blocks, lower_tier_allowed=s.lower_tier_allowed,
     )
 
 
@@ -221,6 +261,8 @@ def tenant_stats_from_pb(m: pb.TenantBlockStats) -> TenantStats:
         blocks_allowed=m.blocks_allowed if m.HasField("blocks_allowed") else None,
         blocks_reserved=m.blocks_reserved, num_sequences=m.num_sequences, tokens_stored=m.tokens_stored,
         token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
+        lower_tier_blocks=m.lower_tier_blocks,
+        lower_tier_allowed=m.lower_tier_allowed if m.HasField("lower_tier_allowed") else None,
     )
 
 
@@ -237,8 +279,9 @@ def sequence_from_pb(m: pb.SequenceBlocks) -> SeqState:
 # ---- node sync ----------------------------------------------------------------------------------
 
 def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per_block: int,
-                       listed: Sequence[LiveSequence]) -> pb.SyncNodeRequest:
+                       listed: Sequence[LiveSequence], tiers: Sequence[TierChange] | None = None) -> pb.SyncNodeRequest:
     return pb.SyncNodeRequest(
+        lower_tiers=None if tiers is None else tier_changes_to_pb(node_id, tiers),
         pool=pb.RegisterNodeRequest(node_id=node_id, num_blocks=num_blocks, block_size=block_size,
                                     bytes_per_block=bytes_per_block),
         sequences=[pb.LiveSequence(seq_id=s.seq_id, tenant=s.tenant, block_ids=pb.BlockIds(ids=s.block_ids),
@@ -246,10 +289,11 @@ def sync_request_to_pb(node_id: str, num_blocks: int, block_size: int, bytes_per
     )
 
 
-def sync_request_from_pb(m: pb.SyncNodeRequest) -> tuple[str, int, int, int, list[LiveSequence]]:
+def sync_request_from_pb(m: pb.SyncNodeRequest) -> tuple[str, int, int, int, list[LiveSequence], list[TierChange] | None]:
     listed = [LiveSequence(s.seq_id, s.tenant, tuple(s.block_ids.ids), s.num_tokens) for s in m.sequences]
     p = m.pool
-    return p.node_id, p.num_blocks, p.block_size, p.bytes_per_block, listed
+    tiers = tier_changes_from_pb(m.lower_tiers).changes if m.HasField("lower_tiers") else None
+    return p.node_id, p.num_blocks, p.block_size, p.bytes_per_block, listed, tiers
 
 
 def sync_result_to_pb(r: SyncResult) -> pb.SyncNodeResponse:

@@ -19,7 +19,9 @@ Why the extra conditions, each against a way such a loop goes wrong:
   ~100 steps is the slowest step's, and one stall (a busy neighbour on a shared host, a long
   prefill chunk) would cut the cap; the default window is 10 intervals.
 - **No growth that nothing used.** A cap that no step reached says nothing about a larger batch
-  (light load); growing it anyway would leave it at the maximum when a burst comes.
+  (light load); growing it anyway would leave it at the maximum when a burst comes. A step that
+  filled its token budget reached the cap too: the scheduler's budget follows the cap, and under
+  long prompts the budget, not the number of sequences, is what binds.
 - **A ceiling after a cut.** When no cap lands in the dead band (cap c is too fast, c + 1 too
   slow), the rule alone cycles c → c + 1 → c every two intervals. After a cut from c, growth
   stops at c − 1 for ``probe_intervals`` intervals, doubling each time a probe of c fails again
@@ -100,11 +102,12 @@ class BatchController:
         self._ceiling_until = 0.0
         self._probe_intervals = config.probe_intervals
 
-    def observe(self, now: float, itls: list[float], num_running: int) -> None:
+    def observe(self, now: float, itls: list[float], num_running: int, budget_used_up: bool = False) -> None:
         """One engine step: the gaps before the tokens it produced, with ``num_running`` sequences
-        running. A step that ran more sequences than the cap (a batch still draining after a cut)
-        says nothing about the cap."""
-        if num_running >= self.cap:
+        running; ``budget_used_up`` when its tokens filled the step's budget (which follows the cap).
+        A step that ran more sequences than the cap (a batch still draining after a cut) says
+        nothing about the cap."""
+        if num_running >= self.cap or budget_used_up:
             self._reached = True
         self._samples.extend((now, x, num_running) for x in itls)
 

@@ -5,6 +5,8 @@
                                    │   other requests' prefill chunks included)
                                    ▼
                          BatchController.observe / decide ─▶ Scheduler.set_num_seqs_cap
+                                                              (sequences, and the step's token
+                                                               budget in proportion)
 
 It runs on the engine's step thread, after every step (``AsyncEngine``'s ``after_step``), so the
 scheduler is only ever touched by that thread. ``cap`` and ``last_decision`` are plain values that
@@ -47,7 +49,7 @@ class LiveCap:
                 self._last_token[out.request_id] = now
             if out.finished:
                 self._last_token.pop(out.request_id, None)
-        self.controller.observe(now, gaps, len(self.scheduler.running))
+        self.controller.observe(now, gaps, len(self.scheduler.running), self.scheduler.budget_used_up)
         if self.controller.due(now):
             self._decide(now)
 

@@ -59,10 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="most sequences running at once (the live cap of --p99-itl-target-ms stays below it)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                        help="most tokens one step computes: decode tokens and prompt chunks (default 2048; with "
+                             "--p99-itl-target-ms, a few per sequence keeps a burst of prompts out of one step)")
     parser.add_argument("--p99-itl-target-ms", type=_positive_float, default=None, metavar="MS",
                         help="hold the p99 inter-token latency near MS: every --control-interval-s the live cap "
                              "on running sequences moves x0.9 when over, x1.1 (up to --max-num-seqs) when well "
-                             "under; requests above it wait, and the router sees the reduced capacity (default: off)")
+                             "under, and each step's token budget with it in proportion; requests above it wait, "
+                             "and the router sees the reduced capacity (default: off)")
     parser.add_argument("--control-interval-s", type=_positive_float, default=2.0, metavar="S",
                         help="seconds between the P99 controller's decisions (default 2; its window is 10 of them)")
     parser.add_argument("--lease-ttl", type=int, default=5, help="etcd lease seconds")

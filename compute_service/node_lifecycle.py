@@ -70,6 +70,7 @@ def _build_engine(args: argparse.Namespace, remote):
 
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                           kv_cache_dtype=args.kv_cache_dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           node_id=args.node_id, kv_layout=args.kv_layout, max_model_len=args.max_model_len)
     try:
         return LLMEngine(args.model, config, allocator_factory=remote)

@@ -29,6 +29,9 @@ write-behind, one block ahead) is ``AllocatorPolicy``'s decision (allocator_poli
   then moot. Sequences block_service refuses to hold are failed in the engine (``on_refused``):
   their routers move them to another node. The same sync runs every ``--reconcile-interval``
   seconds, so a leak of any origin is bounded in time.
+- **Lower tiers** (issue 15, ``tier_queue.py``): the node's tier moves go with the step's
+  bookkeeping (``ApplyMany``); those block_service refused (the tenant's lower-tier cap) come back
+  through ``take_tier_refusals``; a sync sends the node's whole lower-tier index (its source).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from compute_service.allocator_policy import (
 )
 from compute_service.block_link import DOWN, BlockLink, trouble_of
 from compute_service.block_sync import BlockSync, SyncOutcome
+from compute_service.tier_queue import TierQueue, TierSource
 from kvfleet import block_hash
-from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal
+from kvfleet.allocator import AllocateRequest, Allocation, AllocatorStats, Refusal, TierChange
 from kvfleet.backoff import error_line
 from kvfleet.errors import NotFound
 from kvfleet.tracing import BatchLinks, batch_span
@@ -86,6 +90,7 @@ class RemoteBlockAllocator:
         self._flush_lock = asyncio.Lock()           # one flush at a time, in order (loop thread)
         self._flushes: set[asyncio.Task] = set()    # flushes kicked off and not finished (loop thread)
         self._stats = AllocatorStats(num_blocks, num_blocks, 0, 0, 0, 0)  # the last figures block_service gave
+        self._tiers = TierQueue()  # lower-tier moves, refusals, the node's index (issue 15)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -134,7 +139,7 @@ class RemoteBlockAllocator:
     def _send_soon(self) -> None:
         """Have the loop flush what is queued, if anything (any thread; returns at once)."""
         with self._lock:
-            if not self._policy.has_bookkeeping():
+            if not self._policy.has_bookkeeping() and not self._tiers.pending:
                 return
         self.loop.call_soon_threadsafe(self._kick)
 
@@ -160,18 +165,19 @@ class RemoteBlockAllocator:
         with self._lock:
             asks = self._policy.take_asks()
             batch = self._policy.take() if self.link.up else Bookkeeping()
+        tiers = self._tiers.take() if self.link.up else []
         results: list = [None] * len(asks)
         try:
-            if batch:
-                await self._send_batch(batch)
+            if batch or tiers:
+                await self._send_batch(batch, tiers)
             if asks:
                 results = await self._send_asks(asks)
         finally:  # cancelled too (an engine call that timed out): every ask taken gets its answer
             if asks:
                 self._answered(asks, results)
 
-    async def _send_batch(self, batch: Bookkeeping) -> None:
-        """Send a bookkeeping batch; one that did not reach block_service is queued again."""
+    async def _send_batch(self, batch: Bookkeeping, tiers: list[TierChange] = ()) -> None:
+        """Send a bookkeeping batch (and tier moves); one that did not reach block_service is queued again."""
         try:
             # bookkeeping of many requests at once: a trace of its own, linked to each request's
             seq_ids = [s[0] for s in (*batch.topups, *batch.commits, *batch.drops)] + batch.releases
@@ -179,7 +185,7 @@ class RemoteBlockAllocator:
                 "kvfleet.node_id": self.node_id, "kvfleet.num_topups": len(batch.topups),
                 "kvfleet.num_commits": len(batch.commits), "kvfleet.num_releases": len(batch.releases),
                 "kvfleet.num_drops": len(batch.drops)}):
-                await asyncio.wait_for(self._send_bookkeeping(batch), SEND_TIMEOUT_S)
+                await asyncio.wait_for(self._send_bookkeeping(batch, tiers), SEND_TIMEOUT_S)
         except BaseException as e:
             if isinstance(e, Exception) and not self._trouble(e):
                 log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
@@ -187,12 +193,17 @@ class RemoteBlockAllocator:
                 return
             with self._lock:  # not sent (or not known to be): the sync sorts it out
                 self._policy.requeue(batch)
+            self._tiers.requeue(tiers)
             if not isinstance(e, Exception):
                 raise
 
-    async def _send_bookkeeping(self, batch: Bookkeeping) -> None:
+    async def _send_bookkeeping(self, batch: Bookkeeping, tiers: list[TierChange]) -> None:
         self.num_rpcs += 1
-        result = await self.client.apply(batch.commits, batch.releases, batch.topups, drops=batch.drops)
+        result = await self.client.apply(batch.commits, batch.releases, batch.topups, drops=batch.drops,
+                                         node_id=self.node_id, tiers=tiers)
+        # not recorded: the cap refused them, or they were bad (not for a lost node: its sync re-sends)
+        self._tiers.refuse(result.tier_refused + [tiers[e.index].block_hash for e in result.errors
+                                                  if e.kind == "tier" and e.code != "NOT_FOUND"])
         lost = None
         for error in result.errors:  # refused alone: the rest of the batch was applied
             if error.code == "NOT_FOUND" and error.kind == "release":
@@ -286,10 +297,12 @@ class RemoteBlockAllocator:
                 await self._send()
             with self._lock:  # queued since then: its releases are moot, the rest follows the sync
                 batch, live = self._policy.take_for_sync()
+            tiers = self._tiers.index_for_sync()  # outside the lock: the node's source takes its own
             try:
                 self.num_rpcs += 1
                 result = await asyncio.wait_for(self.client.sync_node(
-                    self.node_id, self.num_blocks, self.block_size, self.bytes_per_block, live), SEND_TIMEOUT_S)
+                    self.node_id, self.num_blocks, self.block_size, self.bytes_per_block, live, tiers),
+                    SEND_TIMEOUT_S)
             except BaseException as e:
                 with self._lock:
                     self._policy.requeue(batch)
@@ -324,7 +337,7 @@ class RemoteBlockAllocator:
         """The engine finished a step: send what is queued if it is urgent or due (returns at once)."""
         with self._lock:
             send = self._policy.end_step()
-        if send:
+        if send or self._tiers.pending:
             self._send_soon()
 
     def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
@@ -370,6 +383,17 @@ class RemoteBlockAllocator:
             raise
         with self._lock:
             return self._policy.hand_over()
+
+    def record_tiers(self, changes: Sequence[TierChange]) -> None:
+        """Queued; sent with the step's bookkeeping at ``end_step``."""
+        self._tiers.record(changes)
+
+    def take_tier_refusals(self) -> list[bytes]:
+        return self._tiers.take_refusals()
+
+    def set_tier_source(self, source: TierSource) -> None:
+        """Read at every sync (a resync after trouble, a reconciliation) and sent whole."""
+        self._tiers.set_source(source)
 
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
         with self._lock:

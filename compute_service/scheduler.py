@@ -9,11 +9,15 @@ prefix cache, so recomputation usually starts from a prefix hit.
 A transient refusal (block_service unreachable) is neither a full pool nor a quota: nothing is
 preempted or refused for it. A waiting sequence stays at the head of the queue; a running one
 that cannot grow sits this step out, holding its blocks, and is scheduled again once they come.
+
+The P99 batch controller's live cap (``set_num_seqs_cap``) bounds the batch in both its dimensions:
+running sequences, and the step's token budget in the same proportion.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from compute_service.kv_cache_manager import KVCacheManager
@@ -76,13 +80,24 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_seqs_cap = config.max_num_seqs  # live cap on admission (the P99 controller's), <= max
+        self.step_token_budget = config.max_num_batched_tokens  # follows the live cap in proportion
+        self.budget_used_up = False  # the last step's tokens filled its budget
 
     def set_num_seqs_cap(self, cap: int) -> None:
-        """Admit no sequence while ``cap`` run. Running sequences above a lowered cap are not
-        preempted (their work would be lost): they finish, and admission waits until fewer run."""
+        """Admit no sequence while ``cap`` run, and give each step ``cap / max_num_seqs`` of the
+        configured token budget (rounded up). Running sequences above a lowered cap are not
+        preempted (their work would be lost): they finish, and admission waits until fewer run.
+
+        Why the budget follows: a step takes as long as its tokens take, and the slow steps that set
+        the p99 inter-token latency are those that prefill the prompts of several admissions at once.
+        A cap on sequences alone leaves every step free to take a whole burst of prompts (up to the
+        full budget), so the tail falls only with a cap cut far below the batch the target allows,
+        and the throughput goes with it. At the maximum the budget is the configured one: a
+        controller at its maximum runs the engine exactly as without it."""
         if not 1 <= cap <= self.config.max_num_seqs:
             raise ValueError(f"live cap must be in [1, {self.config.max_num_seqs}], got {cap}")
         self.num_seqs_cap = cap
+        self.step_token_budget = math.ceil(self.config.max_num_batched_tokens * cap / self.config.max_num_seqs)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,7 +107,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        # a batch still draining above a lowered cap keeps every decode token: only prompts wait
+        budget = max(self.step_token_budget, min(len(self.running), self.config.max_num_batched_tokens))
         self.running.sort(key=_rank)
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:
@@ -109,6 +125,7 @@ class Scheduler:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
+        self.budget_used_up = batch.num_tokens >= budget
         return batch
 
     def _grow(self, plan: list[tuple[Sequence, int]], batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

@@ -10,6 +10,8 @@ block_service (memory quota per tenant), so the type and its parser live here, s
         reserved_mib: 64        # optional: kept free for this tenant (default 0)
         paid_level: 2           # higher is served first under contention
         max_concurrent: 8       # requests running at once (0: no limit); more wait in the queue
+        lower_tier_quota_mib: 2048  # optional: KV the tenant may keep in a node's host and disk tiers
+                                    # (blocks demoted out of the device pool; default unlimited)
 
 ``Tenant`` is both the router's entry (with its key) and block_service's (``without_key()``: keys
 never reach block_service's log or snapshots). A quota of ``None`` is unlimited: block_service's
@@ -30,7 +32,7 @@ from kvfleet.errors import InvalidArgument
 from kvfleet.ids import check_id
 
 _REQUIRED = ("name", "api_key", "quota_mib", "paid_level", "max_concurrent")
-_OPTIONAL = ("reserved_mib",)
+_OPTIONAL = ("reserved_mib", "lower_tier_quota_mib")
 MIB = 1 << 20
 MAX_MIB = float(1 << 40)  # more is a typo, not a quota
 
@@ -53,6 +55,9 @@ class Tenant:
     paid_level: int = 0             # >= 0
     max_concurrent: int = 0         # >= 0; 0 = no limit (enforced by the router's queue)
     reserved_mib: float = 0.0       # 0 <= reserved_mib <= quota_mib: kept free for this tenant
+    # > 0; None: unlimited. A cap of its own for the node's lower tiers (host memory, disk): the
+    # quota above charges only blocks in the device pool (issue 15).
+    lower_tier_quota_mib: float | None = None
 
     def __post_init__(self) -> None:
         check_id("tenant name", self.name)
@@ -63,6 +68,9 @@ class Tenant:
         q = self.quota_mib
         if q is not None and not (isinstance(q, (int, float)) and 0 < q < MAX_MIB):
             raise InvalidArgument(f"tenant {self.name!r}: quota_mib must be > 0, got {q}")
+        lq = self.lower_tier_quota_mib
+        if lq is not None and not (isinstance(lq, (int, float)) and not isinstance(lq, bool) and 0 < lq < MAX_MIB):
+            raise InvalidArgument(f"tenant {self.name!r}: lower_tier_quota_mib must be > 0, got {lq}")
         r, most = self.reserved_mib, MAX_MIB if q is None else q
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= most):
             raise InvalidArgument(
@@ -84,6 +92,12 @@ class Tenant:
         if self.quota_mib is None:
             return None
         return int(self.quota_mib * MIB) // bytes_per_block
+
+    def lower_tier_quota_blocks(self, bytes_per_block: int) -> int | None:
+        """The lower-tier cap as whole blocks of ``bytes_per_block`` bytes (None: unlimited)."""
+        if self.lower_tier_quota_mib is None:
+            return None
+        return int(self.lower_tier_quota_mib * MIB) // bytes_per_block
 
     def reserved_blocks(self, bytes_per_block: int) -> int:
         return int(self.reserved_mib * MIB) // bytes_per_block
@@ -132,6 +146,8 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
                     reserved_mib=_number(entry, "reserved_mib", float, where) if "reserved_mib" in entry else 0.0,
                     paid_level=_number(entry, "paid_level", int, where),
                     max_concurrent=_number(entry, "max_concurrent", int, where),
+                    lower_tier_quota_mib=(_number(entry, "lower_tier_quota_mib", float, where)
+                                          if "lower_tier_quota_mib" in entry else None),
                 )
             )
         except ValueError as e:

@@ -2,9 +2,11 @@
 
     kvfleet blocks --block-service 127.0.0.1:50051 [--node N ...] [--top 5] [--json]
 
-Per node: used / cached / free by tier, the sequences (requests) holding the most blocks with their
-tenant and age, the internal waste of partly filled last blocks; per tenant: blocks charged against
-the quota, and refusals. It asks block_service directly rather than the router: block_service holds
+Per node: used / cached / free by tier (device; host and disk: the committed blocks the node keeps
+below its pool, issue 15), the sequences (requests) holding the most blocks with their tenant and
+age, the internal waste of partly filled last blocks; per tenant: blocks charged against the quota,
+lower-tier blocks charged against the lower-tier cap, and refusals of each. It asks block_service
+directly rather than the router: block_service holds
 the page table, and the router's public Inference service has no operator call to proxy it through.
 """
 

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is overtaken only by requests that arrive less than 15 s after it)")
     parser.add_argument("--prefix-weight", type=float, default=1.0,
                         help="routing cost of one uncached prompt block, in active blocks")
+    parser.add_argument("--lower-tier-hit-weight", type=_share, default=0.5, metavar="L",
+                        help="what a prompt block a node holds below its pool (host memory, disk) is worth "
+                             "against one in its pool, 0..1 (default 0.5: copying it back costs about half a "
+                             "prefill); hot > lower tier > miss for 0 < L < 1")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
     parser.add_argument("--hot-spot-ratio", type=float, default=2.0,
                         help="fall back to least loaded above ratio x least-loaded active blocks + margin")
@@ -50,6 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dependency-timeout", type=float, default=60.0,
                         help="seconds to wait at start for etcd (and block_service) to answer before giving up")
     add_metrics_argument(parser)
+
+
+def _share(text: str) -> float:
+    """A number in [0, 1] (argparse's one-line error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+    return value
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -71,6 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
     admission = Admission(queue)
     nodes = NodeTable(dial_compute)
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
+                                      lower_tier_hit_weight=args.lower_tier_hit_weight,
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service, args.etcd)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)

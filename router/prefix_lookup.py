@@ -2,7 +2,8 @@
 
 The prompt's full blocks are hashed exactly as the nodes hash them (``kvfleet.block_hash``, with
 the tenant as the first block's extra key), once per block size in use, and block_service's prefix
-index answers per node how many leading blocks are committed there. When a node's lease expires the
+index answers per node how many leading blocks are committed there (hot), and how many more the
+node keeps below its pool, in host memory or on disk (issue 15: valued less than hot). When a node's lease expires the
 router tells block_service to drop the node's pool, so its blocks stop being charged to tenants.
 
 block_service being down is no reason to stop routing: a lookup that fails counts as "nothing
@@ -22,6 +23,7 @@ from kvfleet.block_hash import block_hashes, tenant_extra_key
 from kvfleet.errors import NotFound, Unavailable
 from router.nodes import RouterNode
 from router.recent_routes import RecentRoutes
+from router.routing import PrefixHit
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,13 @@ class BlockServicePrefixLookup:
     def _hashes(self, tenant: str, token_ids: Sequence[int], block_size: int) -> list[bytes]:
         return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants))
 
-    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
+    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, PrefixHit]:
+        """Per node, the prompt's leading blocks it holds hot and, past them, in a lower tier. A
+        recent route counts as hot (its blocks are being computed there now)."""
         by_size: dict[int, list[str]] = {}
         for node in nodes:
             by_size.setdefault(node.info.block_size, []).append(node.node_id)
-        cached: dict[str, int] = {}
+        cached: dict[str, PrefixHit] = {}
         for block_size, node_ids in by_size.items():
             hashes = self._hashes(tenant, token_ids, block_size)
             if not hashes:
@@ -53,13 +57,16 @@ class BlockServicePrefixLookup:
             if self.client is not None:
                 cached.update(await self._committed(hashes, node_ids))
             for node_id, n in self.recent.match(hashes, node_ids).items():
-                cached[node_id] = max(cached.get(node_id, 0), n)
+                hit = cached.get(node_id, PrefixHit())
+                hot = max(hit.hot, n)
+                cached[node_id] = PrefixHit(hot, max(hit.hot + hit.lower, n) - hot)
         return cached
 
-    async def _committed(self, hashes: list[bytes], node_ids: list[str]) -> dict[str, int]:
+    async def _committed(self, hashes: list[bytes], node_ids: list[str]) -> dict[str, PrefixHit]:
         """block_service's answer, or nothing when it cannot give one."""
         try:
-            found = await self.client.match_prefix(hashes, node_ids)
+            hot, lower = await self.client.match_tiers(hashes, node_ids)
+            found = {n: PrefixHit(k, lower.get(n, 0)) for n, k in hot.items()}
         except NotFound:  # a node's pool not (yet) registered: it is being resynced
             return {}
         except Exception as e:

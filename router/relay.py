@@ -35,7 +35,7 @@ from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
 from router.resume import Progress, is_client_answer
-from router.routing import NodeLoad, NodePicker
+from router.routing import NO_HIT, NodeLoad, NodePicker, PrefixHit
 from router.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,9 @@ class NodeStalled(Exception):
 
 
 class PrefixLookup(Protocol):
-    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, int]:
-        """Per node id, how many leading full blocks of ``token_ids`` are (about to be) cached there."""
+    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, PrefixHit]:
+        """Per node id, how many leading full blocks of ``token_ids`` are (about to be) cached there,
+        hot and, past those, in a lower tier."""
 
     def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode) -> None:
         """``token_ids`` were just sent to ``node``."""
@@ -87,18 +88,20 @@ class Relay:
             if not candidates:
                 tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
-            cached: dict[str, int] = {}
+            cached: dict[str, PrefixHit] = {}
             if len(candidates) > 1:  # one candidate is the answer whatever is cached where
                 try:
                     cached = await self.prefix.match(tenant.name, ids, candidates)
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
-            loads = [NodeLoad(n.node_id, n.active_blocks, cached.get(n.node_id, 0), n.ready_since) for n in candidates]
+            hits = [cached.get(n.node_id, NO_HIT) for n in candidates]
+            loads = [NodeLoad(n.node_id, n.active_blocks, h.hot, n.ready_since, h.lower) for n, h in zip(candidates, hits)]
             num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
             span.set_attribute("kvfleet.node_id", decision.node_id)
             span.set_attribute("kvfleet.route_reason", decision.reason)
             span.set_attribute("kvfleet.cached_prefix_blocks", decision.cached_prefix_blocks)
+            span.set_attribute("kvfleet.lower_tier_prefix_blocks", cached.get(decision.node_id, NO_HIT).lower)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
             node = self.nodes.get(decision.node_id)
             self.prefix.routed(tenant.name, ids, node)

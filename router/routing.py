@@ -1,8 +1,13 @@
 """Which node serves a request: KV-aware cost, a hot-spot guard and cold-start warming.
 
-    cost(node) = w · (prompt blocks not cached on node) + (node's active blocks)
+    cost(node) = w · (missed + (1 - l) · lower) + (node's active blocks)
 
-A cached prompt block saves its prefill there; an active block is work the node is already doing.
+A prompt block cached in the node's device pool (hot) saves its prefill there; one the node holds
+in a lower tier (host memory or disk, issue 15: ``lower``, the blocks past the hot run) saves it too
+but costs a copy back into the pool, so it counts as a fraction ``1 - l`` of a miss, where ``l``
+(``lower_tier_hit_weight``, default 0.5: a copy back costs about half a prefill) is the share of
+a hot hit a lower-tier hit is worth; ``missed`` blocks are in no tier. So for the same load, hot
+beats lower beats miss (for ``0 < l < 1``). An active block is work the node is already doing.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
 (``active > ratio · least + margin``) the least-loaded node is taken instead.
@@ -28,6 +33,7 @@ _EPS = 1e-9
 @dataclass(slots=True, frozen=True)
 class RoutingConfig:
     prefix_weight: float = 1.0         # w: cost of one uncached prompt block, in active blocks
+    lower_tier_hit_weight: float = 0.5  # l: a lower-tier block's worth, as a share of a hot one's
     hot_spot_ratio: float = 2.0        # the winner is "far busier" above ratio · least + margin
     hot_spot_margin_blocks: int = 16
     warmup_s: float = 30.0             # cold-start ramp length
@@ -36,6 +42,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.prefix_weight < 0:
             raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
+        if not 0 <= self.lower_tier_hit_weight <= 1:
+            raise ValueError(f"lower_tier_hit_weight must be in [0, 1], got {self.lower_tier_hit_weight}")
         if self.hot_spot_ratio < 1:
             raise ValueError(f"hot_spot_ratio must be >= 1, got {self.hot_spot_ratio}")
         if self.hot_spot_margin_blocks < 0:
@@ -50,8 +58,21 @@ class RoutingConfig:
 class NodeLoad:
     node_id: str
     active_blocks: int           # blocks held by the node's running sequences
-    cached_prefix_blocks: int    # leading prompt blocks already committed on the node
+    cached_prefix_blocks: int    # leading prompt blocks already committed on the node (hot)
     ready_since: float           # when the node turned READY (same clock as `now`)
+    lower_tier_prefix_blocks: int = 0  # prompt blocks past those the node holds in a lower tier
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """How much of a prompt a node holds: ``hot`` leading blocks in its pool, then ``lower`` more in
+    its lower tiers (``NodeLoad``'s two prefix fields)."""
+
+    hot: int = 0
+    lower: int = 0
+
+
+NO_HIT = PrefixHit()
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,8 +99,11 @@ class NodePicker:
         return min(1.0, lo + (1.0 - lo) * ramp)
 
     def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
-        uncached = max(num_prompt_blocks - node.cached_prefix_blocks, 0)
-        return self.config.prefix_weight * uncached + node.active_blocks
+        hot = min(node.cached_prefix_blocks, num_prompt_blocks)
+        lower = min(node.lower_tier_prefix_blocks, num_prompt_blocks - hot)
+        missed = num_prompt_blocks - hot - lower
+        prefill = missed + (1.0 - self.config.lower_tier_hit_weight) * lower
+        return self.config.prefix_weight * prefill + node.active_blocks
 
     def choose(self, nodes: Sequence[NodeLoad], num_prompt_blocks: int, now: float) -> RouteDecision | None:
         """The node for a prompt of ``num_prompt_blocks`` full blocks; None when ``nodes`` is empty.

@@ -82,3 +82,23 @@ def test_group_commits_are_observed_when_a_hook_is_set(tmp_path):
     store.sync()
     assert m.registry.get_sample_value("kvfleet:wal_fsync_seconds_count") == 2
     store.close()
+
+
+def test_lower_tier_blocks_per_node_and_tier_and_refusals_per_tenant():
+    from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
+
+    table = _table()
+    table.configure_tenants([Tenant("a", quota_mib=1, lower_tier_quota_mib=0.5), Tenant("b")])  # a: 2 blocks
+    moves = [TierChange(bytes([i]) * 16, "a" if i < 3 else "b", TIER_HOST if i % 2 else TIER_DISK)
+             for i in range(5)]
+    assert len(table.record_tiers("n0", moves).refused) == 1
+    r = _registry(metrics.sample(DurablePageTable(table, None)))
+    assert r.get_sample_value("kvfleet:lower_tier_blocks", {"node": "n0", "tier": "host"}) == 2
+    assert r.get_sample_value("kvfleet:lower_tier_blocks", {"node": "n0", "tier": "disk"}) == 2
+    a, b = {"tenant": "a", "node": "n0"}, {"tenant": "b", "node": "n0"}
+    assert r.get_sample_value("kvfleet:tenant_lower_tier_blocks", a) == 2
+    assert r.get_sample_value("kvfleet:tenant_lower_tier_blocks", b) == 2
+    assert r.get_sample_value("kvfleet:tenant_lower_tier_quota", a) == 2
+    assert r.get_sample_value("kvfleet:tenant_lower_tier_quota", b) is None  # unlimited
+    assert r.get_sample_value("kvfleet:block_refusals_total", {**a, "reason": "lower_tier"}) == 1
+    assert r.get_sample_value("kvfleet:block_refusals_total", {**b, "reason": "lower_tier"}) == 0

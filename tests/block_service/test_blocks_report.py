@@ -53,3 +53,25 @@ def test_the_report_renders_tiers_holders_waste_and_tenants() -> None:
     text = render(report)
     assert "device  12    0       20" in text and "waste: 42 token slots" in text
     assert render(BlocksReport([], [])) == "no nodes registered"
+
+
+def test_the_report_shows_lower_tiers_per_node_and_their_charge_per_tenant() -> None:
+    from block_service.wire import tier_from_pb, tiers_to_pb
+    from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
+    from kvfleet.tenants import Tenant
+
+    table = _filled()
+    table.configure_tenants([Tenant("a", lower_tier_quota_mib=0.25)])  # 4 blocks of 64 KiB
+    moves = [TierChange(bytes([i]) * 16, "a", TIER_HOST if i < 3 else TIER_DISK) for i in range(6)]
+    assert len(table.record_tiers("n0", moves).refused) == 2
+    stats = table.node_stats("n0")
+    node = NodeBlocks(stats, [tier_from_pb(t) for t in tiers_to_pb(stats)])
+    report = BlocksReport([node], table.tenant_stats("n0"))
+    data = to_json(report)
+    assert data["nodes"][0]["lower_tier"] == {"host": 3, "disk": 1}
+    assert data["nodes"][0]["refusals_lower_tier"] == 2
+    (a,) = [t for t in data["tenants"] if t["tenant"] == "a"]
+    assert (a["lower_tier"], a["lower_tier_quota"], a["refusals_lower_tier"]) == (4, 4, 2)
+    text = render(report)
+    assert "host    0     3       0" in text and "disk    0     1       0" in text
+    assert "lower tier  lower cap  refused lower" in text

@@ -117,14 +117,18 @@ def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_
     assert "waste: 12 token slots unused in partly filled last blocks" in out
     assert re.search(r"^    a-2\s+a\s+7\s+100\s+12\s+\d+s$", out, re.M)
     assert re.search(r"^    b-1\s+b\s+6\s+96\s+0\s+\d+s$", out, re.M)
-    assert re.search(r"^  a\s+n0\s+7\s+64\s+0\s+1\s+1\s+0$", out, re.M)    # charged vs quota
-    assert re.search(r"^  b\s+n0\s+6\s+16\s+0\s+1\s+200\s+0$", out, re.M)
+    # charged vs quota, then the lower tiers' charge vs its cap (issue 15): none held, unlimited
+    assert re.search(r"^  a\s+n0\s+7\s+64\s+0\s+1\s+1\s+0\s+0\s+unlimited\s+0$", out, re.M)
+    assert re.search(r"^  b\s+n0\s+6\s+16\s+0\s+1\s+200\s+0\s+0\s+unlimited\s+0$", out, re.M)
+    assert re.search(r"^  host\s+0\s+0\s+0$", out, re.M) and re.search(r"^  disk\s+0\s+0\s+0$", out, re.M)
 
     assert as_json.returncode == 0, as_json.stderr
     report = json.loads(as_json.stdout.splitlines()[-1])
     (n0,) = report["nodes"]
     assert (n0["used"], n0["cached"], n0["free"], n0["waste_tokens"]) == (13, 2, 1, 12)
-    assert n0["tiers"] == [{"tier": "device", "num_used": 13, "num_cached": 2, "num_free": 1}]
+    assert n0["tiers"] == [{"tier": "device", "num_used": 13, "num_cached": 2, "num_free": 1},
+                           {"tier": "host", "num_used": 0, "num_cached": 0, "num_free": 0},
+                           {"tier": "disk", "num_used": 0, "num_cached": 0, "num_free": 0}]
     assert [(h["seq_id"], h["tenant"], h["num_blocks"], h["tail_waste_tokens"], h["age_at_least"])
             for h in n0["top_holders"]] == [("a-2", "a", 7, 12, False), ("b-1", "b", 6, 0, False)]
     assert all(h["age_s"] >= 0 for h in n0["top_holders"])

@@ -94,6 +94,21 @@ def test_a_cap_nobody_reaches_does_not_grow():
         assert ctl.decide(t).cap == 57
 
 
+
+def test_a_step_that_filled_its_token_budget_reached_the_cap():
+    """Long prompts: the step's token budget (which follows the cap) binds before the number of
+    sequences does. Fast steps that used it all are evidence for a larger batch: the cap grows."""
+    ctl = BatchController(ControllerConfig(50 * MS, 64), now=0.0)
+    t = 0.0
+    for _ in range(200):  # over target at 64: cut to 57
+        t += 0.1
+        ctl.observe(t, [0.1] * 64, 64)
+    assert ctl.decide(t).cap == 57
+    for _ in range(50):  # 20 sequences, fast, each step's budget full of prompt chunks
+        t += 0.01
+        ctl.observe(t, [0.01] * 20, 20, budget_used_up=True)
+    assert ctl.decide(t).cap == 62
+
 def test_too_few_samples_change_nothing():
     ctl = BatchController(ControllerConfig(50 * MS, 16, min_samples=20), now=0.0)
     ctl.observe(1.0, [1.0] * 19, 16)

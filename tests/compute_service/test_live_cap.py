@@ -59,3 +59,28 @@ def test_a_finished_request_leaves_no_gap_behind():
     clock.now = 1.0
     live.after_step([])
     assert live.last_decision.p99_s == 0.0 and live.last_decision.num_samples == 1
+
+
+def test_a_step_that_filled_its_token_budget_lets_the_cap_grow():
+    """Under long prompts the step's token budget (which follows the cap) binds before the number of
+    sequences does: the scheduler's full step reaches the controller, and a fast node grows."""
+    allocator = LocalBlockAllocator.standalone(64, 16, bytes_per_block=1024)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), KVCacheManager(allocator))
+    for i in range(4):
+        sched.add(Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=100)))
+    sched.schedule()  # 4 running, 8 tokens
+    clock = Clock()
+    live = LiveCap(BatchController(ControllerConfig(0.05, 4, interval_s=1.0, min_samples=4, probe_intervals=1),
+                                   clock()), sched, clock=clock)
+    for _ in range(8):  # slow: cut to 3, and each step to ⌈8 · 3 / 4⌉ = 6 tokens
+        clock.now += 0.125
+        live.after_step([out(f"r{i}") for i in range(4)])
+    assert live.cap == 3 and sched.step_token_budget == 6
+    sched.finish(sched.running[1:])
+    sched.add(Sequence("long", list(range(40)), SamplingParams(max_tokens=100)))
+    batch = sched.schedule()  # r0's token and a 5-token chunk of the long prompt: 2 of 3 seats, budget full
+    assert batch.num_tokens == 6 and len(sched.running) == 2 and sched.budget_used_up
+    for _ in range(120):  # fast steps at 2 of 3 seats, the budget full: reached
+        clock.now += 0.01
+        live.after_step([out("r0")])
+    assert live.cap == sched.num_seqs_cap == 4

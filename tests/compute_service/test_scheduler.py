@@ -254,3 +254,38 @@ def test_the_live_cap_limits_admission_and_lets_running_sequences_finish():
     for bad in (0, 5):
         with pytest.raises(ValueError, match="live cap"):
             sched.set_num_seqs_cap(bad)
+
+
+def test_the_step_token_budget_follows_the_live_cap():
+    """A burst of admissions prefills its prompts in one step; the steps that set the tail. With the
+    cap halved the step takes half the budget, so the burst spreads over steps."""
+    sched, _ = make_scheduler(budget=64, max_seqs=8)
+    sched.set_num_seqs_cap(4)
+    for i in range(4):
+        sched.add(seq(f"s{i}", 16, start=100 * i))
+    batch = sched.schedule()
+    assert [s.seq_id for s, _ in batch.prefills] == ["s0", "s1"] and len(sched.waiting) == 2
+    assert sched.step_token_budget == 32 and batch.num_tokens == 32 and sched.budget_used_up
+    advance(batch)
+    batch = sched.schedule()  # two decodes, then the next prompts within what is left
+    assert len(batch.decodes) == 2 and [(s.seq_id, n) for s, n in batch.prefills] == [("s2", 16), ("s3", 14)]
+    sched.set_num_seqs_cap(3)  # rounded up: 64 * 3 / 8 = 24
+    assert sched.step_token_budget == 24
+    sched.set_num_seqs_cap(8)  # at the maximum, the configured budget: as without a controller
+    assert sched.step_token_budget == 64
+    advance(batch)
+    batch = sched.schedule()
+    assert batch.num_tokens == 5 and not sched.budget_used_up
+
+
+def test_a_batch_draining_above_a_lowered_cap_keeps_its_decodes():
+    """The budget follows the cap, but sequences already running above it are not starved of their
+    tokens while they drain: a step carries all their decodes, and no prompt."""
+    sched, _ = make_scheduler(budget=8, max_seqs=8)
+    for i in range(8):
+        sched.add(seq(f"s{i}", 1, start=10 * i))
+    advance(sched.schedule())
+    sched.set_num_seqs_cap(2)  # a budget of 2 tokens a step
+    sched.add(seq("late", 4, start=100))
+    batch = sched.schedule()
+    assert len(batch.decodes) == 8 and not batch.prefills and sched.budget_used_up

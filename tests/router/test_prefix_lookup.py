@@ -11,6 +11,7 @@ from kvfleet.errors import NotFound
 from kvfleet.membership import NodeInfo, NodeState
 from router.nodes import RouterNode
 from router.prefix_lookup import BlockServicePrefixLookup
+from router.routing import PrefixHit
 
 
 class Switchable:
@@ -25,9 +26,9 @@ class Switchable:
         if self.down:
             raise ConnectionRefusedError("failed to connect to all addresses")
 
-    async def match_prefix(self, hashes, node_ids):
+    async def match_tiers(self, hashes, node_ids):
         self._check()
-        return {n: 1 for n in node_ids}
+        return {n: 1 for n in node_ids}, {"b": 2}
 
     async def deregister_node(self, node_id):
         self._check()
@@ -60,8 +61,21 @@ def test_lookups_failing_route_by_recent_routes_and_say_so_once(caplog):
 
     with caplog.at_level(logging.INFO):
         answers, back = asyncio.run(scenario())
-    assert all(a == {"b": 2} for a in answers)  # this router's own recent route, nothing more
+    assert all(a == {"b": PrefixHit(2)} for a in answers)  # this router's own recent route, nothing more
     assert caplog.text.count("prefix lookups in block_service fail") == 1
     assert "answers prefix lookups again" in caplog.text
     assert client.deregistered == ["a"]
-    assert back == {"a": 1, "b": 1}  # b's recent routes went when it left
+    assert back == {"a": PrefixHit(1), "b": PrefixHit(1, 2)}  # b's recent routes went when it left
+
+
+def test_a_recent_route_counts_as_hot_and_the_lower_tier_run_goes_on_past_it():
+    """block_service says b holds 1 block hot and 2 more below its pool; this router just sent b a
+    prompt of 2 blocks: 2 hot, then 1 more below (the lower-tier run ends where it did)."""
+    lookup = BlockServicePrefixLookup(Switchable())
+    nodes = [node("a"), node("b")]
+
+    async def scenario():
+        lookup.routed("t", list(range(40)), nodes[1])
+        return await lookup.match("t", list(range(80)), nodes)
+
+    assert asyncio.run(scenario()) == {"a": PrefixHit(1, 0), "b": PrefixHit(2, 1)}

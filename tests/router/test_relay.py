@@ -17,7 +17,7 @@ from router.nodes import NodeTable, RouterNode
 from router.prefix_lookup import BlockServicePrefixLookup
 from router.relay import Relay, RelayError
 from router.request import ParsedRequest
-from router.routing import NodePicker, RoutingConfig
+from router.routing import NodePicker, PrefixHit, RoutingConfig
 
 TENANT = Tenant("acme", "k", 10, 1, 4)
 
@@ -225,3 +225,27 @@ def test_a_long_prefill_that_reports_progress_is_not_a_stall():
     chunks = run(nodes, stall_timeout_s=0.5)
     assert [list(c.token_ids) for c in chunks] == [[1], [2], [3], [4], [5]]
     assert stub(nodes, "a").finished == [("r-1", False)]
+
+
+class TieredLookup:
+    """block_service's answer as the relay sees it: ``cold`` holds the prompt below its pool."""
+
+    async def match(self, tenant, token_ids, nodes):
+        return {"cold": PrefixHit(0, 3)}
+
+    def routed(self, tenant, token_ids, node):
+        pass
+
+
+def test_a_node_holding_the_prompt_in_a_lower_tier_wins_over_a_miss():
+    """Issue 15: ``cold`` is a little busier, but holds the prompt's 3 blocks in host memory (worth
+    half a hot hit each): 1 + 0.5 * 3 against 3 blocks to prefill on ``miss``."""
+    nodes = table({"cold": [([5], LENGTH)], "miss": [([6], LENGTH)]})
+    nodes.nodes["cold"].active_blocks = 1
+    req = ParsedRequest("r", "r-1", list(range(50)), SamplingParams(max_tokens=1))
+    tiered = Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), TieredLookup())
+
+    async def collect():
+        return [c async for c in tiered.run(req, TENANT)]
+
+    assert chunks_nodes(asyncio.run(collect())) == {"cold"}

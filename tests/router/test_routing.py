@@ -100,3 +100,41 @@ def test_a_decision_narrowed_by_the_warm_up_ramp_says_so():
     reasons = Counter(p.choose(nodes, 4, now=0.0).reason for _ in range(200))
     assert reasons["warmup"] > 100 and set(reasons) <= {"warmup", "kv"}
     assert sum(p.decisions.values()) == 200
+
+
+def test_hot_beats_lower_tier_beats_miss_at_equal_load():
+    """Issue 15: a block the node keeps in host memory or on disk saves the prefill but costs a copy
+    back; the picker ranks the three nodes hot, then lower tier, then nothing."""
+    hot, cold, miss = node("hot", cached=8), NodeLoad("cold", 0, 0, OLD, 8), node("miss")
+    p = picker()
+    assert p.cost(hot, 10) < p.cost(cold, 10) < p.cost(miss, 10)
+    assert p.cost(cold, 10) == 2 + 0.5 * 8                      # the default weight: half a hot hit
+    assert p.choose([miss, cold], 10, 0).node_id == "cold"
+    assert p.choose([cold, hot, miss], 10, 0).node_id == "hot"
+    partly = NodeLoad("partly", 0, 4, OLD, 4)                    # 4 hot, 4 more below the pool
+    assert p.cost(hot, 10) < p.cost(partly, 10) < p.cost(cold, 10)
+
+
+def test_the_lower_tier_weight_and_its_bounds():
+    cold = NodeLoad("cold", 3, 0, OLD, 8)
+    assert picker(lower_tier_hit_weight=1.0).cost(cold, 10) == picker().cost(node("x", 3, 8), 10)
+    assert picker(lower_tier_hit_weight=0.0).cost(cold, 10) == picker().cost(node("x", 3), 10)
+    assert picker().cost(NodeLoad("c", 0, 6, OLD, 100), 10) == 0.5 * 4  # never more blocks than the prompt's
+    with pytest.raises(ValueError, match="lower_tier_hit_weight"):
+        RoutingConfig(lower_tier_hit_weight=1.5)
+
+
+def test_the_router_flag_takes_a_share_and_says_so_in_one_line_otherwise(capsys):
+    import argparse
+
+    from router.main import add_arguments
+
+    parser = argparse.ArgumentParser(prog="kvfleet router")
+    add_arguments(parser)
+    base = ["--etcd", "http://x:1", "--tenants", "t.yaml"]
+    assert parser.parse_args(base).lower_tier_hit_weight == 0.5
+    assert parser.parse_args(base + ["--lower-tier-hit-weight", "0.8"]).lower_tier_hit_weight == 0.8
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--lower-tier-hit-weight", "2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "kvfleet router: error: argument --lower-tier-hit-weight: expected a number in [0, 1], got 2"

@@ -34,6 +34,14 @@ def test_load_good_file(tmp_path):
     assert acme == Tenant("acme", "sk-acme", 512.0, 2, 8, 64.0)
     assert hobby.reserved_mib == 0.0 and hobby.quota_mib == 1.5
     assert acme.quota_blocks(bytes_per_block=2**20) == 512
+    assert acme.lower_tier_quota_mib is None and acme.lower_tier_quota_blocks(2**20) is None  # unlimited
+
+
+def test_the_lower_tier_cap_is_its_own_field():
+    """Issue 15: the quota charges device-pool blocks; ``lower_tier_quota_mib`` caps host + disk."""
+    [t] = parse_tenants({"tenants": [entry(lower_tier_quota_mib=2.5)]})
+    assert t.lower_tier_quota_mib == 2.5 and t.quota_mib == 1
+    assert t.lower_tier_quota_blocks(bytes_per_block=2**19) == 5
 
 
 @pytest.mark.parametrize(
@@ -51,6 +59,8 @@ def test_load_good_file(tmp_path):
         ({"tenants": [entry(paid_level=-1)]}, "paid_level must be >= 0"),
         ({"tenants": [entry(max_concurrent=-1)]}, "max_concurrent must be >= 0"),
         ({"tenants": [entry(reserved_mib=2)]}, "reserved_mib must be between"),
+        ({"tenants": [entry(lower_tier_quota_mib=0)]}, "tenants[0] (t): lower_tier_quota_mib must be > 0"),
+        ({"tenants": [entry(lower_tier_quota_mib="x")]}, "lower_tier_quota_mib must be a number"),
         ({"tenants": [entry(api_key="a b")]}, "api_key must be a string without spaces"),
         ({"tenants": [entry(api_key="")]}, "api_key must not be empty"),
         ({"tenants": [entry(name=3)]}, "name must be a string"),
