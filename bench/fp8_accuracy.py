@@ -29,6 +29,9 @@ Two corpora (``--corpus``), chosen before measuring, nothing tuned to them:
 ``mean_top1_prob`` (the float32 pass's mean probability of its own argmax) says how sure the
 model is of each corpus: where it is unsure, argmaxes are near-ties that any rounding flips.
 
+``bench/fp8_kv_variants.py`` emulates what could lift FP8's agreement without a kernel change
+(per-channel smoothing, centring, exact layers, an int8 code for reference).
+
     python bench/fp8_accuracy.py [--quick] [--json] [--corpus docs|shuffled] [--model DIR]
                                  [--prompts N] [--positions N]
 """
@@ -224,9 +227,19 @@ def _bytes_per_token(mc, name: str) -> int:
     return kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name)
 
 
-def main() -> int:
+def model_dir_or_none(arg: str | None, prog: str) -> Path | None:
+    """The model directory ``--model`` names (default: the pulled SmolLM2), or None where it holds
+    no model (said in one line on stderr)."""
     from kvfleet_cli.models_pull import default_model_dir
 
+    model_dir = Path(arg) if arg else default_model_dir()
+    if not (model_dir / "config.json").is_file():
+        print(f"{prog}: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
+        return None
+    return model_dir
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="16 prompts x 256 positions, without the bfloat16 baseline (the full run: 64 x 256)")
@@ -239,9 +252,8 @@ def main() -> int:
     parser.add_argument("--positions", type=int, default=None)
     args = parser.parse_args()
     shape = QUICK if args.quick else FULL
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if not (model_dir / "config.json").is_file():
-        print(f"fp8_accuracy: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
+    model_dir = model_dir_or_none(args.model, "fp8_accuracy")
+    if model_dir is None:
         return 2
     result = run(model_dir, args.prompts or shape["prompts"], args.positions or shape["positions"], shape["dtypes"],
                  args.corpus)
