@@ -11,8 +11,9 @@ size) for every input shape it sees, and keeps it: torch's ideep cache and oneDN
 hold up to 1,024 each. A node's row count is the step's token count, which takes hundreds of values
 over a day, so a node fed every batch size as it came grew by ~1 MiB a minute after its warm-up (32
 MiB in a 30-minute soak, bounded only near 1,024 shapes: ~0.5 GiB). ``PackedLinear`` therefore hands
-oneDNN only a few row counts (``padded_rows``): at most 20 shapes per layer, all met early, so
-the heap is flat after the warm-up. The padding rows are zeros whose outputs are dropped.
+oneDNN only a few row counts (``padded_rows``): at most 20 shapes per layer, all met once at load
+(``warm_up``), so the heap is flat from the first request on. The padding rows are zeros whose
+outputs are dropped.
 """
 
 from __future__ import annotations
@@ -97,4 +98,17 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
         return 0
     for parent, name, module in packed:
         setattr(parent, name, module)
+    warm_up([module for _, _, module in packed])
     return len(packed)
+
+
+def warm_up(layers: list[PackedLinear]) -> None:
+    """Meet every row count oneDNN will see, once per layer shape, so that its primitives exist
+    before the first request: the heap they take (~0.5 MiB each) is then taken at load, and a batch
+    size first met a day later adds nothing."""
+    shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype): m for m in layers}
+    with torch.inference_mode():
+        for (in_features, _, _, _), layer in shapes.items():
+            x = torch.zeros(TILE_ROWS, in_features, dtype=layer.packed_weight.dtype)
+            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)}):
+                layer(x[:rows])

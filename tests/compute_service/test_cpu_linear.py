@@ -5,7 +5,7 @@ because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
 import pytest
 import torch
 
-from compute_service.cpu_linear import TILE_ROWS, PackedLinear, padded_rows, row_tiles
+from compute_service.cpu_linear import TILE_ROWS, PackedLinear, pack_linears, padded_rows, row_tiles
 from compute_service.mem_probe import malloc_info
 
 
@@ -55,3 +55,19 @@ def test_heap_does_not_grow_with_each_new_row_count():
             layer(x)
         grown = malloc_info()["in_use"] - before
     assert grown < 40, f"the heap grew {grown:.1f} MiB over 300 row counts"
+
+
+def test_packed_model_meets_every_row_count_at_load():
+    """After ``pack_linears`` a node's first request of any size adds no oneDNN primitive: the
+    heap does not grow over every row count (shapes no other test uses, as above)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(88, 48), torch.nn.Linear(48, 88))
+    assert pack_linears(model, 2048) == 2
+    inputs = [torch.randn(rows, 88) for rows in range(1, 301)]
+    with torch.inference_mode():
+        model(inputs[0])
+        before = malloc_info()["in_use"]
+        for x in inputs:
+            model(x)
+        grown = malloc_info()["in_use"] - before
+    assert grown < 5, f"the heap grew {grown:.1f} MiB over 300 row counts after the warm-up"
