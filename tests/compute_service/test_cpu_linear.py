@@ -41,33 +41,31 @@ def test_packed_linear_with_no_rows():
         assert PackedLinear(torch.nn.Linear(40, 24), 64)(torch.zeros(0, 40)).shape == (0, 24)
 
 
-def test_heap_does_not_grow_with_each_new_row_count():
-    """Every row count from 1 to 300 once: oneDNN kept ~0.3-0.6 MiB per row count (90-170 MiB
-    here) before inputs were padded to a few row counts; now a few MiB. The layer's shape is one
-    no other test uses, so that no earlier test has met its primitives."""
+def heap_growth_over_every_row_count(module: torch.nn.Module, in_features: int, most_rows: int = 300) -> float:
+    """MiB the heap holds after ``module`` served each row count from 1 to ``most_rows`` once."""
     torch.manual_seed(0)
-    layer = PackedLinear(torch.nn.Linear(72, 56, bias=False), 2048)
-    inputs = [torch.randn(rows, 72) for rows in range(1, 301)]
+    inputs = [torch.randn(rows, in_features) for rows in range(1, most_rows + 1)]
     with torch.inference_mode():
-        layer(inputs[0])
+        module(inputs[0])
         before = malloc_info()["in_use"]
         for x in inputs:
-            layer(x)
-        grown = malloc_info()["in_use"] - before
+            module(x)
+        return malloc_info()["in_use"] - before
+
+
+def test_heap_does_not_grow_with_each_new_row_count():
+    """Every row count from 1 to 300 once: oneDNN kept ~0.3-0.6 MiB per row count (166 MiB here)
+    before inputs were padded to a few row counts. The layer's shape is one no other test uses, so
+    that no earlier test has met its primitives."""
+    layer = PackedLinear(torch.nn.Linear(72, 56, bias=False), 2048)
+    grown = heap_growth_over_every_row_count(layer, 72)
     assert grown < 40, f"the heap grew {grown:.1f} MiB over 300 row counts"
 
 
 def test_packed_model_meets_every_row_count_at_load():
-    """After ``pack_linears`` a node's first request of any size adds no oneDNN primitive: the
-    heap does not grow over every row count (shapes no other test uses, as above)."""
-    torch.manual_seed(0)
+    """After ``pack_linears`` a node's first request of any size adds no oneDNN primitive (21 MiB
+    here without the warm-up at load; shapes no other test uses, as above)."""
     model = torch.nn.Sequential(torch.nn.Linear(88, 48), torch.nn.Linear(48, 88))
     assert pack_linears(model, 2048) == 2
-    inputs = [torch.randn(rows, 88) for rows in range(1, 301)]
-    with torch.inference_mode():
-        model(inputs[0])
-        before = malloc_info()["in_use"]
-        for x in inputs:
-            model(x)
-        grown = malloc_info()["in_use"] - before
+    grown = heap_growth_over_every_row_count(model, 88)
     assert grown < 5, f"the heap grew {grown:.1f} MiB over 300 row counts after the warm-up"
