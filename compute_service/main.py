@@ -125,11 +125,13 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from compute_service import mem_probe
     from compute_service.model_config import ModelLoadError
     from kvfleet import event_loop
     from kvfleet.preflight import PreflightError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
+    mem_probe.start_if_asked(args.node_id)  # a diagnostic, off unless KVFLEET_MEM_PROBE is set
     try:
         preflight(args)
     except (PreflightError, ModelLoadError) as e:

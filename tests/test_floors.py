@@ -54,7 +54,7 @@ PURE = [
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "router.chat_template", "router.openai_requests", "router.openai_responses",
-    "compute_service.cpu_host",
+    "compute_service.cpu_host", "compute_service.mem_probe",
     "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
     "kvfleet_cli.cluster_state", "kvfleet.preflight",
     "kvfleet.metric_families", "kvfleet.metrics_server", "block_service.metrics", "compute_service.metrics",

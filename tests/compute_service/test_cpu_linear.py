@@ -1,0 +1,72 @@
+"""oneDNN linear layers: same results as ``nn.Linear`` for any row count, and a heap that does not
+grow with the number of different row counts served (issue 11's soak: a node grew ~1 MiB a minute
+because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
+
+import pytest
+import torch
+
+from compute_service.cpu_linear import TILE_ROWS, PackedLinear, pack_linears, padded_rows, row_tiles
+from compute_service.mem_probe import malloc_info
+
+
+def test_padded_rows_are_few_and_waste_little():
+    padded = [padded_rows(n) for n in range(1, TILE_ROWS + 1)]
+    assert len(set(padded)) <= 32
+    assert padded[:16] == list(range(1, 17))  # small decoding batches go as they are
+    assert all(0 <= p - n < n / 4 for n, p in zip(range(1, TILE_ROWS + 1), padded))
+    with pytest.raises(ValueError):
+        padded_rows(TILE_ROWS + 1)
+
+
+def test_row_tiles_cover_every_row_once():
+    for rows in (1, 17, TILE_ROWS, TILE_ROWS + 1, 3 * TILE_ROWS + 40):
+        tiles = row_tiles(rows)
+        assert [start for start, _, _ in tiles] == list(range(0, rows, TILE_ROWS))
+        assert sum(n for _, n, _ in tiles) == rows
+        assert all(padded == padded_rows(n) for _, n, padded in tiles)
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (7, 40), (17, 40), (TILE_ROWS, 40), (TILE_ROWS + 45, 40), (3, 5, 40)])
+def test_packed_linear_matches_linear(shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(40, 24)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        expected, got = linear(x), PackedLinear(linear, 64)(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_linear_with_no_rows():
+    with torch.inference_mode():
+        assert PackedLinear(torch.nn.Linear(40, 24), 64)(torch.zeros(0, 40)).shape == (0, 24)
+
+
+def heap_growth_over_every_row_count(module: torch.nn.Module, in_features: int, most_rows: int = 300) -> float:
+    """MiB the heap holds after ``module`` served each row count from 1 to ``most_rows`` once."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(rows, in_features) for rows in range(1, most_rows + 1)]
+    with torch.inference_mode():
+        module(inputs[0])
+        before = malloc_info()["in_use"]
+        for x in inputs:
+            module(x)
+        return malloc_info()["in_use"] - before
+
+
+def test_heap_does_not_grow_with_each_new_row_count():
+    """Every row count from 1 to 300 once: oneDNN kept ~0.3-0.6 MiB per row count (166 MiB here)
+    before inputs were padded to a few row counts. The layer's shape is one no other test uses, so
+    that no earlier test has met its primitives."""
+    layer = PackedLinear(torch.nn.Linear(72, 56, bias=False), 2048)
+    grown = heap_growth_over_every_row_count(layer, 72)
+    assert grown < 40, f"the heap grew {grown:.1f} MiB over 300 row counts"
+
+
+def test_packed_model_meets_every_row_count_at_load():
+    """After ``pack_linears`` a node's first request of any size adds no oneDNN primitive (21 MiB
+    here without the warm-up at load; shapes no other test uses, as above)."""
+    model = torch.nn.Sequential(torch.nn.Linear(88, 48), torch.nn.Linear(48, 88))
+    assert pack_linears(model, 2048) == 2
+    grown = heap_growth_over_every_row_count(model, 88)
+    assert grown < 5, f"the heap grew {grown:.1f} MiB over 300 row counts after the warm-up"
