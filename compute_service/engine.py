@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from compute_service.cpu_host import host_cpu_flags, intra_op_threads, resolve_dtype, usable_cpus
+from compute_service.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
 from compute_service.cpu_linear import pack_linears
 from compute_service.kv_cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv_cache_manager import KVCacheManager
@@ -36,6 +36,8 @@ from compute_service.sampler import Sampler
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence
 from compute_service.sliding_window import droppable_window
+from compute_service.thread_governor import ThreadGovernor, thread_candidates
+from compute_service.thread_probe import ThreadProbe
 from compute_service.tier_flags import check_tier_flags
 from compute_service.tier_setup import build_tiers, measure_prefill
 from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -96,6 +98,7 @@ class EngineStats:
     lookups: PrefixLookups = field(default_factory=PrefixLookups)  # admission lookups: hot, host, disk, miss
     tiers: TierCounts | None = None   # lower tiers' capacity and use (None: no host tier)
     num_swapped: int = 0              # preemptions swapped out instead of recomputed
+    intra_op_threads: int = 0         # torch's thread count now (thread_governor.py); 0 off CPU
 
 
 @dataclass(slots=True)
@@ -117,17 +120,18 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            threads = intra_op_threads(usable_cpus(), os.environ)  # cpu_host.py: why one CPU is left free
-            if threads is not None:
-                torch.set_num_threads(threads)
+        # thread_governor.py: why the count is re-decided while the engine works
+        threads = thread_candidates(usable_cpus(), os.environ) if self.device.type == "cpu" else ()
+        if threads:
+            torch.set_num_threads(threads[0])
         dtype = parse_dtype(config.dtype)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.device)  # FP8 here? checked first
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
-        pack_linears(model, config.max_num_batched_tokens)
+        pack_linears(model, config.max_num_batched_tokens, threads)
+        self.threads = ThreadProbe(model, ThreadGovernor(threads)) if threads else None
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
         num_blocks = num_blocks_for(mc, block_size, kv_dtype, self.device, config.kv_cache_memory)
@@ -237,6 +241,8 @@ class LLMEngine:
 
         A step that raises fails the requests it concerns (``_fail_step``), not the engine: the
         next step runs the others."""
+        if self.threads is not None:
+            self.threads.maybe_probe()
         self.allocator.begin_step()
         try:
             return self._step()
@@ -314,7 +320,8 @@ class LLMEngine:
             generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
             blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
-            tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped)
+            tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped,
+            intra_op_threads=torch.get_num_threads() if self.device.type == "cpu" else 0)
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class NodeSample:
     lookups: PrefixLookups | None = None  # admission lookups by where the block was found (lower KV tiers)
     tiers: TierCounts | None = None       # lower tiers' capacity and use; None: no host tier
     num_swapped: int = 0                  # preemptions swapped out instead of recomputed
+    intra_op_threads: int = 0             # the engine's CPU thread count now (0: not on CPU)
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -67,6 +68,9 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield counter("node_prompt_tokens_computed", "Prompt tokens the node prefilled (cache hits excluded)", node,
                   [(key, s.prompt_tokens_computed)])
     yield counter("node_busy_seconds", "Seconds the engine spent in model steps", node, [(key, s.busy_seconds)])
+    if s.intra_op_threads:
+        yield gauge("node_intra_op_threads", "CPU threads the engine computes with now (re-decided by timed probes "
+                    "unless KVFLEET_CPU_THREADS fixes it)", node, [(key, s.intra_op_threads)])
     yield from _tier_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
@@ -104,4 +108,5 @@ async def sample(node, status, block_size: int) -> NodeSample:
         max_num_seqs_live=stats.max_num_seqs_live, num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
         prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
         lookups=stats.lookups, tiers=stats.tiers, num_swapped=stats.num_swapped,
+        intra_op_threads=stats.intra_op_threads,
     )

@@ -1,12 +1,13 @@
-"""The engine on a CPU host: it sizes torch's intra-op threads (compute_service/cpu_host.py) and
-resolves ``dtype="auto"`` to what this CPU runs natively."""
+"""The engine on a CPU host: it sizes torch's intra-op threads (compute_service/thread_governor.py)
+and resolves ``dtype="auto"`` to what this CPU runs natively."""
 
 from __future__ import annotations
 
 import torch
 
-from compute_service.cpu_host import host_cpu_flags, intra_op_threads, resolve_dtype, usable_cpus
+from compute_service.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
 from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.thread_governor import thread_candidates
 from kvfleet.sampling import SamplingParams
 
 
@@ -23,13 +24,20 @@ def test_engine_sets_the_threads_it_is_asked_for(llama_dir, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_engine_leaves_a_cpu_free_by_default(llama_dir, monkeypatch):
+def test_engine_starts_a_cpu_short_and_probes_its_thread_count_on_the_first_step(llama_dir, monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.delenv("KVFLEET_CPU_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    candidates = thread_candidates(usable_cpus(), {})
     try:
-        LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
-        assert torch.get_num_threads() == intra_op_threads(usable_cpus(), {}) == max(1, usable_cpus() - 1)
+        engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+        assert torch.get_num_threads() == candidates[0] == max(1, usable_cpus() - 1)
+        out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.new_token_ids) == 3
+        governor = engine.threads.governor
+        if len(candidates) == 2:  # a host with more than one CPU: the first step probed both counts
+            assert sum(governor.chosen.values()) == 1 and governor.current in candidates
+        assert engine.stats().intra_op_threads == torch.get_num_threads() == governor.current
     finally:
         torch.set_num_threads(before)
 

@@ -47,6 +47,13 @@ def test_the_live_cap_is_a_gauge():
     assert r.get_sample_value("kvfleet:max_num_seqs_live", {"node": "node-0"}) == 7
 
 
+def test_the_cpu_thread_count_is_a_gauge_only_on_cpu():
+    r = registry_of(metrics.families(_sample(intra_op_threads=2)))
+    assert r.get_sample_value("kvfleet:node_intra_op_threads", {"node": "node-0"}) == 2
+    r = registry_of(metrics.families(_sample()))
+    assert r.get_sample_value("kvfleet:node_intra_op_threads", {"node": "node-0"}) is None
+
+
 def test_lower_tier_lookups_and_blocks_are_exported():
     from compute_service.kv_tiers import PrefixLookups, TierCounts
 

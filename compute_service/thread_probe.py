@@ -1,0 +1,63 @@
+"""Times one of the model's own linear layers at each intra-op thread count the governor weighs
+(``thread_governor.py``) and sets torch's count to its answer. Runs on the engine's step thread,
+between steps: a probe is ~10 ms on a free 2-CPU host, every few seconds of work."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from compute_service.thread_governor import ThreadGovernor
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = 64   # a decode batch's rows; a row count the packed layers were warmed up for
+ROUNDS, CALLS = 3, 4  # rounds alternate the candidates; each round times CALLS calls per candidate
+
+
+class ThreadProbe:
+    def __init__(self, model: nn.Module, governor: ThreadGovernor):
+        self.governor = governor
+        self._layer = _widest_linear(model) if governor.adaptive else None
+        torch.set_num_threads(governor.current)
+
+    def maybe_probe(self) -> None:
+        now = time.monotonic()
+        if self._layer is None or not self.governor.due(now):
+            return
+        layer, x = self._layer
+        seconds = dict.fromkeys(self.governor.candidates, 0.0)
+        with torch.inference_mode():
+            for _ in range(ROUNDS):
+                for threads in seconds:
+                    torch.set_num_threads(threads)
+                    started = time.perf_counter()
+                    for _ in range(CALLS):
+                        layer(x)
+                    seconds[threads] += time.perf_counter() - started
+        before = self.governor.current
+        chosen = self.governor.decide(seconds, now)
+        torch.set_num_threads(chosen)
+        if chosen != before:
+            log.info("intra-op threads %d -> %d (probe: %s)", before, chosen,
+                     ", ".join(f"{t} threads {s * 1e3:.1f} ms" for t, s in seconds.items()))
+
+
+def _widest_linear(model: nn.Module) -> tuple[nn.Module, torch.Tensor] | None:
+    """The linear layer with the most weights (a decoder layer's MLP projection) and a probe input
+    for it: ``PROBE_ROWS`` rows of zeros in its dtype (a matmul's time does not depend on values)."""
+    best = None
+    for module in model.modules():
+        weight = getattr(module, "packed_weight", getattr(module, "weight", None))
+        if not isinstance(weight, torch.Tensor) or not hasattr(module, "in_features"):
+            continue
+        size = module.in_features * module.out_features
+        if best is None or size > best[0]:
+            best = (size, module, weight)
+    if best is None:
+        return None
+    _, module, weight = best
+    return module, torch.zeros(PROBE_ROWS, module.in_features, dtype=weight.dtype, device=weight.device)

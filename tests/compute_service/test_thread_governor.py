@@ -1,0 +1,48 @@
+"""The intra-op thread governor's decisions (pure): which counts it weighs, when it probes, and when
+a probe moves it."""
+
+from __future__ import annotations
+
+import pytest
+
+from compute_service.thread_governor import ThreadGovernor, thread_candidates
+
+
+def test_candidates_are_all_cpus_but_one_and_all_of_them():
+    assert thread_candidates(2, {}) == (1, 2)
+    assert thread_candidates(16, {}) == (15, 16)
+    assert thread_candidates(1, {}) == (1,)
+
+
+def test_a_fixed_count_or_omp_num_threads_turns_the_governor_off():
+    assert thread_candidates(8, {"KVFLEET_CPU_THREADS": "3"}) == (3,)
+    assert thread_candidates(8, {"OMP_NUM_THREADS": "4"}) == ()
+    with pytest.raises(ValueError, match="KVFLEET_CPU_THREADS"):
+        thread_candidates(8, {"KVFLEET_CPU_THREADS": "two"})
+
+
+def test_probes_at_once_then_every_interval():
+    governor = ThreadGovernor((1, 2), interval_s=5.0)
+    assert governor.current == 1 and governor.due(100.0)
+    governor.decide({1: 1.0, 2: 2.0}, now=100.0)
+    assert not governor.due(104.9) and governor.due(105.0)
+
+
+def test_takes_more_threads_only_when_clearly_faster_and_keeps_them_while_faster():
+    governor = ThreadGovernor((1, 2), speedup_up=1.3, speedup_keep=1.15)
+    assert governor.decide({1: 1.0, 2: 0.8}, now=0) == 1     # 1.25x: not enough to switch up
+    assert governor.decide({1: 1.0, 2: 0.55}, now=5) == 2    # a free host: ~1.8x
+    assert governor.decide({1: 1.0, 2: 0.8}, now=10) == 2    # 1.25x: enough to stay
+    assert governor.decide({1: 1.0, 2: 1.4}, now=15) == 1    # a neighbour took a CPU
+    assert governor.chosen == {1: 2, 2: 2}
+
+
+def test_one_candidate_is_never_probed():
+    governor = ThreadGovernor((3,))
+    assert not governor.adaptive and not governor.due(0.0) and governor.current == 3
+
+
+@pytest.mark.parametrize("candidates", [(), (0, 1), (1, 2, 3)])
+def test_bad_candidates_are_refused(candidates):
+    with pytest.raises(ValueError, match="thread candidates"):
+        ThreadGovernor(candidates)
