@@ -1,18 +1,24 @@
 """KV-aware routing against load-only routing on multi-turn conversations, same arrivals.
 
-Conversations share a few long system prompts; each turn's prompt is the whole history so far (system
+Conversations share a few system prompts; each turn's prompt is the whole history so far (system
 prompt, earlier user turns and the model's own earlier replies), so a node that served a
-conversation's last turn holds all but its newest user message. A local cluster of ``--nodes``
-nodes (etcd, block_service, router) serves the same seeded schedule twice, each time on a fresh
-cluster: the router's default KV-aware routing (the cost of a node is ``--prefix-weight`` times its
-uncached prompt blocks plus its active blocks) and load-only routing (``--prefix-weight 0``). Reports
-mean and p90 time to first token, the prefix hit rate (cached / prompt tokens, from each request's
-usage), throughput, and per turn where the time went (``per_turn``).
+conversation's last turn holds all but its newest user message. The default shape (``long``) opens
+each conversation with a document; ``--shape short`` is short turns under long system prompts at a
+load that saturates the cluster. A local cluster of ``--nodes`` nodes (etcd, block_service, router)
+serves the same seeded schedule twice, each time on a fresh cluster: the router's default KV-aware
+routing (the cost of a node is ``--prefix-weight`` times its uncached prompt blocks plus its load:
+blocks still to prefill, and decoding requests' blocks at ``--decode-block-weight``) and load-only
+routing (``--prefix-weight 0``, the same load). Reports mean and p90 time to first token, the prefix
+hit rate (cached / prompt tokens, from each request's usage), throughput, and per turn where the
+time went (``per_turn``).
 
-    python bench/routing.py [--quick] [--json] [--nodes 2] [--rounds 1] [--prefix-weight W]
+    python bench/routing.py [--quick] [--json] [--shape long|short] [--nodes 2] [--rounds 1]
+                            [--prefix-weight W] [--decode-block-weight D] [--kv-cache-mib M]
 
 Each node runs one intra-op thread (OMP_NUM_THREADS=1), so two nodes share this machine's two cores
-without oversubscribing them; the router's cold-start ramp is off (``--warmup-s 0``).
+without oversubscribing them, in float32 (the shapes' load was set by float32's speed; ``auto``
+would be bfloat16 on a CPU with native bfloat16, twice as fast); the router's cold-start ramp is off
+(``--warmup-s 0``).
 """
 
 from __future__ import annotations
@@ -32,15 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ensure_model  # noqa: E402
 from router.routing import RoutingConfig  # noqa: E402
 
-FULL = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, user_len=(64, 192), reply=64,
-            mean_gap_s=0.5, think_s=0.5)
-QUICK = dict(conversations=8, turns=3, system_prompts=2, system_len=384, user_len=(32, 64), reply=16,
-             mean_gap_s=0.3, think_s=0.1)
+# Long-context chat: each conversation opens with a document (768-1,024 tokens) under one of four
+# shared system prompts, then short questions; arrivals and think times leave the cluster loaded but
+# not saturated (in a saturated closed loop TTFT is queueing in both modes: "short" below).
+FULL = dict(conversations=32, turns=4, system_prompts=4, system_len=512, first_user_len=(768, 1024),
+            user_len=(32, 96), reply=64, mean_gap_s=2.0, think_s=2.0, kv_cache_mib=512)
+QUICK = dict(conversations=8, turns=3, system_prompts=2, system_len=256, first_user_len=(384, 512),
+             user_len=(16, 48), reply=16, mean_gap_s=1.0, think_s=1.0, kv_cache_mib=128)
+# the first pass's shape: long shared system prompts, short user turns, arrivals that saturate two
+# one-thread nodes; a node's 128 MiB (8,192 tokens of bench-small) holds under a third of its
+# working set (4 system prompts + 32 histories, ~28K tokens)
+SHORT_CHAT = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, user_len=(64, 192), reply=64,
+                  mean_gap_s=0.5, think_s=0.5, kv_cache_mib=128)
+SHAPES = {"long": FULL, "short": SHORT_CHAT}
 BLOCK_SIZE = 16
-# per node: 8,192 tokens of bench-small's 16 KiB per token, under a third of the full shape's working set
-# (4 system prompts + 32 conversations' histories, ~28K tokens): where a node keeps what it serves
-# matters, as on a real fleet where long histories outgrow any one node's pool
-KV_CACHE_MEMORY = 128 << 20
 API_KEY = "sk-gold"
 VOCAB = 256
 
@@ -75,10 +86,10 @@ def schedule(shape: dict, seed: int = 0) -> list[Conversation]:
     ``system_prompts``, round robin) and their user turns."""
     rng = random.Random(seed)
     systems = [[rng.randrange(VOCAB) for _ in range(shape["system_len"])] for _ in range(shape["system_prompts"])]
-    low, high = shape["user_len"]
+    lengths = [shape.get("first_user_len", shape["user_len"])] + [shape["user_len"]] * (shape["turns"] - 1)
     start, conversations = 0.0, []
     for i in range(shape["conversations"]):
-        users = [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(shape["turns"])]
+        users = [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for low, high in lengths]
         conversations.append(Conversation(start, systems[i % len(systems)], users))
         start += rng.expovariate(1 / shape["mean_gap_s"])
     return conversations
@@ -125,13 +136,16 @@ async def _run(address: str, conversations: list[Conversation], shape: dict) -> 
     return result
 
 
-def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes: int, prefix_weight: float) -> RunResult:
+def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes: int, prefix_weight: float,
+             kv_cache_memory: int, decode_block_weight: float | None = None) -> RunResult:
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.local_cluster import LocalCluster
 
     router_args = ("--prefix-weight", str(prefix_weight), "--warmup-s", "0")
-    with LocalCluster(model, num_nodes=nodes, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
-                      log_level="WARNING", router_args=router_args, env={"OMP_NUM_THREADS": "1"},
+    if decode_block_weight is not None:
+        router_args += ("--decode-block-weight", str(decode_block_weight))
+    with LocalCluster(model, num_nodes=nodes, block_size=BLOCK_SIZE, kv_cache_memory=kv_cache_memory,
+                      log_level="WARNING", router_args=router_args, env={"OMP_NUM_THREADS": "1"}, dtype="float32",
                       http=False, metrics=False) as cluster:
         warm = [Conversation(0.0, [7] * 64, [[9] * 16])]  # kernels built and loaded on some node
         for _ in range(nodes):
@@ -177,20 +191,30 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model directory (default: models/bench-small)")
     parser.add_argument("--prefix-weight", type=float, default=RoutingConfig().prefix_weight,
                         help="the KV-aware side's --prefix-weight (default: the router's)")
+    parser.add_argument("--decode-block-weight", type=float, default=RoutingConfig().decode_block_weight,
+                        help="both sides' --decode-block-weight (default: the router's)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="long",
+                        help="long: conversations open with a document (default); short: the first pass's "
+                             "short-turn chat, which saturates the cluster")
+    parser.add_argument("--kv-cache-mib", type=int, default=None, help="each node's KV pool (default: the shape's)")
     args = parser.parse_args()
+    if args.kv_cache_mib is not None and args.kv_cache_mib < 1:
+        parser.error("--kv-cache-mib must be positive")
     if args.prefix_weight <= 0:
         parser.error("--prefix-weight must be positive: 0 is the load-only side")
     if args.nodes < 2:
         parser.error("--nodes must be at least 2: routing needs a choice")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    shape = QUICK if args.quick else FULL
+    shape = QUICK if args.quick else SHAPES[args.shape]
+    args.kv_cache_mib = args.kv_cache_mib or shape["kv_cache_mib"]
     model = Path(args.model) if args.model else ensure_model()
     conversations = schedule(shape)
     kv_runs, load_runs = [], []
     for _ in range(args.rounds):
-        kv_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=args.prefix_weight))
-        load_runs.append(run_mode(model, conversations, shape, args.nodes, prefix_weight=0.0))
+        memory, decode = args.kv_cache_mib << 20, args.decode_block_weight
+        kv_runs.append(run_mode(model, conversations, shape, args.nodes, args.prefix_weight, memory, decode))
+        load_runs.append(run_mode(model, conversations, shape, args.nodes, 0.0, memory, decode))
     kv = [summarize(r, shape["system_len"]) for r in kv_runs]
     load = [summarize(r, shape["system_len"]) for r in load_runs]
     same_tokens = all(r.replies == kv_runs[0].replies for r in kv_runs + load_runs)
@@ -206,7 +230,8 @@ def main() -> int:
         kv_tokens_per_s=round(mean(kv, "tokens_per_s"), 1), load_tokens_per_s=round(mean(load, "tokens_per_s"), 1),
         kv_per_node=kv[0]["per_node"], load_per_node=load[0]["per_node"], identical_replies=same_tokens,
         kv_per_turn=kv[0]["per_turn"], load_per_turn=load[0]["per_turn"], prefix_weight=args.prefix_weight,
-        nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name,
+        nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name, kv_cache_mib=args.kv_cache_mib,
+        decode_block_weight=args.decode_block_weight,
     )
     if not args.json:
         print(f"{shape['conversations']} conversations x {shape['turns']} turns over {shape['system_prompts']} "

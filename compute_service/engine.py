@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     block_size: int | str = 256
     kv_cache_memory: int | None = None   # bytes; None = a fraction of free memory
-    dtype: str = "float32"               # or bfloat16, float16, auto (cpu_host.resolve_dtype: bfloat16 on
-    #                                      a CPU with native bfloat16, else float32); resolved on construction
+    dtype: str = "auto"                  # auto (cpu_host.resolve_dtype: bfloat16 on a CPU with native
+    #                                      bfloat16, else float32; resolved on construction), float32
+    #                                      (token-exact against transformers), bfloat16, float16
     kv_cache_dtype: str = "auto"         # auto (= dtype), float32, bfloat16, float16, fp8_e4m3
     device: str = "cpu"
     max_num_seqs: int = 64

@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", required=True, help="this node's id in etcd and block_service")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool (default: a share of free memory)")
     parser.add_argument("--block-size", default="256", help="tokens per block (16-2048, multiple of 16) or chat/code/document")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, or auto: bfloat16 "
-                        "on a CPU with native bfloat16 (AMX, AVX512-BF16), else float32")
+    parser.add_argument("--dtype", default="auto", help="auto (default): bfloat16 on a CPU with native bfloat16 "
+                        "(AMX, AVX512-BF16), else float32; or float32 (token-exact against transformers), "
+                        "bfloat16, float16")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV pool dtype: auto (= --dtype), float32, bfloat16, float16 or fp8_e4m3 "
                              "(float8_e4m3fn with a float32 scale per token and KV head: about half of bfloat16)")

@@ -86,6 +86,7 @@ class LocalCluster:
         http: bool = True,
         metrics: bool = True,
         kv_cache_dtype: str = "auto",
+        dtype: str = "auto",
         block_service_standby: bool = False,
         lease_ttl_s: int = 5,
         kv_disk: tuple[str | Path, int] | None = None,
@@ -102,6 +103,7 @@ class LocalCluster:
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
         self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = dtype  # the nodes' compute dtype (auto: bfloat16 on a CPU with native bfloat16)
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
         self.kv_disk = kv_disk  # (directory, bytes): each node's disk KV tier in directory/<node id>
@@ -260,7 +262,7 @@ class LocalCluster:
         argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
                 "--node-id", node_id, "--block-size", str(self.block_size),
                 "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
-                *self._metrics_args(node_id), *self.compute_args, *extra]
+                "--dtype", self.dtype, *self._metrics_args(node_id), *self.compute_args, *extra]
         if self.kv_disk is not None:
             argv += ["--kv-disk-dir", str(Path(self.kv_disk[0]) / node_id), "--kv-disk-bytes", str(self.kv_disk[1])]
         argv += self._block_service_flag()

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the nodes' compute dtype (default auto: bfloat16 on a CPU with native bfloat16, "
+                             "else float32; float32 is token-exact against transformers)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
     parser.add_argument("--kv-layout", default="paged", help="the nodes' KV layout: paged or contiguous (max_model_len "
@@ -162,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
-                           kv_cache_dtype=args.kv_cache_dtype, block_service_standby=args.block_service_standby,
+                           kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                           block_service_standby=args.block_service_standby,
                            compute_args=(*_layout_args(args), *_snapshot_args(args), *_tier_args(args)),
                            kv_disk=(args.kv_disk_dir, args.kv_disk_bytes) if args.kv_disk_dir else None)
     stop = False

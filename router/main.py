@@ -45,9 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a prompt block a node holds below its pool (host memory, disk) is worth "
                              "against one in its pool, 0..1 (default 0.5: copying it back costs about half a "
                              "prefill); hot > lower tier > miss for 0 < L < 1")
+    parser.add_argument("--decode-block-weight", type=_share, default=0.1, metavar="D",
+                        help="a decoding request's KV block in a node's load, against a block still to prefill, "
+                             "0..1 (default 0.1: a first token waits on the prefill queued ahead of it; "
+                             "1 counts every active block alike)")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="cold-start traffic ramp of a new node")
     parser.add_argument("--hot-spot-ratio", type=float, default=2.0,
-                        help="fall back to least loaded above ratio x least-loaded active blocks + margin")
+                        help="fall back to least loaded above ratio x the least load + margin")
     parser.add_argument("--stall-timeout-s", type=float, default=120.0,
                         help="a node silent this long mid-request counts as failed (the request moves on)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -87,6 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
     nodes = NodeTable(dial_compute)
     picker = NodePicker(RoutingConfig(prefix_weight=args.prefix_weight, warmup_s=args.warmup_s,
                                       lower_tier_hit_weight=args.lower_tier_hit_weight,
+                                      decode_block_weight=args.decode_block_weight,
                                       hot_spot_ratio=args.hot_spot_ratio))
     prefix = await connect_prefix_lookup(args.block_service, args.etcd)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=args.stall_timeout_s)

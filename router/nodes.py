@@ -37,11 +37,13 @@ class RouterNode:
     stream: Any                        # the router's Serve stream to it (router.node_stream.NodeStream)
     ready_since: float | None = None   # None: not READY
     active_blocks: int = 0             # blocks this router's in-flight requests added there (``start``)
+    prefill_blocks: int = 0            # of those, the blocks of requests with no token yet: prefill ahead
     num_in_flight: int = 0
     num_routed: int = 0                # requests sent here since it joined
     failed_at: float | None = None     # last time a call to it failed (cleared by a READY update)
     _blocks_of: dict[str, int] = field(default_factory=dict)
     _found_of: dict[str, int] = field(default_factory=dict)  # request → prefix blocks it found cached here
+    _decoding: set[str] = field(default_factory=set)  # requests that have had a token: past their prefill
 
     @property
     def node_id(self) -> str:
@@ -72,15 +74,29 @@ class RouterNode:
         self.untrack(seq_id)
         self.num_in_flight -= 1
 
-    def track(self, request_id: str, num_tokens: int) -> None:
-        """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node."""
+    def track(self, request_id: str, num_tokens: int, decoding: bool = False) -> None:
+        """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node; ``decoding``
+        once a token of it came back (its prefill is done: no longer work ahead of a new prompt)."""
         blocks = max(-(-num_tokens // self.info.block_size) - self._found_of.get(request_id, 0), 0)
-        self.active_blocks += blocks - self._blocks_of.get(request_id, 0)
+        self._forget(request_id)
         self._blocks_of[request_id] = blocks
+        self.active_blocks += blocks
+        if decoding:
+            self._decoding.add(request_id)
+        else:
+            self.prefill_blocks += blocks
 
     def untrack(self, request_id: str) -> None:
-        self.active_blocks -= self._blocks_of.pop(request_id, 0)
+        self._forget(request_id)
         self._found_of.pop(request_id, None)
+
+    def _forget(self, request_id: str) -> None:
+        blocks = self._blocks_of.pop(request_id, 0)
+        self.active_blocks -= blocks
+        if request_id in self._decoding:
+            self._decoding.discard(request_id)
+        else:
+            self.prefill_blocks -= blocks
 
 
 class NodeTable:

@@ -96,7 +96,8 @@ class Relay:
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
             hits = [cached.get(n.node_id, NO_HIT) for n in candidates]
-            loads = [NodeLoad(n.node_id, n.active_blocks, h.hot, n.ready_since, h.lower) for n, h in zip(candidates, hits)]
+            loads = [NodeLoad(n.node_id, n.active_blocks, h.hot, n.ready_since, h.lower, n.prefill_blocks)
+                     for n, h in zip(candidates, hits)]
             num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
             span.set_attribute("kvfleet.node_id", decision.node_id)
@@ -179,7 +180,7 @@ class Relay:
                     continue  # the node's prefill progress: it is alive (heard above), nothing to relay
                 token_ids, reason = end_of_turn(chunk.token_ids, chunk.finish_reason, req.stop_token_ids)
                 progress.relayed(token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
-                node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent))
+                node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent), decoding=True)
                 if reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                     over = chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED  # else cancelled
                     yield self._last_chunk(req, progress, chunk.text, reason, token_ids, node)

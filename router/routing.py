@@ -1,6 +1,7 @@
 """Which node serves a request: KV-aware cost, a hot-spot guard and cold-start warming.
 
-    cost(node) = w · (missed + (1 - l) · lower) + (node's active blocks)
+    cost(node) = w · (missed + (1 - l) · lower) + load(node)
+    load(node) = (blocks of its requests still prefilling) + d · (blocks of its decoding requests)
 
 A prompt block cached in the node's device pool (hot) saves its prefill there; one the node holds
 in a lower tier (host memory or disk, issue 15: ``lower``, the blocks past the hot run) saves it too
@@ -10,9 +11,16 @@ a hot hit a lower-tier hit is worth; ``missed`` blocks are in no tier. So for th
 beats lower beats miss (for ``0 < l < 1``). An active block is work the node is already doing:
 a block its in-flight requests added there, not the prefix they found cached (``RouterNode.start``),
 so requests sharing a prefix do not make the node holding it look busier the more of them it serves.
+A request's first token is on a node's clock behind the prefill already queued there, and a
+prefill costs about a step per budget of tokens, while a sequence past its prefill adds one token
+per step: so the blocks of requests still prefilling count in full and those of decoding requests
+at ``d`` (``decode_block_weight``, default 0.1; 1 counts every active block alike: Dynamo's cost).
+Measured (BENCHMARKS.md, "Routing"): counted in full, a node serving sixteen conversations' decodes
+looked hundreds of blocks busier than its neighbour for a few dozen blocks of imbalance, and a
+conversation's 12-block history lost to that noise on most second turns.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
-(``active > ratio · least + margin``) the least-loaded node is taken instead.
+(``load > ratio · least + margin``) the least-loaded node is taken instead.
 
 A node that just became READY has empty caches and so the lowest cost: without care it would take
 all traffic at once, before its allocator, caches and kernels settle. So for ``warmup_s`` after it
@@ -35,6 +43,7 @@ _EPS = 1e-9
 @dataclass(slots=True, frozen=True)
 class RoutingConfig:
     prefix_weight: float = 1.0         # w: cost of one uncached prompt block, in active blocks
+    decode_block_weight: float = 0.1   # d: a decoding request's block, as a share of a prefilling one's
     lower_tier_hit_weight: float = 0.5  # l: a lower-tier block's worth, as a share of a hot one's
     hot_spot_ratio: float = 2.0        # the winner is "far busier" above ratio · least + margin
     hot_spot_margin_blocks: int = 16
@@ -44,6 +53,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.prefix_weight < 0:
             raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
+        if not 0 <= self.decode_block_weight <= 1:
+            raise ValueError(f"decode_block_weight must be in [0, 1], got {self.decode_block_weight}")
         if not 0 <= self.lower_tier_hit_weight <= 1:
             raise ValueError(f"lower_tier_hit_weight must be in [0, 1], got {self.lower_tier_hit_weight}")
         if self.hot_spot_ratio < 1:
@@ -63,6 +74,7 @@ class NodeLoad:
     cached_prefix_blocks: int    # leading prompt blocks already committed on the node (hot)
     ready_since: float           # when the node turned READY (same clock as `now`)
     lower_tier_prefix_blocks: int = 0  # prompt blocks past those the node holds in a lower tier
+    prefill_blocks: int | None = None  # of active_blocks, those of requests still prefilling (None: all)
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,12 +112,18 @@ class NodePicker:
         lo = self.config.warmup_min_share
         return min(1.0, lo + (1.0 - lo) * ramp)
 
+    def load(self, node: NodeLoad) -> float:
+        """The node's queued work in prefill blocks: prefilling requests' blocks in full, decoding
+        ones' at ``decode_block_weight``."""
+        prefill = node.active_blocks if node.prefill_blocks is None else node.prefill_blocks
+        return prefill + self.config.decode_block_weight * (node.active_blocks - prefill)
+
     def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
         hot = min(node.cached_prefix_blocks, num_prompt_blocks)
         lower = min(node.lower_tier_prefix_blocks, num_prompt_blocks - hot)
         missed = num_prompt_blocks - hot - lower
         prefill = missed + (1.0 - self.config.lower_tier_hit_weight) * lower
-        return self.config.prefix_weight * prefill + node.active_blocks
+        return self.config.prefix_weight * prefill + self.load(node)
 
     def choose(self, nodes: Sequence[NodeLoad], num_prompt_blocks: int, now: float) -> RouteDecision | None:
         """The node for a prompt of ``num_prompt_blocks`` full blocks; None when ``nodes`` is empty.
@@ -116,10 +134,11 @@ class NodePicker:
         costs = [self.cost(n, num_prompt_blocks) for n in candidates]
         best_cost = min(costs)
         winner = self._rng.choice([n for n, c in zip(candidates, costs) if c <= best_cost + _EPS])
-        least_active = min(n.active_blocks for n in candidates)
-        limit = self.config.hot_spot_ratio * least_active + self.config.hot_spot_margin_blocks
-        if winner.active_blocks > limit:
-            winner = self._rng.choice([n for n in candidates if n.active_blocks == least_active])
+        loads = {n.node_id: self.load(n) for n in candidates}
+        least = min(loads.values())
+        limit = self.config.hot_spot_ratio * least + self.config.hot_spot_margin_blocks
+        if loads[winner.node_id] > limit:
+            winner = self._rng.choice([n for n in candidates if loads[n.node_id] <= least + _EPS])
             reason = "hot_spot"
         else:
             reason = "warmup" if len(candidates) < len(nodes) else "kv"
