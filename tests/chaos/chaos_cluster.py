@@ -54,7 +54,7 @@ def start_cluster(model_dir, work_dir, num_nodes: int = 2) -> LocalCluster:
     tenants = work_dir / "tenants.yaml"
     tenants.write_text(TENANTS)
     cluster = LocalCluster(model_dir, num_nodes, tenants_file=tenants, work_dir=work_dir, block_size=BLOCK_SIZE,
-                           kv_cache_memory=KV_CACHE_MEMORY, compute_args=("--lease-ttl", str(LEASE_TTL_S)))
+                           kv_cache_memory=KV_CACHE_MEMORY, dtype="float32", compute_args=("--lease-ttl", str(LEASE_TTL_S)))
     return cluster.start()
 
 

@@ -35,6 +35,7 @@ def start_cluster(model_dir, tmp_path):
         kw.setdefault("block_size", BLOCK_SIZE)
         kw.setdefault("kv_cache_memory", 16 << 20)
         kw.setdefault("tenants_file", tenants)
+        kw.setdefault("dtype", "float32")  # the tests compare tokens with transformers' float32
         cluster = LocalCluster(model_dir, num_nodes, work_dir=tmp_path / f"cluster{len(started)}", **kw)
         started.append(cluster)
         return cluster.start()

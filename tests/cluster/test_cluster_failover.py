@@ -56,7 +56,7 @@ def generate_killing_its_node(cluster, req, after: int = 20) -> Failover:
 
 def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
     prompt = random_prompt(40, seed=5)
-    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
     expected = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].new_token_ids
     del engine
 
@@ -81,7 +81,7 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
 
 def test_a_stop_string_after_the_failover_point_cuts_the_text_as_without_a_failure(start_cluster, model_dir):
     prompt = random_prompt(40, seed=7)  # a seed whose greedy text has printable pairs late (many loop early)
-    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
     free, early = (engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].new_text
                    for n in (400, 150))
     # past token 150: far past where the node is killed (20 tokens in, plus what is in flight then)

@@ -24,7 +24,7 @@ PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([5, 16, 37, 70])]
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     return [o.new_token_ids for o in outs]
 

@@ -20,7 +20,8 @@ PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([7, 40, 90])]
 
 
 def test_contiguous_node_serves_paged_tokens_with_whole_reservations(start_cluster, model_dir):
-    expected = [o.new_token_ids for o in LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    expected = [o.new_token_ids for o in LLMEngine(model_dir, EngineConfig(
+        dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
                 .generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
     cluster = start_cluster(1, compute_args=("--kv-layout", "contiguous", "--max-model-len", str(MAX_LEN)))
     with ThreadPoolExecutor(len(PROMPTS)) as pool:

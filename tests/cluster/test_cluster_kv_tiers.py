@@ -46,7 +46,7 @@ def tiers_in_step(cluster) -> dict[str, int]:
 
 def test_evicted_prefix_is_promoted_from_host_and_disk_through_the_cluster(start_cluster, model_dir, tmp_path):
     per_block = bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK_SIZE, "float32")
-    expected = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20)).generate(
+    expected = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20)).generate(
         [PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].new_token_ids
     cluster = start_cluster(1, kv_cache_memory=14 * per_block,
                             compute_args=("--kv-host-memory", str(2 * per_block)),

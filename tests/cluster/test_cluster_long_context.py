@@ -39,7 +39,8 @@ def in_process(long_dir) -> dict[str, list[int]]:
 
     tokens = {}
     for dtype in ("fp8_e4m3", "float32"):
-        engine = LLMEngine(long_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=POOL, kv_cache_dtype=dtype))
+        engine = LLMEngine(long_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=POOL,
+                                                        kv_cache_dtype=dtype))
         [out] = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         tokens[dtype] = out.new_token_ids
     assert tokens["fp8_e4m3"] != tokens["float32"]  # the model is sensitive enough to show FP8's rounding

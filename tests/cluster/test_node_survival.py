@@ -27,7 +27,7 @@ MAX_TOKENS = 120
 def expected(model_dir):
     """Greedy tokens of the test prompts from an in-process engine (the same model)."""
     prompts = [random_prompt(20 + 7 * i, seed=40 + i) for i in range(NUM_STREAMS)]
-    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20))
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return prompts, [o.new_token_ids for o in outs]
 

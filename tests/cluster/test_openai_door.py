@@ -28,7 +28,7 @@ def one_node(model, tmp, **kw) -> LocalCluster:
     tenants = tmp / "tenants.yaml"
     tenants.write_text(TENANTS)
     return LocalCluster(model, 1, tenants_file=tenants, work_dir=tmp / "cluster", block_size=BLOCK_SIZE,
-                        kv_cache_memory=16 << 20, **kw)
+                        kv_cache_memory=16 << 20, dtype="float32", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def test_engine_in_process_matches_transformers(smollm2, reference):
     from compute_service.engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
-    engine = LLMEngine(smollm2, EngineConfig(block_size=16, kv_cache_memory=32 << 20))
+    engine = LLMEngine(smollm2, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=32 << 20))
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     texts: dict[str, str] = {rid: "" for rid in tokens}
 
@@ -69,7 +69,8 @@ def test_cluster_matches_transformers(smollm2, reference, tmp_path):
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
     from kvfleet_cli.local_cluster import LocalCluster
 
-    cluster = LocalCluster(smollm2, 1, work_dir=tmp_path / "cluster", block_size=16, kv_cache_memory=32 << 20)
+    cluster = LocalCluster(smollm2, 1, work_dir=tmp_path / "cluster", block_size=16, kv_cache_memory=32 << 20,
+                           dtype="float32")
     try:
         cluster.start()
         with rpc.sync_channel(cluster.router_address) as channel:

@@ -45,7 +45,7 @@ def test_an_unfinished_character_at_the_end_is_flushed_as_decode_ends_it(tokeniz
 def test_engine_output_text_is_the_decode_of_its_tokens(llama_dir, tokenizer):
     """A random model emits random bytes: outputs end in the middle of characters, and invalid
     sequences occur; the text streamed still equals the decode of the tokens streamed."""
-    engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+    engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
     prompts = ["你好", "🙂 emoji", "abc", "日本語のテキスト", "x" * 20, "é"]
     outs = engine.generate(prompts, SamplingParams(max_tokens=23, ignore_eos=True))
     for out in outs:

@@ -15,10 +15,10 @@ def test_engine_sets_the_threads_it_is_asked_for(llama_dir, monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.setenv("KVFLEET_CPU_THREADS", "1")
-        LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+        LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
         assert torch.get_num_threads() == 1
         monkeypatch.setenv("KVFLEET_CPU_THREADS", "2")
-        LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+        LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -30,7 +30,7 @@ def test_engine_starts_a_cpu_short_and_probes_its_thread_count_on_the_first_step
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     candidates = thread_candidates(usable_cpus(), {})
     try:
-        engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+        engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
         assert torch.get_num_threads() == candidates[0] == max(1, usable_cpus() - 1)
         out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
         assert len(out.new_token_ids) == 3
@@ -49,3 +49,8 @@ def test_auto_dtype_resolves_on_construction_and_runs(llama_dir):
     out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert len(out.new_token_ids) == 3
     assert engine.runner.kv_cache.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+
+
+def test_the_default_dtype_is_the_fast_one_on_this_cpu():
+    assert EngineConfig().dtype == resolve_dtype("auto", "cpu", host_cpu_flags())
+    assert EngineConfig(dtype="float32").dtype == "float32"  # still there, token-exact against transformers

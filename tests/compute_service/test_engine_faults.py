@@ -34,7 +34,7 @@ class FailsOnce:
 
 @pytest.fixture
 def engine(llama_dir):
-    return LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=16 << 20, max_model_len=256))
+    return LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=16 << 20, max_model_len=256))
 
 
 async def _outputs(aengine, request_id, prompt):

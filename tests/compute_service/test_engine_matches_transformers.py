@@ -30,7 +30,7 @@ def capture_first_logits(engine: LLMEngine) -> dict[str, torch.Tensor]:
 
 
 def run_engine(model_dir, prompts, block_size, kv_cache_memory=256 << 20, **config):
-    engine = LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, **config))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=kv_cache_memory, **config))
     first_logits = capture_first_logits(engine)
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -74,7 +74,7 @@ def test_shared_prefixes_hit_the_cache_and_match(llama_dir, hf_reference, block_
     base = random_prompt(600, seed=1)
     prompts = [base + random_prompt(n, seed=50 + n) for n in (5, 40, 130, 77)]
     ref = hf_reference("llama")
-    engine = LLMEngine(llama_dir, EngineConfig(block_size=block_size, kv_cache_memory=256 << 20))
+    engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=256 << 20))
     first = engine.generate(prompts[:1], SamplingParams(max_tokens=MAX_NEW))[0]
     assert first.cached_tokens == 0
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=MAX_NEW))
@@ -91,7 +91,7 @@ def test_preemption_under_memory_pressure_keeps_outputs(llama_dir, hf_reference)
     ref = hf_reference("llama")
     per_block = bytes_per_block(ModelConfig.from_dir(llama_dir), 16, torch.float32)
     # 8 sequences growing to ~9 blocks each do not fit in 24 blocks at once
-    engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=24 * per_block))
+    engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=24 * per_block))
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     assert engine.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs):

@@ -18,7 +18,7 @@ from tests.compute_service.conftest import random_prompt
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    return LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=64 << 20, max_model_len=512))
+    return LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=64 << 20, max_model_len=512))
 
 
 def run_one(engine, prompt, sampling):
@@ -66,7 +66,7 @@ def test_stop_string_cuts_text(engine):
 
 def test_eos_stops_unless_ignored(llama_dir):
     prompt = random_prompt(20, seed=8)
-    eos_engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+    eos_engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
     first = run_one(eos_engine, prompt, SamplingParams(max_tokens=1)).new_token_ids[0]
     # declare the model's first greedy token to be EOS: generation stops right there
     eos_engine.model_config.eos_token_ids = (first,)
@@ -117,7 +117,7 @@ def test_invalid_block_size(value):
 def test_block_size_presets():
     assert [parse_block_size(p) for p in ("chat", "code", "document")] == [256, 512, 1024]
     with pytest.raises(ValueError, match="block_size"):
-        EngineConfig(block_size=24)
+        EngineConfig(dtype="float32", block_size=24)
 
 
 @pytest.mark.parametrize("damage, needle", [
@@ -134,7 +134,7 @@ def test_broken_model_directory_names_the_problem(llama_dir, tmp_path, damage, n
     shutil.copytree(llama_dir, broken)
     damage(broken)
     with pytest.raises(ModelLoadError, match=needle):
-        LLMEngine(broken, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+        LLMEngine(broken, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
 
 
 def test_streaming_through_async_engine(engine):

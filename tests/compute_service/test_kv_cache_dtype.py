@@ -38,7 +38,7 @@ def test_auto_is_the_model_dtype_and_unknown_names_are_refused():
         with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, bfloat16, float16, fp8_e4m3"):
             resolve_kv_cache_dtype(bad, "float32")
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
-        EngineConfig(kv_cache_dtype="fp4")
+        EngineConfig(dtype="float32", kv_cache_dtype="fp4")
 
 
 def test_fp8_platform_refusals():
@@ -69,7 +69,8 @@ def test_fp8_engine_serves_and_fits_more_blocks(llama_dir, caplog):
     tokens = {}
     for name in ("float32", "fp8_e4m3"):
         with caplog.at_level(logging.INFO, logger="compute_service.engine"):
-            engine = LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=memory, kv_cache_dtype=name))
+            engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=memory,
+                                                        kv_cache_dtype=name))
         ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")][-1]
         assert f"KV cache {name}: " in ready and "B/token (float32 " in ready and "fp8_e4m3 " in ready
         blocks[name] = engine.allocator.num_blocks

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def engine_for(model_dir, layout: str, num_blocks: int = 3 * RESERVATION, allocator_factory=None) -> LLMEngine:
-    config = EngineConfig(block_size=BS, kv_cache_memory=num_blocks * BYTES_PER_BLOCK, max_model_len=MAX_LEN,
+    config = EngineConfig(dtype="float32", block_size=BS, kv_cache_memory=num_blocks * BYTES_PER_BLOCK, max_model_len=MAX_LEN,
                           kv_layout=layout)
     engine = LLMEngine(model_dir, config, allocator_factory=allocator_factory)
     assert engine.allocator.num_blocks == num_blocks
@@ -49,7 +49,7 @@ def test_layout_names():
     with pytest.raises(ValueError, match="^--kv-layout must be one of paged, contiguous, got 'ragged'$"):
         parse_kv_layout("ragged")
     with pytest.raises(ValueError, match="--kv-layout"):
-        EngineConfig(kv_layout="ragged")
+        EngineConfig(dtype="float32", kv_layout="ragged")
 
 
 def test_contiguous_is_token_identical_to_paged(paged, contiguous):

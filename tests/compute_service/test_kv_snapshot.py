@@ -24,7 +24,7 @@ PROMPTS = [PREFIX + random_prompt(7 + i, seed=41 + i) for i in range(3)]
 
 
 def make_engine(model_dir, block_size: int = BS) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=4 << 20, node_id="n0"))
+    return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=4 << 20, node_id="n0"))
 
 
 def args_for(model_dir, snapshot_dir) -> argparse.Namespace:

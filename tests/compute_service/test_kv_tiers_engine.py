@@ -26,7 +26,7 @@ def per_block(model_dir) -> int:
 
 
 def engine(model_dir, pool_blocks: int, **tiers) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(block_size=BS, kv_cache_memory=pool_blocks * per_block(model_dir),
+    return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BS, kv_cache_memory=pool_blocks * per_block(model_dir),
                                              **tiers))
 
 
@@ -129,4 +129,4 @@ def test_auto_preemption_measures_copies_and_prefill_at_start_and_refuses_bad_ti
     with pytest.raises(ValueError, match="holds no KV block"):
         engine(llama_dir, 8, kv_host_memory=per_block(llama_dir) - 1)
     with pytest.raises(ValueError, match="go together"):
-        EngineConfig(kv_host_memory=1 << 20, kv_disk_bytes=1 << 20)
+        EngineConfig(dtype="float32", kv_host_memory=1 << 20, kv_disk_bytes=1 << 20)

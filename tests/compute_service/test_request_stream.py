@@ -26,7 +26,7 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def node(llama_dir):
-    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=64 << 20)))
+    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=64 << 20)))
     try:
         yield NodeContext(NodeStatus("node-a", state=NodeState.READY), engine, block_size=16)
     finally:
@@ -95,7 +95,7 @@ def test_resumed_tokens_that_already_finish_the_request_are_refused(node):
 def test_a_chunked_prefill_streams_an_empty_chunk_per_chunk_before_its_first_token(llama_dir, node):
     """A long prompt prefills in chunks of ``max_num_batched_tokens`` for minutes before its first
     token: each chunk that samples nothing is an empty chunk, which the router's stall watch hears."""
-    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(block_size=16, kv_cache_memory=64 << 20,
+    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=64 << 20,
                                                            max_num_batched_tokens=64)))
     try:
         chunked = NodeContext(NodeStatus("node-c", state=NodeState.READY), engine, block_size=16)

@@ -20,7 +20,7 @@ from tests.compute_service.served_blocks import BS, num_sequences
 @pytest.fixture
 def node_context(node, llama_dir):
     allocator, _, _ = node
-    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(block_size=BS, kv_cache_memory=16 << 20)))
+    engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=BS, kv_cache_memory=16 << 20)))
 
     async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
         await allocator.preallocate(seq_id, tenant, token_ids)

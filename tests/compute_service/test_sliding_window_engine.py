@@ -35,7 +35,7 @@ def windowed(tmp_path_factory):
 
 
 def run(model_dir, prompts, **config) -> tuple[LLMEngine, list[list[int]]]:
-    engine = LLMEngine(model_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20, **config))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20, **config))
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     engine.allocator.page_table.check()
     return engine, [o.new_token_ids for o in outs]
@@ -59,7 +59,7 @@ def test_chunked_prefill_matches_transformers(windowed, name):
 
 def test_prefix_cache_hits_match_transformers(windowed):
     model_dir, want = windowed("qwen2")
-    engine = LLMEngine(model_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
     first = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=MAX_NEW))[0]
     again = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=MAX_NEW))[0]
     assert again.cached_tokens > 0
@@ -68,7 +68,7 @@ def test_prefix_cache_hits_match_transformers(windowed):
 
 def used_blocks_while_generating(model_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
     """Greedy tokens and the pool's used blocks after every step (the allocator's public stats)."""
-    engine = LLMEngine(model_dir, EngineConfig(block_size=16, kv_cache_memory=8 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
     engine.add_request("long", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     tokens, used = [], []
     while engine.has_unfinished_requests():

@@ -31,7 +31,7 @@ def plan(capsys, *args: str) -> dict:
 def admitted(model_dir, budget: int, block_size: int, context: int, num_seqs: int,
              kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """(running, waiting) after one step of ``num_seqs`` distinct prompts of ``context`` tokens."""
-    engine = LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=budget, max_num_seqs=1024,
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=budget, max_num_seqs=1024,
                                                max_num_batched_tokens=num_seqs * context,
                                                kv_cache_dtype=kv_cache_dtype))
     for i in range(num_seqs):

@@ -19,7 +19,7 @@ NUM_BLOCKS = 12  # of 16 tokens: a 300-token prompt would not fit
 
 def serve(model_dir, work_dir, prompts):
     pool = NUM_BLOCKS * bytes_per_block(ModelConfig.from_dir(model_dir), 16, torch.float32)
-    with LocalCluster(model_dir, 1, work_dir=work_dir, block_size=16, kv_cache_memory=pool) as cluster:
+    with LocalCluster(model_dir, 1, work_dir=work_dir, block_size=16, kv_cache_memory=pool, dtype="float32") as cluster:
         got = [tokens_of(stream(cluster.router_address, request(tokens=p, max_tokens=MAX_NEW, ignore_eos=True)))
                for p in prompts]
         with pytest.raises(grpc.RpcError) as refused:

@@ -14,7 +14,7 @@ PROMPTS = [prompt(n, seed=n) for n in (3, 40, 100)]
 
 
 def engine_tokens(model_dir, prompts, block_size: int = 16) -> list[list[int]]:
-    engine = LLMEngine(model_dir, EngineConfig(block_size=block_size, kv_cache_memory=16 << 20))
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=16 << 20))
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     return [o.new_token_ids for o in outs]
 

@@ -172,6 +172,31 @@ def test_a_client_leaving_cancels_the_request_on_its_node():
     assert nodes.nodes["a"].num_in_flight == 0 and nodes.nodes["a"].active_blocks == 0
 
 
+def test_a_request_counts_as_prefill_ahead_until_its_first_token():
+    nodes = table({"a": [([10, 11, 12], None)]})
+    node = nodes.nodes["a"]
+    req = ParsedRequest("r", "r-1", list(range(40)), SamplingParams(max_tokens=5))  # 3 blocks of 16
+    seen = {}
+
+    async def scenario():
+        stream = relay(nodes).run(req, TENANT)
+        real_start = node.stream.start
+
+        def start(message):  # the router has sent it: counted, nothing back yet
+            inbox = real_start(message)
+            seen["sent"] = (node.active_blocks, node.prefill_blocks)
+            return inbox
+
+        node.stream.start = start
+        await anext(stream)
+        seen["first token"] = (node.active_blocks, node.prefill_blocks)
+        await stream.aclose()
+
+    asyncio.run(scenario())
+    assert seen == {"sent": (3, 3), "first token": (3, 0)}
+    assert (node.active_blocks, node.prefill_blocks) == (0, 0)
+
+
 def test_an_end_of_turn_token_the_node_does_not_stop_at_ends_the_request():
     """The node stops at config.json's eos only; the router stops at the model's other end-of-turn
     tokens (generation_config.json, the tokenizer's eos) and cancels the rest on the node."""

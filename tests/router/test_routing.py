@@ -138,3 +138,36 @@ def test_the_router_flag_takes_a_share_and_says_so_in_one_line_otherwise(capsys)
         parser.parse_args(base + ["--lower-tier-hit-weight", "2"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "kvfleet router: error: argument --lower-tier-hit-weight: expected a number in [0, 1], got 2"
+
+
+def test_decoding_blocks_weigh_a_tenth_of_the_prefill_queued_ahead():
+    # "a" holds the conversation's 12-block history and decodes 200 blocks of other requests;
+    # "b" holds nothing and has 20 blocks still to prefill: the first token comes sooner on "a"
+    a = NodeLoad("a", active_blocks=200, cached_prefix_blocks=12, ready_since=OLD, prefill_blocks=0)
+    b = NodeLoad("b", active_blocks=20, cached_prefix_blocks=0, ready_since=OLD, prefill_blocks=20)
+    p = picker()
+    assert p.load(a) == pytest.approx(20.0) and p.load(b) == 20
+    d = p.choose([a, b], num_prompt_blocks=14, now=0)
+    assert (d.node_id, d.reason) == ("a", "kv") and d.cost == pytest.approx(2 + 20.0)
+    # counted in full (Dynamo's cost, decode_block_weight 1), the decodes push it away from its cache
+    assert picker(decode_block_weight=1.0).choose([a, b], 14, 0).node_id == "b"
+
+
+def test_without_a_prefill_split_every_active_block_counts_in_full():
+    assert picker().load(node("x", active=30)) == 30
+
+
+def test_the_hot_spot_guard_compares_loads():
+    p = picker(prefix_weight=10.0, hot_spot_ratio=2.0, hot_spot_margin_blocks=4)
+
+    def decoding(blocks):
+        return NodeLoad("hot", active_blocks=blocks, cached_prefix_blocks=10, ready_since=OLD, prefill_blocks=0)
+
+    assert p.choose([decoding(100), node("cool", active=5)], 10, 0).node_id == "hot"  # load 10 <= 2 * 5 + 4
+    d = p.choose([decoding(300), node("cool", active=5)], 10, 0)                       # load 30 > 14
+    assert (d.node_id, d.reason) == ("cool", "hot_spot")
+
+
+def test_the_decode_weight_is_a_share():
+    with pytest.raises(ValueError, match="decode_block_weight"):
+        RoutingConfig(decode_block_weight=1.5)
