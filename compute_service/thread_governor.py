@@ -8,8 +8,10 @@ holds one of the CPUs: every matmul is a parallel region ending in a barrier, so
 the neighbour's time slice whenever one of its threads is descheduled (4-5x slower than one thread
 under load). No fixed count serves both, and a shared host moves between them, so the engine keeps
 two candidates, usable CPUs less one (vLLM's choice: a CPU left to everything else) and all of
-them, and every ``interval_s`` while it works times the same matmul at each. It takes the larger
-count only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
+them, and while it works times the same matmul at each: every ``interval_s`` at the smaller count,
+every ``interval_more_s`` at the larger (a neighbour that starts working, another node of the same
+host for one, costs the most there, so it is noticed within a second). It takes the larger count
+only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
 (``speedup_keep``), so a probe's noise does not flip it back and forth.
 """
 
@@ -20,7 +22,8 @@ from collections.abc import Mapping
 
 from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 
-PROBE_INTERVAL_S = 5.0
+PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
+PROBE_INTERVAL_MORE_S = 1.0  # between probes at the larger count
 SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
 SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
 
@@ -41,18 +44,19 @@ def thread_candidates(usable_cpus: int, env: Mapping[str, str]) -> tuple[int, ..
 class ThreadGovernor:
     """Decides between ``candidates`` (fewer, more) from the seconds each took on the same probe.
 
-    ``due(now)`` says when to probe (at once, then every ``interval_s``); ``decide`` takes the
+    ``due(now)`` says when to probe (at once, then as the interval of the current count says); ``decide`` takes the
     probe's seconds per candidate and returns the count to run with. With one candidate it is
     never due and ``current`` is that count."""
 
     def __init__(self, candidates: tuple[int, ...], interval_s: float = PROBE_INTERVAL_S,
-                 speedup_up: float = SPEEDUP_UP, speedup_keep: float = SPEEDUP_KEEP):
+                 interval_more_s: float = PROBE_INTERVAL_MORE_S, speedup_up: float = SPEEDUP_UP,
+                 speedup_keep: float = SPEEDUP_KEEP):
         if not candidates or len(candidates) > 2 or any(c < 1 for c in candidates):
             raise ValueError(f"thread candidates must be one or two positive counts, got {candidates!r}")
-        if interval_s <= 0 or not 1 <= speedup_keep <= speedup_up:
-            raise ValueError("need interval_s > 0 and 1 <= speedup_keep <= speedup_up")
+        if interval_s <= 0 or interval_more_s <= 0 or not 1 <= speedup_keep <= speedup_up:
+            raise ValueError("need positive intervals and 1 <= speedup_keep <= speedup_up")
         self.candidates = tuple(sorted(set(candidates)))
-        self.interval_s = interval_s
+        self.interval_s, self.interval_more_s = interval_s, interval_more_s
         self.speedup_up, self.speedup_keep = speedup_up, speedup_keep
         self.current = self.candidates[0]
         self.chosen = Counter()  # count -> how many probes chose it
@@ -63,7 +67,10 @@ class ThreadGovernor:
         return len(self.candidates) == 2
 
     def due(self, now: float) -> bool:
-        return self.adaptive and (self._last_probe is None or now - self._last_probe >= self.interval_s)
+        if not self.adaptive:
+            return False
+        interval = self.interval_more_s if self.current == self.candidates[-1] else self.interval_s
+        return self._last_probe is None or now - self._last_probe >= interval
 
     def decide(self, seconds: Mapping[int, float], now: float) -> int:
         """The count to run with after a probe that took ``seconds[count]`` at each candidate."""

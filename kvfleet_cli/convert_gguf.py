@@ -5,8 +5,9 @@ kvfleet (and transformers) load: ``config.json``, ``model.safetensors``, ``token
 The light route: the ``gguf`` package dequantizes each tensor to float32 and llama.cpp's row
 permutation of q and k is undone (llama.cpp interleaves each head's two RoPE halves; kvfleet and
 transformers rotate the halves as they are). The weights are written in float32: a Q4_1/Q8_0 value
-is ``scale * q + min`` with float16 scale and min, exact in float32 but not in bfloat16, and float32
-is the engine's default dtype on CPU, so what is served is what transformers computes with.
+is ``scale * q + min`` with float16 scale and min, exact in float32 but not in bfloat16, so a node
+run with ``--dtype float32`` serves what transformers computes with (``auto``, the default, casts
+them to bfloat16 at load on a CPU with native bfloat16).
 
 The directory is written into a temporary folder beside ``DIR`` and renamed at the end: a file that
 is missing, truncated or of an architecture not supported leaves nothing behind.

@@ -21,11 +21,13 @@ def test_a_fixed_count_or_omp_num_threads_turns_the_governor_off():
         thread_candidates(8, {"KVFLEET_CPU_THREADS": "two"})
 
 
-def test_probes_at_once_then_every_interval():
-    governor = ThreadGovernor((1, 2), interval_s=5.0)
+def test_probes_at_once_then_every_interval_and_sooner_at_the_larger_count():
+    governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0)
     assert governor.current == 1 and governor.due(100.0)
     governor.decide({1: 1.0, 2: 2.0}, now=100.0)
     assert not governor.due(104.9) and governor.due(105.0)
+    governor.decide({1: 1.0, 2: 0.5}, now=105.0)  # all CPUs: a neighbour costs most here, look again soon
+    assert not governor.due(105.9) and governor.due(106.0)
 
 
 def test_takes_more_threads_only_when_clearly_faster_and_keeps_them_while_faster():
