@@ -21,7 +21,8 @@ def test_up_refuses_an_unknown_kv_layout(tmp_path, model):  # noqa: F811
 
 def test_compute_refuses_a_reservation_larger_than_its_pool(tmp_path, model):  # noqa: F811
     line = refused("compute", "--node-id", "n1", "--model", str(model), "--kv-layout", "contiguous",
-                   "--block-size", "16", "--kv-cache-memory", str(100 * BLOCK_BYTES), "--max-model-len", "2048", "--dtype", "float32",
+                   "--block-size", "16", "--kv-cache-memory", str(100 * BLOCK_BYTES), "--max-model-len", "2048",
+                   "--dtype", "float32",
                    tmp_path=tmp_path)
     assert line == ("kvfleet compute: --kv-layout contiguous reserves max_model_len 2048 tokens (128 blocks of 16) "
                     "per sequence, but the pool holds 100 blocks: lower --max-model-len or raise --kv-cache-memory")
