@@ -42,7 +42,7 @@ from router.routing import RoutingConfig  # noqa: E402
 # shared system prompts, then short questions; arrivals and think times leave the cluster loaded but
 # not saturated (in a saturated closed loop TTFT is queueing in both modes: "short" below).
 FULL = dict(conversations=32, turns=4, system_prompts=4, system_len=512, first_user_len=(768, 1024),
-            user_len=(32, 96), reply=64, mean_gap_s=2.0, think_s=2.0, kv_cache_mib=512)
+            user_len=(32, 96), reply=64, mean_gap_s=3.0, think_s=3.0, kv_cache_mib=512)
 QUICK = dict(conversations=8, turns=3, system_prompts=2, system_len=256, first_user_len=(384, 512),
              user_len=(16, 48), reply=16, mean_gap_s=1.0, think_s=1.0, kv_cache_mib=128)
 # the first pass's shape: long shared system prompts, short user turns, arrivals that saturate two
@@ -137,7 +137,8 @@ async def _run(address: str, conversations: list[Conversation], shape: dict) -> 
 
 
 def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes: int, prefix_weight: float,
-             kv_cache_memory: int, decode_block_weight: float | None = None) -> RunResult:
+             kv_cache_memory: int, decode_block_weight: float | None = None,
+             compute_args: tuple[str, ...] = ()) -> RunResult:
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.local_cluster import LocalCluster
 
@@ -146,7 +147,7 @@ def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes:
         router_args += ("--decode-block-weight", str(decode_block_weight))
     with LocalCluster(model, num_nodes=nodes, block_size=BLOCK_SIZE, kv_cache_memory=kv_cache_memory,
                       log_level="WARNING", router_args=router_args, env={"OMP_NUM_THREADS": "1"}, dtype="float32",
-                      http=False, metrics=False) as cluster:
+                      http=False, metrics=False, compute_args=compute_args) as cluster:
         warm = [Conversation(0.0, [7] * 64, [[9] * 16])]  # kernels built and loaded on some node
         for _ in range(nodes):
             run_loop(_run(cluster.router_address, warm, dict(shape, think_s=0.0, reply=2)))
@@ -197,6 +198,9 @@ def main() -> int:
                         help="long: conversations open with a document (default); short: the first pass's "
                              "short-turn chat, which saturates the cluster")
     parser.add_argument("--kv-cache-mib", type=int, default=None, help="each node's KV pool (default: the shape's)")
+    parser.add_argument("--mean-gap-s", type=float, default=None,
+                        help="mean seconds between conversations' arrivals (default: the shape's): the load")
+    parser.add_argument("--think-s", type=float, default=None, help="seconds between a reply and the next turn")
     args = parser.parse_args()
     if args.kv_cache_mib is not None and args.kv_cache_mib < 1:
         parser.error("--kv-cache-mib must be positive")
@@ -206,7 +210,12 @@ def main() -> int:
         parser.error("--nodes must be at least 2: routing needs a choice")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    shape = QUICK if args.quick else SHAPES[args.shape]
+    shape = dict(QUICK if args.quick else SHAPES[args.shape])
+    if args.mean_gap_s is not None and args.mean_gap_s <= 0:
+        parser.error("--mean-gap-s must be positive")
+    if args.think_s is not None and args.think_s < 0:
+        parser.error("--think-s must be >= 0")
+    shape.update({k: v for k, v in (("mean_gap_s", args.mean_gap_s), ("think_s", args.think_s)) if v is not None})
     args.kv_cache_mib = args.kv_cache_mib or shape["kv_cache_mib"]
     model = Path(args.model) if args.model else ensure_model()
     conversations = schedule(shape)
