@@ -92,7 +92,7 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
 
 def _thread_probes(engine) -> dict[str, int]:
     """How many of the engine's timed probes chose each intra-op thread count (thread_governor.py)."""
-    governor = engine.threads.governor if engine.threads is not None else None
+    governor = engine.thread_probe.governor if engine.thread_probe is not None else None
     return {str(k): v for k, v in sorted(governor.chosen.items())} if governor is not None else {}
 
 

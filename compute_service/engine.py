@@ -132,7 +132,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
         pack_linears(model, config.max_num_batched_tokens, threads)
-        self.threads = ThreadProbe(model, ThreadGovernor(threads)) if threads else None
+        self.thread_probe = ThreadProbe(model, dtype, ThreadGovernor(threads)) if threads else None
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
         num_blocks = num_blocks_for(mc, block_size, kv_dtype, self.device, config.kv_cache_memory)
@@ -242,8 +242,8 @@ class LLMEngine:
 
         A step that raises fails the requests it concerns (``_fail_step``), not the engine: the
         next step runs the others."""
-        if self.threads is not None:
-            self.threads.maybe_probe()
+        if self.thread_probe is not None:
+            self.thread_probe.maybe_probe()
         self.allocator.begin_step()
         try:
             return self._step()

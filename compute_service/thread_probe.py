@@ -19,15 +19,26 @@ ROUNDS, CALLS = 3, 4  # rounds alternate the candidates; each round times CALLS 
 
 
 class ThreadProbe:
-    def __init__(self, model: nn.Module, governor: ThreadGovernor):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, governor: ThreadGovernor):
+        """``dtype``: the model's activations'; the probe feeds its layer rows of it."""
         self.governor = governor
-        self._layer = _widest_linear(model) if governor.adaptive else None
+        self._layer = _widest_linear(model, dtype) if governor.adaptive else None
         torch.set_num_threads(governor.current)
 
     def maybe_probe(self) -> None:
+        """Probe if it is time; a probe that fails turns probing off (with a warning) and leaves
+        the count as it is: the engine serves on, at the count it had."""
         now = time.monotonic()
         if self._layer is None or not self.governor.due(now):
             return
+        try:
+            self._probe(now)
+        except Exception as e:  # a layer that cannot take the probe's rows: keep serving without it
+            log.warning("intra-op thread probe failed, staying at %d threads: %s", self.governor.current, e)
+            self._layer = None
+            torch.set_num_threads(self.governor.current)
+
+    def _probe(self, now: float) -> None:
         layer, x = self._layer
         seconds = dict.fromkeys(self.governor.candidates, 0.0)
         with torch.inference_mode():
@@ -46,18 +57,16 @@ class ThreadProbe:
                      ", ".join(f"{t} threads {s * 1e3:.1f} ms" for t, s in seconds.items()))
 
 
-def _widest_linear(model: nn.Module) -> tuple[nn.Module, torch.Tensor] | None:
+def _widest_linear(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor] | None:
     """The linear layer with the most weights (a decoder layer's MLP projection) and a probe input
-    for it: ``PROBE_ROWS`` rows of zeros in its dtype (a matmul's time does not depend on values)."""
+    for it: ``PROBE_ROWS`` rows of zeros (a matmul's time does not depend on values)."""
     best = None
     for module in model.modules():
-        weight = getattr(module, "packed_weight", getattr(module, "weight", None))
-        if not isinstance(weight, torch.Tensor) or not hasattr(module, "in_features"):
-            continue
-        size = module.in_features * module.out_features
-        if best is None or size > best[0]:
-            best = (size, module, weight)
+        if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+            size = module.in_features * module.out_features
+            if best is None or size > best[0]:
+                best = (size, module)
     if best is None:
         return None
-    _, module, weight = best
-    return module, torch.zeros(PROBE_ROWS, module.in_features, dtype=weight.dtype, device=weight.device)
+    _, module = best
+    return module, torch.zeros(PROBE_ROWS, module.in_features, dtype=dtype)

@@ -34,7 +34,7 @@ def test_engine_starts_a_cpu_short_and_probes_its_thread_count_on_the_first_step
         assert torch.get_num_threads() == candidates[0] == max(1, usable_cpus() - 1)
         out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
         assert len(out.new_token_ids) == 3
-        governor = engine.threads.governor
+        governor = engine.thread_probe.governor
         if len(candidates) == 2:  # a host with more than one CPU: the first step probed both counts
             assert sum(governor.chosen.values()) == 1 and governor.current in candidates
         assert engine.stats().intra_op_threads == torch.get_num_threads() == governor.current

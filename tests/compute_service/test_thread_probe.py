@@ -1,0 +1,45 @@
+"""The thread probe on real torch layers: it times the model's widest linear layer at both counts
+and applies the governor's answer; a layer that cannot take the probe turns probing off."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from compute_service.thread_governor import ThreadGovernor
+from compute_service.thread_probe import ThreadProbe
+
+
+class _Refusing(nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("no rows of that dtype here")
+
+
+def test_the_probe_times_both_counts_and_sets_the_chosen_one():
+    before = torch.get_num_threads()
+    try:
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(64, 256))
+        probe = ThreadProbe(model, torch.float32, ThreadGovernor((1, 2)))
+        assert probe._layer[0] is model[1]  # the widest
+        probe.maybe_probe()
+        assert sum(probe.governor.chosen.values()) == 1
+        assert torch.get_num_threads() == probe.governor.current
+        probe.maybe_probe()  # not due again so soon
+        assert sum(probe.governor.chosen.values()) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_failing_probe_turns_probing_off_and_keeps_the_count(caplog):
+    before = torch.get_num_threads()
+    try:
+        probe = ThreadProbe(nn.Sequential(_Refusing(8, 8)), torch.float32, ThreadGovernor((1, 2)))
+        with caplog.at_level(logging.WARNING):
+            probe.maybe_probe()
+        assert "thread probe failed, staying at 1 threads" in caplog.text
+        assert torch.get_num_threads() == 1 and probe._layer is None
+        probe.maybe_probe()  # off: nothing happens
+    finally:
+        torch.set_num_threads(before)
