@@ -10,7 +10,7 @@ under load). No fixed count serves both, and a shared host moves between them, s
 two candidates, usable CPUs less one (vLLM's choice: a CPU left to everything else) and all of
 them, and while it works times the same matmul at each: every ``interval_s`` at the smaller count,
 every ``interval_more_s`` at the larger (a neighbour that starts working, another node of the same
-host for one, costs the most there, so it is noticed within a second). It takes the larger count
+host for one, costs the most there, so it is noticed within seconds). It takes the larger count
 only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
 (``speedup_keep``), so a probe's noise does not flip it back and forth.
 """
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
-PROBE_INTERVAL_MORE_S = 1.0  # between probes at the larger count
+PROBE_INTERVAL_MORE_S = 2.0  # between probes at the larger count
 SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
 SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
 

@@ -20,9 +20,9 @@ class _Refusing(nn.Linear):
 def test_the_probe_times_both_counts_and_sets_the_chosen_one():
     before = torch.get_num_threads()
     try:
-        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(64, 256))
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(64, 256), nn.Linear(64, 256), nn.Linear(256, 4096))
         probe = ThreadProbe(model, torch.float32, ThreadGovernor((1, 2)))
-        assert probe._layer[0] is model[1]  # the widest
+        assert probe._layer[0] is model[1]  # the widest that recurs, not the head
         probe.maybe_probe()
         assert sum(probe.governor.chosen.values()) == 1
         assert torch.get_num_threads() == probe.governor.current
