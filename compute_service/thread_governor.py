@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
-PROBE_INTERVAL_MORE_S = 2.0  # between probes at the larger count
+PROBE_INTERVAL_MORE_S = 3.0  # between probes at the larger count
 SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
 SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
 

@@ -1,14 +1,17 @@
 """Times one of the model's own linear layers at each intra-op thread count the governor weighs
 (``thread_governor.py``) and sets torch's count to its answer. Runs on the engine's step thread,
 between steps. The layer is the widest of those every decoder layer has (an MLP projection), not
-the output head, which is several times larger on a real vocabulary: on bench-small a probe of
-the head (64 rows, 12 calls per count) took 73 ms in float32, 7 % of the engine's time at one
-probe a second; as it is now (its MLP projection, 32 rows, 6 calls per count) 22 ms in float32 and
-9 ms in bfloat16."""
+the output head, several times larger on a real vocabulary (SmolLM2's: 576 x 49,152 against the
+MLP's 576 x 3,072). On bench-small (its MLP: 768 -> 4,096) a probe takes 73 ms in float32 and
+35 ms in bfloat16: 12 calls of 64 rows at each count. Shorter probes (6 calls of 32 rows: 22 and
+9 ms) did not see a neighbour that held a CPU (they chose two threads and ran 0.6x one thread's
+speed), so probes are this long and few: every 5 s, every 3 s at the larger count (1.5-2.4 % of
+the engine's time in float32, half that in bfloat16)."""
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import Counter
 
@@ -19,8 +22,8 @@ from compute_service.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = 32   # a decode batch's rows; a row count the packed layers were warmed up for
-ROUNDS, CALLS = 2, 3  # rounds alternate the candidates; each round times CALLS calls per candidate
+PROBE_ROWS = 64   # a decode batch's rows; a row count the packed layers were warmed up for
+ROUNDS, CALLS = 3, 4  # rounds alternate the counts; each round times CALLS calls at a count
 
 
 class ThreadProbe:
@@ -45,15 +48,18 @@ class ThreadProbe:
 
     def _probe(self, now: float) -> None:
         layer, x = self._layer
-        seconds = dict.fromkeys(self.governor.candidates, 0.0)
+        calls: dict[int, list[float]] = {threads: [] for threads in self.governor.candidates}
         with torch.inference_mode():
             for _ in range(ROUNDS):
-                for threads in seconds:
+                for threads, times in calls.items():
                     torch.set_num_threads(threads)
-                    started = time.perf_counter()
                     for _ in range(CALLS):
+                        started = time.perf_counter()
                         layer(x)
-                    seconds[threads] += time.perf_counter() - started
+                        times.append(time.perf_counter() - started)
+        # the median call: a neighbour that holds a CPU slows most calls at the larger count; one
+        # that passes by (another process starting, a page fault) slows one or two, and is ignored
+        seconds = {threads: statistics.median(times) for threads, times in calls.items()}
         before = self.governor.current
         chosen = self.governor.decide(seconds, now)
         torch.set_num_threads(chosen)
