@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 
+FIRST_PROBE_S = 1.0          # after the first step: not in the noise of a process just started
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
 PROBE_INTERVAL_MORE_S = 3.0  # between probes at the larger count
 SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
@@ -44,19 +45,21 @@ def thread_candidates(usable_cpus: int, env: Mapping[str, str]) -> tuple[int, ..
 class ThreadGovernor:
     """Decides between ``candidates`` (fewer, more) from the seconds each took on the same probe.
 
-    ``due(now)`` says when to probe (at once, then as the interval of the current count says); ``decide`` takes the
+    ``due(now)`` says when to probe (``first_probe_s`` after it is first asked, then as the
+    interval of the current count says); ``decide`` takes the
     probe's seconds per candidate and returns the count to run with. With one candidate it is
     never due and ``current`` is that count."""
 
     def __init__(self, candidates: tuple[int, ...], interval_s: float = PROBE_INTERVAL_S,
                  interval_more_s: float = PROBE_INTERVAL_MORE_S, speedup_up: float = SPEEDUP_UP,
-                 speedup_keep: float = SPEEDUP_KEEP):
+                 speedup_keep: float = SPEEDUP_KEEP, first_probe_s: float = FIRST_PROBE_S):
         if not candidates or len(candidates) > 2 or any(c < 1 for c in candidates):
             raise ValueError(f"thread candidates must be one or two positive counts, got {candidates!r}")
         if interval_s <= 0 or interval_more_s <= 0 or not 1 <= speedup_keep <= speedup_up:
             raise ValueError("need positive intervals and 1 <= speedup_keep <= speedup_up")
         self.candidates = tuple(sorted(set(candidates)))
         self.interval_s, self.interval_more_s = interval_s, interval_more_s
+        self.first_probe_s = first_probe_s
         self.speedup_up, self.speedup_keep = speedup_up, speedup_keep
         self.current = self.candidates[0]
         self.chosen = Counter()  # count -> how many probes chose it
@@ -69,8 +72,10 @@ class ThreadGovernor:
     def due(self, now: float) -> bool:
         if not self.adaptive:
             return False
+        if self._last_probe is None:  # the clock starts at the first step
+            self._last_probe = now - self.interval_s + self.first_probe_s
         interval = self.interval_more_s if self.current == self.candidates[-1] else self.interval_s
-        return self._last_probe is None or now - self._last_probe >= interval
+        return now - self._last_probe >= interval
 
     def decide(self, seconds: Mapping[int, float], now: float) -> int:
         """The count to run with after a probe that took ``seconds[count]`` at each candidate."""

@@ -11,7 +11,6 @@ the engine's time in float32, half that in bfloat16)."""
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import Counter
 
@@ -57,9 +56,10 @@ class ThreadProbe:
                         started = time.perf_counter()
                         layer(x)
                         times.append(time.perf_counter() - started)
-        # the median call: a neighbour that holds a CPU slows most calls at the larger count; one
-        # that passes by (another process starting, a page fault) slows one or two, and is ignored
-        seconds = {threads: statistics.median(times) for threads, times in calls.items()}
+        # the total, not the median call: a neighbour that holds a CPU stalls some of the calls at
+        # the larger count, and the stalls are what it costs (by the median, two threads won
+        # under a busy neighbour and then ran at 0.7x one thread's speed)
+        seconds = {threads: sum(times) for threads, times in calls.items()}
         before = self.governor.current
         chosen = self.governor.decide(seconds, now)
         torch.set_num_threads(chosen)

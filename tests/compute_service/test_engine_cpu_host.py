@@ -3,6 +3,8 @@ and resolves ``dtype="auto"`` to what this CPU runs natively."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from compute_service.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
@@ -32,11 +34,15 @@ def test_engine_starts_a_cpu_short_and_probes_its_thread_count_on_the_first_step
     try:
         engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=8 << 20))
         assert torch.get_num_threads() == candidates[0] == max(1, usable_cpus() - 1)
-        out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
-        assert len(out.new_token_ids) == 3
         governor = engine.thread_probe.governor
-        if len(candidates) == 2:  # a host with more than one CPU: the first step probed both counts
-            assert sum(governor.chosen.values()) == 1 and governor.current in candidates
+        deadline = time.monotonic() + 30
+        while True:  # the first probe comes after a second of steps
+            out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+            assert len(out.new_token_ids) == 3
+            if len(candidates) < 2 or governor.chosen or time.monotonic() > deadline:
+                break
+        if len(candidates) == 2:  # a host with more than one CPU: it probed both counts
+            assert sum(governor.chosen.values()) >= 1 and governor.current in candidates
         assert engine.stats().intra_op_threads == torch.get_num_threads() == governor.current
     finally:
         torch.set_num_threads(before)

@@ -23,7 +23,8 @@ def test_a_fixed_count_or_omp_num_threads_turns_the_governor_off():
 
 def test_probes_at_once_then_every_interval_and_sooner_at_the_larger_count():
     governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0)
-    assert governor.current == 1 and governor.due(100.0)
+    assert governor.current == 1 and not governor.due(99.0)  # the first step: a second of it first
+    assert not governor.due(99.9) and governor.due(100.0)
     governor.decide({1: 1.0, 2: 2.0}, now=100.0)
     assert not governor.due(104.9) and governor.due(105.0)
     governor.decide({1: 1.0, 2: 0.5}, now=105.0)  # all CPUs: a neighbour costs most here, look again soon

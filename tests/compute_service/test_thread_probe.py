@@ -21,7 +21,7 @@ def test_the_probe_times_both_counts_and_sets_the_chosen_one():
     before = torch.get_num_threads()
     try:
         model = nn.Sequential(nn.Linear(8, 16), nn.Linear(64, 256), nn.Linear(64, 256), nn.Linear(256, 4096))
-        probe = ThreadProbe(model, torch.float32, ThreadGovernor((1, 2)))
+        probe = ThreadProbe(model, torch.float32, ThreadGovernor((1, 2), first_probe_s=0.0))
         assert probe._layer[0] is model[1]  # the widest that recurs, not the head
         probe.maybe_probe()
         assert sum(probe.governor.chosen.values()) == 1
@@ -35,7 +35,7 @@ def test_the_probe_times_both_counts_and_sets_the_chosen_one():
 def test_a_failing_probe_turns_probing_off_and_keeps_the_count(caplog):
     before = torch.get_num_threads()
     try:
-        probe = ThreadProbe(nn.Sequential(_Refusing(8, 8)), torch.float32, ThreadGovernor((1, 2)))
+        probe = ThreadProbe(nn.Sequential(_Refusing(8, 8)), torch.float32, ThreadGovernor((1, 2), first_probe_s=0.0))
         with caplog.at_level(logging.WARNING):
             probe.maybe_probe()
         assert "thread probe failed, staying at 1 threads" in caplog.text
