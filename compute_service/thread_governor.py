@@ -10,7 +10,9 @@ under load). No fixed count serves both, and a shared host moves between them, s
 two candidates, usable CPUs less one (vLLM's choice: a CPU left to everything else) and all of
 them, and while it works times the same matmul at each: every ``interval_s`` at the smaller count,
 every ``interval_more_s`` at the larger (a neighbour that starts working, another node of the same
-host for one, costs the most there, so it is noticed within seconds). It takes the larger count
+host for one, costs the most there, so it is noticed within seconds), each interval doubled, up
+to 4 times, while probes keep choosing the same count (a probe costs 1-2 % of the engine's time at
+3 s). It takes the larger count
 only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
 (``speedup_keep``), so a probe's noise does not flip it back and forth.
 """
@@ -25,6 +27,7 @@ from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 FIRST_PROBE_S = 1.0          # after the first step: not in the noise of a process just started
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
 PROBE_INTERVAL_MORE_S = 3.0  # between probes at the larger count
+MAX_BACKOFF = 4              # a count chosen again and again: up to 4x the interval between probes
 SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
 SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
 
@@ -60,6 +63,7 @@ class ThreadGovernor:
         self.candidates = tuple(sorted(set(candidates)))
         self.interval_s, self.interval_more_s = interval_s, interval_more_s
         self.first_probe_s = first_probe_s
+        self._backoff = 1  # doubles each time a probe keeps the count, back to 1 when one changes it
         self.speedup_up, self.speedup_keep = speedup_up, speedup_keep
         self.current = self.candidates[0]
         self.chosen = Counter()  # count -> how many probes chose it
@@ -75,13 +79,15 @@ class ThreadGovernor:
         if self._last_probe is None:  # the clock starts at the first step
             self._last_probe = now - self.interval_s + self.first_probe_s
         interval = self.interval_more_s if self.current == self.candidates[-1] else self.interval_s
-        return now - self._last_probe >= interval
+        return now - self._last_probe >= interval * self._backoff
 
     def decide(self, seconds: Mapping[int, float], now: float) -> int:
         """The count to run with after a probe that took ``seconds[count]`` at each candidate."""
         fewer, more = self.candidates
         needed = self.speedup_keep if self.current == more else self.speedup_up
-        self.current = more if seconds[more] * needed <= seconds[fewer] else fewer
+        chosen = more if seconds[more] * needed <= seconds[fewer] else fewer
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF) if chosen == self.current else 1
+        self.current = chosen
         self._last_probe = now
         self.chosen[self.current] += 1
         return self.current

@@ -25,10 +25,24 @@ def test_probes_at_once_then_every_interval_and_sooner_at_the_larger_count():
     governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0)
     assert governor.current == 1 and not governor.due(99.0)  # the first step: a second of it first
     assert not governor.due(99.9) and governor.due(100.0)
-    governor.decide({1: 1.0, 2: 2.0}, now=100.0)
-    assert not governor.due(104.9) and governor.due(105.0)
-    governor.decide({1: 1.0, 2: 0.5}, now=105.0)  # all CPUs: a neighbour costs most here, look again soon
+    governor.decide({1: 1.0, 2: 0.5}, now=100.0)  # all CPUs: a neighbour costs most here, look again soon
+    assert not governor.due(100.9) and governor.due(101.0)
+    governor.decide({1: 1.0, 2: 2.0}, now=101.0)  # back to one: every 5 s
     assert not governor.due(105.9) and governor.due(106.0)
+
+
+def test_probes_back_off_while_they_keep_the_count_and_not_after_a_change():
+    governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0, first_probe_s=0.0)
+    assert governor.due(0.0)
+    governor.decide({1: 1.0, 2: 0.5}, now=0.0)  # 1 -> 2: a change, the interval stays 1 s
+    assert governor.due(1.0)
+    now = 1.0
+    for waited in (2.0, 4.0, 4.0):              # kept: 2 s, 4 s, then 4 s at most
+        governor.decide({1: 1.0, 2: 0.5}, now=now)
+        assert not governor.due(now + waited - 0.1) and governor.due(now + waited)
+        now += waited
+    governor.decide({1: 1.0, 2: 1.5}, now=now)  # a neighbour: back to one thread, 5 s without back-off
+    assert governor.current == 1 and governor.due(now + 5.0)
 
 
 def test_takes_more_threads_only_when_clearly_faster_and_keeps_them_while_faster():
