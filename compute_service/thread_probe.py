@@ -5,8 +5,8 @@ the output head, several times larger on a real vocabulary (SmolLM2's: 576 x 49,
 MLP's 576 x 3,072). On bench-small (its MLP: 768 -> 4,096) a probe takes 73 ms in float32 and
 35 ms in bfloat16: 12 calls of 64 rows at each count. Shorter probes (6 calls of 32 rows: 22 and
 9 ms) did not see a neighbour that held a CPU (they chose two threads and ran 0.6x one thread's
-speed), so probes are this long and few: every 5 s, every 3 s at the larger count (1.5-2.4 % of
-the engine's time in float32, half that in bfloat16)."""
+speed), so probes are this long and few: every 5 s, every 3 s at the larger count, backing off
+to 4x that while they keep the count (under 1 % of the engine's time in bfloat16 once backed off)."""
 
 from __future__ import annotations
 
