@@ -11,10 +11,10 @@ two candidates, usable CPUs less one (vLLM's choice: a CPU left to everything el
 them, and while it works times the same matmul at each: every ``interval_s`` at the smaller count,
 every ``interval_more_s`` at the larger (a neighbour that starts working, another node of the same
 host for one, costs the most there, so it is noticed within seconds), each interval doubled, up
-to 4 times, while probes keep choosing the same count (a probe costs 1-2 % of the engine's time at
-3 s). It takes the larger count
-only when that is clearly faster (``speedup_up``) and keeps it while it stays faster
-(``speedup_keep``), so a probe's noise does not flip it back and forth.
+to 4 times, while probes keep choosing the same count (on bench-small a probe every 3 s costs
+1.2 % of the engine's time in bfloat16, 2.4 % in float32). It takes the larger count only when
+that is clearly faster (``speedup_up``) and keeps it while it stays faster (``speedup_keep``), so
+a probe's noise does not flip it back and forth.
 """
 
 from __future__ import annotations
