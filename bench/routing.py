@@ -198,6 +198,8 @@ def main() -> int:
                         help="long: conversations open with a document (default); short: the first pass's "
                              "short-turn chat, which saturates the cluster")
     parser.add_argument("--kv-cache-mib", type=int, default=None, help="each node's KV pool (default: the shape's)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="both sides' nodes' --long-prefill-token-threshold (default 0: off)")
     parser.add_argument("--mean-gap-s", type=float, default=None,
                         help="mean seconds between conversations' arrivals (default: the shape's): the load")
     parser.add_argument("--think-s", type=float, default=None, help="seconds between a reply and the next turn")
@@ -213,6 +215,8 @@ def main() -> int:
     shape = dict(QUICK if args.quick else SHAPES[args.shape])
     if args.mean_gap_s is not None and args.mean_gap_s <= 0:
         parser.error("--mean-gap-s must be positive")
+    if args.long_prefill_token_threshold < 0:
+        parser.error("--long-prefill-token-threshold must be >= 0")
     if args.think_s is not None and args.think_s < 0:
         parser.error("--think-s must be >= 0")
     shape.update({k: v for k, v in (("mean_gap_s", args.mean_gap_s), ("think_s", args.think_s)) if v is not None})
@@ -222,8 +226,9 @@ def main() -> int:
     kv_runs, load_runs = [], []
     for _ in range(args.rounds):
         memory, decode = args.kv_cache_mib << 20, args.decode_block_weight
-        kv_runs.append(run_mode(model, conversations, shape, args.nodes, args.prefix_weight, memory, decode))
-        load_runs.append(run_mode(model, conversations, shape, args.nodes, 0.0, memory, decode))
+        node_args = ("--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
+        kv_runs.append(run_mode(model, conversations, shape, args.nodes, args.prefix_weight, memory, decode, node_args))
+        load_runs.append(run_mode(model, conversations, shape, args.nodes, 0.0, memory, decode, node_args))
     kv = [summarize(r, shape["system_len"]) for r in kv_runs]
     load = [summarize(r, shape["system_len"]) for r in load_runs]
     same_tokens = all(r.replies == kv_runs[0].replies for r in kv_runs + load_runs)
@@ -240,7 +245,7 @@ def main() -> int:
         kv_per_node=kv[0]["per_node"], load_per_node=load[0]["per_node"], identical_replies=same_tokens,
         kv_per_turn=kv[0]["per_turn"], load_per_turn=load[0]["per_turn"], prefix_weight=args.prefix_weight,
         nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name, kv_cache_mib=args.kv_cache_mib,
-        decode_block_weight=args.decode_block_weight,
+        decode_block_weight=args.decode_block_weight, long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     if not args.json:
         print(f"{shape['conversations']} conversations x {shape['turns']} turns over {shape['system_prompts']} "

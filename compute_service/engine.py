@@ -59,6 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # > 0: prompt chunks of at most this many tokens a step
     max_model_len: int | None = None     # None = the model's context length (max_context_len)
     kv_layout: str = "paged"             # or contiguous: max_model_len reserved per sequence (kv_layout.py)
     node_id: str = "local"
@@ -158,7 +159,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
                                  droppable_window(mc.layer_windows), reserve, self.tiers)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.kv)
+                                                   self.max_model_len, config.long_prefill_token_threshold), self.kv)
         self.sampler = Sampler(self.device)
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0

@@ -28,6 +28,13 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _nonnegative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
 def _positive_float(value: str) -> float:
     number = float(value)
     if not number > 0:
@@ -61,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="most sequences running at once (the live cap of --p99-itl-target-ms stays below it)")
+    parser.add_argument("--long-prefill-token-threshold", type=_nonnegative_int, default=0, metavar="N",
+                        help="prefill a prompt at most N tokens a step (default 0: up to the step's budget), so that "
+                             "the short prompts behind a long one are not held for its whole prefill")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                         help="most tokens one step computes: decode tokens and prompt chunks (default 2048; with "
                              "--p99-itl-target-ms, a few per sequence keeps a burst of prompts out of one step)")

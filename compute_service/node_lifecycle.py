@@ -71,6 +71,7 @@ def _build_engine(args: argparse.Namespace, remote):
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                           kv_cache_dtype=args.kv_cache_dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
                           node_id=args.node_id, kv_layout=args.kv_layout, max_model_len=args.max_model_len,
                           kv_host_memory=args.kv_host_memory, kv_disk_dir=args.kv_disk_dir,
                           kv_disk_bytes=args.kv_disk_bytes, preemption_mode=args.preemption_mode)

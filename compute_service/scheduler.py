@@ -41,10 +41,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048   # per step; longer prompts are prefilled in chunks
     max_model_len: int = 4096
+    long_prefill_token_threshold: int = 0  # > 0: no prompt chunk above this many tokens a step (vLLM's name)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
 @dataclass(slots=True)
@@ -124,7 +127,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             plan.append((seq, n))
             budget -= n
         scheduled = self._grow(plan, batch)
@@ -137,6 +140,14 @@ class Scheduler:
                 batch.prefills.append((seq, n))
         self.budget_used_up = batch.num_tokens >= budget
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens ``seq`` computes this step: what it has left, within the budget and, for a
+        prompt, within ``long_prefill_token_threshold`` (so that a long prompt's chunks leave room in
+        every step for the short prompts behind it, and those steps stay short)."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
 
     def _grow(self, plan: list[tuple[Sequence, int]], batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Blocks for the running sequences' next tokens; preempt to make room where refused."""
@@ -191,7 +202,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             admitted.append((seq, n))
             stepping.append(seq)
             budget -= n

@@ -12,9 +12,10 @@ from kvfleet.allocator import Refusal
 from kvfleet.sampling import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8):
+def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, long_prefill=0):
     allocator = LocalBlockAllocator.standalone(num_blocks, block_size, bytes_per_block=1024)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096),
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
+                                     long_prefill_token_threshold=long_prefill),
                      KVCacheManager(allocator)), allocator
 
 
@@ -42,6 +43,28 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
         chunks.append(batch.prefills[0][1])
         advance(batch)
     assert chunks == [64, 64, 22]
+
+
+def test_a_long_prefill_threshold_leaves_room_for_the_short_prompt_behind_a_long_one():
+    sched, _ = make_scheduler(num_blocks=128, budget=256, long_prefill=96)
+    sched.add(seq("long", 400))
+    sched.add(seq("short", 40, start=1000))
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("long", 96), ("short", 40)]
+    advance(batch)
+    batch = sched.schedule()                    # the long one goes on in chunks of 96
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("long", 96)]
+    assert [s.seq_id for s in batch.decodes] == ["short"]
+    # without it, the long prompt takes the whole budget and the short one waits a step
+    sched, _ = make_scheduler(num_blocks=128, budget=256)
+    sched.add(seq("long", 400))
+    sched.add(seq("short", 40, start=1000))
+    assert [(s.seq_id, n) for s, n in sched.schedule().prefills] == [("long", 256)]
+
+
+def test_the_long_prefill_threshold_is_not_negative():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_decodes_and_prefill_chunks_share_a_step():
