@@ -102,11 +102,11 @@ def pack_linears(model: nn.Module, batch_hint: int, thread_counts: tuple[int, ..
         return 0
     for parent, name, module in packed:
         setattr(parent, name, module)
-    current = torch.get_num_threads()
+    layers, current = [module for _, _, module in packed], torch.get_num_threads()
     try:
         for threads in thread_counts or (current,):
             torch.set_num_threads(threads)
-            warm_up([module for _, _, module in packed])
+            warm_up(layers)
     finally:
         torch.set_num_threads(current)
     return len(packed)

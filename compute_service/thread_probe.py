@@ -47,19 +47,18 @@ class ThreadProbe:
 
     def _probe(self, now: float) -> None:
         layer, x = self._layer
-        calls: dict[int, list[float]] = {threads: [] for threads in self.governor.candidates}
+        seconds = dict.fromkeys(self.governor.candidates, 0.0)
         with torch.inference_mode():
             for _ in range(ROUNDS):
-                for threads, times in calls.items():
+                for threads in seconds:
                     torch.set_num_threads(threads)
+                    started = time.perf_counter()
                     for _ in range(CALLS):
-                        started = time.perf_counter()
                         layer(x)
-                        times.append(time.perf_counter() - started)
-        # the total, not the median call: a neighbour that holds a CPU stalls some of the calls at
-        # the larger count, and the stalls are what it costs (by the median, two threads won
-        # under a busy neighbour and then ran at 0.7x one thread's speed)
-        seconds = {threads: sum(times) for threads, times in calls.items()}
+                    seconds[threads] += time.perf_counter() - started
+        # compared by the total, not the median call: a neighbour that holds a CPU stalls some of
+        # the calls at the larger count, and the stalls are what it costs (by the median, two
+        # threads won under a busy neighbour and then ran at 0.7x one thread's speed)
         before = self.governor.current
         chosen = self.governor.decide(seconds, now)
         torch.set_num_threads(chosen)
