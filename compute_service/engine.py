@@ -59,7 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # > 0: prompt chunks of at most this many tokens a step
+    long_prefill_token_threshold: int = 0  # > 0: prompts with more left yield to shorter ones (scheduler.py)
     max_model_len: int | None = None     # None = the model's context length (max_context_len)
     kv_layout: str = "paged"             # or contiguous: max_model_len reserved per sequence (kv_layout.py)
     node_id: str = "local"

@@ -69,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="most sequences running at once (the live cap of --p99-itl-target-ms stays below it)")
     parser.add_argument("--long-prefill-token-threshold", type=_nonnegative_int, default=0, metavar="N",
-                        help="prefill a prompt at most N tokens a step (default 0: up to the step's budget), so that "
-                             "the short prompts behind a long one are not held for its whole prefill")
+                        help="a prompt with more than N tokens left to prefill is long: short prompts go first, and "
+                             "a long one's chunk is what they leave of N tokens a step (at least a block), so a short "
+                             "prompt is not held for a long one's prefill (default 0: off, a step's whole budget)")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                         help="most tokens one step computes: decode tokens and prompt chunks (default 2048; with "
                              "--p99-itl-target-ms, a few per sequence keeps a burst of prompts out of one step)")

@@ -15,6 +15,14 @@ writes it. It is admitted as soon as those blocks are committed (at most as long
 lasts) with them as a cache hit. Sequences behind it are admitted meanwhile, and the batch is never
 idle for it: the prefill it waits for is in the batch.
 
+With ``long_prefill_token_threshold`` T > 0, a prompt with more than T tokens left to compute is
+*long*. Short prompts (running or admitted) take their whole remainder first; a long prompt's chunk
+is what the step's other prompt tokens leave of T, at least one block. So a question that arrives
+while a document is being prefilled waits for one short step, not for the document, and a step
+that carries a long prompt computes about T prompt tokens (vLLM's knob, with short prompts let
+ahead as its partial-prefill limits do). Whether a prompt is long is decided by what is left after
+its prefix-cache hit: a later turn of a long conversation whose history is cached is short.
+
 A transient refusal (block_service unreachable) is neither a full pool nor a quota: nothing is
 preempted or refused for it. A waiting sequence stays at the head of the queue; a running one
 that cannot grow sits this step out, holding its blocks, and is scheduled again once they come.
@@ -41,7 +49,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048   # per step; longer prompts are prefilled in chunks
     max_model_len: int = 4096
-    long_prefill_token_threshold: int = 0  # > 0: no prompt chunk above this many tokens a step (vLLM's name)
+    long_prefill_token_threshold: int = 0  # > 0: longer prompts' chunks yield to shorter ones (vLLM's name)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
@@ -77,6 +85,11 @@ def _held_elsewhere(seq: Sequence, refusal: Refusal) -> bool:
     """
     own = len(seq.block_table) - seq.num_dropped_blocks
     return own + refusal.blocks_asked <= refusal.blocks_allowed and refusal.blocks_charged > own
+
+
+def _prompt_tokens(scheduled: list[tuple[Sequence, int]]) -> int:
+    """Prompt tokens (chunks of more than one token) in a step's list so far."""
+    return sum(n for _, n in scheduled if n > 1)
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -124,30 +137,60 @@ class Scheduler:
         budget = max(self.step_token_budget, min(len(self.running), self.config.max_num_batched_tokens))
         self.running.sort(key=_rank)
         plan: list[tuple[Sequence, int]] = []
+        long_prompts: list[Sequence] = []  # their chunks take what the short prompts leave (below)
         for seq in self.running:
             if budget == 0:
                 break
+            if self._is_long_prompt(seq):
+                long_prompts.append(seq)
+                continue
             n = self._chunk(seq, budget)
             plan.append((seq, n))
             budget -= n
         scheduled = self._grow(plan, batch)
+        left_by_running = budget
         if not batch.preempted:
-            scheduled += self._admit(budget, batch, [s for s, _ in scheduled])
+            stepping = [s for s, _ in scheduled] + long_prompts  # the long ones step too, after admission
+            admitted = self._admit(budget, batch, stepping, _prompt_tokens(scheduled))
+            budget -= sum(n for _, n in admitted)
+            scheduled += admitted
+        if long_prompts:
+            scheduled += self._grow(self._long_chunks(long_prompts, budget, _prompt_tokens(scheduled)), batch)
+            scheduled = [(s, n) for s, n in scheduled if s.status is Status.RUNNING]  # minus victims
         for seq, n in scheduled:
             if n == 1:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
-        self.budget_used_up = batch.num_tokens >= budget
+        self.budget_used_up = batch.num_tokens >= left_by_running
         return batch
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """The tokens ``seq`` computes this step: what it has left, within the budget and, for a
-        prompt, within ``long_prefill_token_threshold`` (so that a long prompt's chunks leave room in
-        every step for the short prompts behind it, and those steps stay short)."""
-        n = min(seq.num_tokens - seq.num_computed, budget)
+    def _is_long_prompt(self, seq: Sequence) -> bool:
+        """A prompt with more than ``long_prefill_token_threshold`` tokens still to compute."""
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 else n
+        return cap > 0 and seq.num_tokens - seq.num_computed > cap
+
+    def _chunk(self, seq: Sequence, budget: int, prompt_tokens_in_step: int = 0) -> int:
+        """The tokens ``seq`` computes this step: what it has left, within the budget. A long prompt
+        (``_is_long_prompt``) takes what the step's other prompt tokens leave of the threshold, and at
+        least a block, so that its chunks neither hold back the short prompts beside it nor stall."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        if not self._is_long_prompt(seq):
+            return n
+        share = self.config.long_prefill_token_threshold - prompt_tokens_in_step
+        return min(n, max(share, self.kv.block_size))
+
+    def _long_chunks(self, seqs: list[Sequence], budget: int, prompt_tokens: int) -> list[tuple[Sequence, int]]:
+        """The running long prompts' chunks, once the step's short prompts and decodes are in."""
+        plan = []
+        for seq in seqs:
+            if budget == 0:
+                break
+            n = self._chunk(seq, budget, prompt_tokens)
+            plan.append((seq, n))
+            budget -= n
+            prompt_tokens += n
+        return plan
 
     def _grow(self, plan: list[tuple[Sequence, int]], batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Blocks for the running sequences' next tokens; preempt to make room where refused."""
@@ -170,7 +213,8 @@ class Scheduler:
                 granted.append((seq, n))
         return granted
 
-    def _admit(self, budget: int, batch: ScheduledBatch, stepping: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def _admit(self, budget: int, batch: ScheduledBatch, stepping: list[Sequence],
+               prompt_tokens: int = 0) -> list[tuple[Sequence, int]]:
         """Waiting sequences by rank while budget, seats and blocks last. A full pool stops
         admission (the head of the queue waits for blocks); a tenant over its quota only holds
         back that tenant's requests, and one that could never fit its quota is refused; one whose
@@ -202,10 +246,11 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, prompt_tokens)
             admitted.append((seq, n))
             stepping.append(seq)
             budget -= n
+            prompt_tokens += n if n > 1 else 0
         self.waiting[:0] = held_back
         return admitted
 

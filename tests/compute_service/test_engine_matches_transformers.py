@@ -110,12 +110,14 @@ def test_bfloat16_engine_runs_and_mostly_agrees(llama_dir, hf_reference):
     assert [o.new_token_ids[0] for o in outs] == [ref.greedy(p, MAX_NEW)[0][0] for p in prompts]
 
 
-@pytest.mark.parametrize("budget", [64, 300])
-def test_chunked_prefill_matches_transformers(llama_dir, hf_reference, budget):
+@pytest.mark.parametrize("budget, threshold", [(64, 0), (300, 0), (300, 48)])
+def test_chunked_prefill_matches_transformers(llama_dir, hf_reference, budget, threshold):
+    """threshold 48: the short prompts go first, the long ones in chunks of what they leave (down to a block)."""
     prompts = [random_prompt(n, seed=400 + n) for n in (700, 1025, 33, 2)]
     ref = hf_reference("llama")
-    _, tokens, logits = run_engine(llama_dir, prompts, 16, max_num_batched_tokens=budget)
+    _, tokens, logits = run_engine(llama_dir, prompts, 16, max_num_batched_tokens=budget,
+                                   long_prefill_token_threshold=threshold)
     for prompt, got, got_logits in zip(prompts, tokens, logits):
         want, want_logits = ref.greedy(prompt, MAX_NEW)
-        assert got == want, f"prompt of {len(prompt)} tokens, budget {budget}"
+        assert got == want, f"prompt of {len(prompt)} tokens, budget {budget}, threshold {threshold}"
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)

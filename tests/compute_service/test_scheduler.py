@@ -62,6 +62,52 @@ def test_a_long_prefill_threshold_leaves_room_for_the_short_prompt_behind_a_long
     assert [(s.seq_id, n) for s, n in sched.schedule().prefills] == [("long", 256)]
 
 
+def test_a_short_prompt_arriving_mid_document_goes_first_and_the_step_stays_within_the_threshold():
+    sched, allocator = make_scheduler(num_blocks=128, budget=256, long_prefill=96)
+    long = seq("long", 400)
+    sched.add(long)
+    advance(sched.schedule())                   # the long one's first chunk of 96
+    short = seq("short", 40, start=1000)
+    sched.add(short)
+    batch = sched.schedule()
+    # the short prompt is whole in this step; the long one takes what it leaves of the 96
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("short", 40), ("long", 56)]
+    advance(batch)
+    burst = [seq("burst", 90, start=2000), seq("burst2", 90, start=3000)]
+    for s in burst:                             # short prompts past the threshold: the long one
+        sched.add(s)                            # still advances, one block a step
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("burst", 90), ("burst2", 90), ("long", 16)]
+    assert [s.seq_id for s in batch.decodes] == ["short"]
+    advance(batch)
+    sched.finish([short, *burst])
+    while long.num_computed < 400:              # alone again: chunks of the threshold
+        batch = sched.schedule()
+        assert sum(n for _, n in batch.prefills) <= 96
+        advance(batch)
+    assert long.num_computed == 400
+    allocator.page_table.check()
+
+
+def test_a_prompt_is_long_or_short_by_what_it_has_left_after_its_cache_hit():
+    def turn(seq_id, new_tokens):               # the document's first 96 tokens, then new ones
+        return Sequence(seq_id, list(range(96)) + list(range(5000, 5000 + new_tokens)), SamplingParams(max_tokens=100))
+
+    def step():
+        batch = sched.schedule()
+        advance(batch)
+        sched.kv.commit_full_blocks([s for s, _ in batch.prefills] + batch.decodes)  # as the engine does
+        return [(s.seq_id, n) for s, n in batch.prefills]
+
+    sched, _ = make_scheduler(num_blocks=128, budget=256, long_prefill=96)
+    sched.add(seq("doc", 400))
+    step()                                      # its first 96 tokens computed and committed
+    sched.add(turn("short", 40))                # 136 tokens, 96 cached: 40 left
+    assert step() == [("short", 40), ("doc", 56)]
+    sched.add(turn("long", 136))                # 232 tokens, 96 cached: 136 left, a long prompt
+    assert step() == [("long", 96), ("doc", 16)]
+
+
 def test_the_long_prefill_threshold_is_not_negative():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
