@@ -32,6 +32,7 @@ from compute_service.kv_tiers import PrefixLookups, TierCounts
 from compute_service.model_config import ModelConfig
 from compute_service.model_runner import ModelRunner
 from compute_service.request_output import RequestOutput, StopChecker
+from compute_service.request_phases import RequestPhases
 from compute_service.sampler import Sampler
 from compute_service.scheduler import Scheduler, SchedulerConfig
 from compute_service.sequence import Sequence
@@ -43,6 +44,7 @@ from compute_service.tier_setup import build_tiers, measure_prefill
 from compute_service.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.weights import load_model, parse_dtype
 from kvfleet.allocator import AllocatorStats, BlockAllocator, Refusal
+from kvfleet.latency_histogram import HistogramSnapshot
 from kvfleet.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class EngineStats:
     tiers: TierCounts | None = None   # lower tiers' capacity and use (None: no host tier)
     num_swapped: int = 0              # preemptions swapped out instead of recomputed
     intra_op_threads: int = 0         # torch's thread count now (thread_governor.py); 0 off CPU
+    queue_time: HistogramSnapshot | None = None    # per request: arrival → first step (request_phases.py)
+    prefill_time: HistogramSnapshot | None = None  # first step → first token
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class _Request:
     stop: StopChecker
     on_output: Callable[[RequestOutput], None] | None = None
     text: list[str] = field(default_factory=list)
+    timed: bool = False  # its first token's phases are recorded
 
 
 AllocatorFactory = Callable[[int, int, int], BlockAllocator]  # (num_blocks, block_size, bytes_per_block)
@@ -164,6 +169,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
+        self.phases = RequestPhases()
         self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
         log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, %s layout, KV cache %s: %s",
                  mc.model_type, num_blocks, block_size, self.bytes_per_block, self.max_model_len, config.kv_layout,
@@ -187,13 +193,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                     tenant: str = "default", priority: int = 0,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    generated: list[int] | tuple[int, ...] = ()) -> None:
+                    generated: list[int] | tuple[int, ...] = (), arrival_s: float | None = None) -> None:
         """Queue a request; bad input raises ``ValueError`` naming the problem (nothing is queued).
 
         ``generated`` is output another node already produced and delivered (a request resumed
         after that node failed): it counts against ``max_tokens`` and goes through the
         detokenizer and the stop checker as if generated here, without being emitted again, so the
-        text that follows is what the client would have read had nothing failed."""
+        text that follows is what the client would have read had nothing failed. ``arrival_s``
+        (``time.monotonic``): when the request reached the node, if before this call."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be SamplingParams")
         if not request_id or request_id in self.requests:
@@ -202,6 +209,8 @@ class LLMEngine:
         generated = list(generated)
         self.check_prompt(ids, generated)
         seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
+        if arrival_s is not None:
+            seq.arrival_s = arrival_s
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids
         request = _Request(seq, IncrementalDetokenizer(self.tokenizer), StopChecker(sampling, eos, self.max_model_len),
                            on_output)
@@ -281,6 +290,7 @@ class LLMEngine:
         if batch.is_empty:
             return outputs
         started = time.perf_counter()
+        self.phases.scheduled([s for s, _ in batch.prefills] + batch.decodes, time.monotonic())
         if self.tiers is not None:
             self.tiers.before_forward()  # the step's demotions, promotions and swaps have landed
         logits, sampled = self.runner.execute(batch)
@@ -294,8 +304,13 @@ class LLMEngine:
         self.kv.drop_outside_window(stepped)
         tokens = self.sampler.sample(logits, sampled)
         self._busy += time.perf_counter() - started
+        now = time.monotonic()
         for seq, token in zip(sampled, tokens):
-            outputs.append(self._append_token(self.requests[seq.seq_id], token))
+            request = self.requests[seq.seq_id]
+            if not request.timed:
+                request.timed = True
+                self.phases.first_token(seq, now)
+            outputs.append(self._append_token(request, token))
         # a prefill chunk that samples nothing yet is progress too: an output without tokens tells a
         # streaming caller the request is alive (a 128K prompt prefills for minutes before its first token)
         sampled_ids = {seq.seq_id for seq in sampled}
@@ -323,7 +338,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
             blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
             tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped,
-            intra_op_threads=torch.get_num_threads() if self.device.type == "cpu" else 0)
+            intra_op_threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
+            queue_time=self.phases.queue.snapshot(), prefill_time=self.phases.prefill.snapshot())
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ from prometheus_client.metrics_core import Metric
 
 from compute_service.kv_tiers import PrefixLookups, TierCounts
 from kvfleet.allocator import AllocatorStats
-from kvfleet.metric_families import counter, gauge
+from kvfleet.latency_histogram import HistogramSnapshot
+from kvfleet.metric_families import counter, gauge, histogram
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +43,8 @@ class NodeSample:
     tiers: TierCounts | None = None       # lower tiers' capacity and use; None: no host tier
     num_swapped: int = 0                  # preemptions swapped out instead of recomputed
     intra_op_threads: int = 0             # the engine's CPU thread count now (0: not on CPU)
+    queue_time: HistogramSnapshot | None = None    # per request: arrival at the node → first step
+    prefill_time: HistogramSnapshot | None = None  # first step → first token
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -71,6 +74,13 @@ def families(s: NodeSample) -> Iterator[Metric]:
     if s.intra_op_threads:
         yield gauge("node_intra_op_threads", "CPU threads the engine computes with now (re-decided by timed probes "
                     "unless KVFLEET_CPU_THREADS fixes it)", node, [(key, s.intra_op_threads)])
+    if s.queue_time is not None:
+        yield histogram("node_request_queue_time_seconds", "Per request, from its arrival at the node to the "
+                        "first engine step computing it (block allocation and the step in progress included)",
+                        node, [(key, s.queue_time)])
+    if s.prefill_time is not None:
+        yield histogram("node_request_prefill_time_seconds", "Per request, from its first engine step to the step "
+                        "that samples its first token", node, [(key, s.prefill_time)])
     yield from _tier_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
@@ -108,5 +118,5 @@ async def sample(node, status, block_size: int) -> NodeSample:
         max_num_seqs_live=stats.max_num_seqs_live, num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
         prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
         lookups=stats.lookups, tiers=stats.tiers, num_swapped=stats.num_swapped,
-        intra_op_threads=stats.intra_op_threads,
+        intra_op_threads=stats.intra_op_threads, queue_time=stats.queue_time, prefill_time=stats.prefill_time,
     )

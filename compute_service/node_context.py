@@ -118,10 +118,11 @@ class NodeContext:
             self.early_blocks.release(request_id)
 
     async def submit(self, request_id: str, prompt: list[int], generated: list[int], sampling: SamplingParams,
-                     on_output: Callable[[RequestOutput], None], tenant: str, priority: int) -> None:
-        """Hand the request to the engine (``generated``: output a failed node already delivered);
-        bad input raises ``ValueError``."""
-        await self.engine.submit(request_id, prompt, sampling, on_output, tenant, priority, generated)
+                     on_output: Callable[[RequestOutput], None], tenant: str, priority: int,
+                     arrival_s: float | None = None) -> None:
+        """Hand the request to the engine (``generated``: output a failed node already delivered;
+        ``arrival_s``: when it reached the node); bad input raises ``ValueError``."""
+        await self.engine.submit(request_id, prompt, sampling, on_output, tenant, priority, generated, arrival_s)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

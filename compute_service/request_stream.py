@@ -22,6 +22,7 @@ node's, and the router retries a full pool elsewhere.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import grpc
@@ -89,6 +90,7 @@ class RequestStream:
         self.phase = tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
         self._first = True
         self._usage_sent = False
+        self.arrival_s = time.monotonic()  # the start of its queue time (request_phases.py)
 
     async def run(self) -> None:
         """Check, allocate early and hand the request to the engine; a problem ends it with an error."""
@@ -115,7 +117,7 @@ class RequestStream:
             return
         try:
             await node.submit(self.request_id, prompt, resumed, sampling, self.on_output, request.tenant,
-                              request.priority)
+                              request.priority, self.arrival_s)
         except ValueError as e:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,6 +35,8 @@ class Sequence:
     tenant: str = "default"
     priority: int = 0                  # higher is served first and preempted last
     arrival: int = field(default_factory=lambda: next(_arrival))
+    arrival_s: float = field(default_factory=time.monotonic)  # reached the node (request_phases.py)
+    first_scheduled_s: float | None = None                     # its first step began
     token_ids: list[int] = field(init=False)
     status: Status = Status.WAITING
     num_computed: int = 0

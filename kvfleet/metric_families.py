@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
+
+from kvfleet.latency_histogram import HistogramSnapshot
 
 PREFIX = "kvfleet:"
 
@@ -30,6 +32,16 @@ def counter(name: str, doc: str, labels: Sequence[str], rows: Rows) -> CounterMe
     family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
     for values, value in rows:
         family.add_metric(list(values), value)
+    return family
+
+
+def histogram(name: str, doc: str, labels: Sequence[str],
+              rows: Iterable[tuple[Sequence[str], HistogramSnapshot]]) -> HistogramMetricFamily:
+    """From ``LatencyHistogram`` snapshots (cumulative buckets, the last ``+Inf``)."""
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
+    for values, snap in rows:
+        buckets = [("+Inf" if bound == float("inf") else repr(bound), n) for bound, n in snap.buckets]
+        family.add_metric(list(values), buckets, snap.sum)
     return family
 
 

@@ -149,6 +149,7 @@ def exported_names() -> set[str]:
     from block_service.page_table import PageTable
     from compute_service import metrics as node_metrics
     from kvfleet.allocator import AllocatorStats
+    from kvfleet.latency_histogram import LatencyHistogram
     from kvfleet.metric_families import registry_of
     from router import metrics as router_metrics
 
@@ -160,7 +161,8 @@ def exported_names() -> set[str]:
         generate_latest(registry_of(node_metrics.families(node_metrics.NodeSample(
             node_id="n0", state="READY", block_size=16, num_in_flight=0, num_running=0, num_waiting=0,
             num_preemptions=0, generated_tokens=0, prompt_tokens_computed=0, busy_seconds=0.0,
-            blocks=AllocatorStats(8, 8, 0, 0, 0, 0))))),
+            blocks=AllocatorStats(8, 8, 0, 0, 0, 0), queue_time=LatencyHistogram().snapshot(),
+            prefill_time=LatencyHistogram().snapshot())))),
         generate_latest(registry_of(router_metrics.families(router_metrics.RouterSample([], {}, 0)))),
         generate_latest(router_metrics.RequestMetrics().registry),
     ]

@@ -45,7 +45,7 @@ PURE = [
     "block_service.lineage", "block_service.lower_tiers", "block_service.replication_log",
     "block_service.standby_acks", "block_service.role",
     "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
-    "compute_service.recent_commits",
+    "compute_service.recent_commits", "compute_service.request_phases", "kvfleet.latency_histogram",
     "compute_service.block_link", "compute_service.block_sync", "compute_service.sliding_window", "kvfleet.backoff",
     "compute_service.model_config", "compute_service.rope_config", "compute_service.kv_cache_dtype",
     "compute_service.kv_layout", "compute_service.batch_controller", "compute_service.live_cap",

@@ -77,6 +77,10 @@ def test_scraped_counters_are_the_requests_usage(start_cluster):
     delta = sum(total(nodes_after[n], "kvfleet:node_generation_tokens_total")
                 - total(nodes_before[n], "kvfleet:node_generation_tokens_total") for n in cluster.nodes)
     assert delta == generated
+    for phase in ("queue", "prefill"):  # one per request on the node that served it (warm-up's before)
+        timed = sum(total(nodes_after[n], f"kvfleet:node_request_{phase}_time_seconds_count")
+                    - total(nodes_before[n], f"kvfleet:node_request_{phase}_time_seconds_count") for n in cluster.nodes)
+        assert timed == len(asks)
     for n, samples in nodes_after.items():
         assert total(samples, "kvfleet:node_state", node=n, state="READY") == 1
         assert total(samples, "kvfleet:num_requests_running", node=n) == 0

@@ -66,3 +66,17 @@ def test_lower_tier_lookups_and_blocks_are_exported():
     assert r.get_sample_value("kvfleet:kv_tier_blocks", {**node, "tier": "swapped"}) == 4
     assert r.get_sample_value("kvfleet:kv_tier_capacity_blocks", {**node, "tier": "host"}) == 100
     assert r.get_sample_value("kvfleet:num_preemptions_swapped_total", node) == 2
+
+
+def test_queue_and_prefill_times_are_histograms():
+    from kvfleet.latency_histogram import LatencyHistogram
+
+    queue, prefill = LatencyHistogram(), LatencyHistogram()
+    queue.observe(0.3)
+    prefill.observe(0.05)
+    prefill.observe(2.0)
+    r = registry_of(metrics.families(_sample(queue_time=queue.snapshot(), prefill_time=prefill.snapshot())))
+    node = {"node": "node-0"}
+    assert r.get_sample_value("kvfleet:node_request_queue_time_seconds_count", node) == 1
+    assert r.get_sample_value("kvfleet:node_request_prefill_time_seconds_bucket", {**node, "le": "0.05"}) == 1
+    assert r.get_sample_value("kvfleet:node_request_prefill_time_seconds_sum", node) == 2.05

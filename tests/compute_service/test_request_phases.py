@@ -1,0 +1,20 @@
+"""A request's queue and prefill times on the node (pure; the engine's wiring is tested with a model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compute_service.request_phases import RequestPhases
+from compute_service.sequence import Sequence
+from kvfleet.sampling import SamplingParams
+
+
+def test_queue_is_arrival_to_first_step_and_prefill_is_first_step_to_first_token():
+    phases = RequestPhases()
+    seq = Sequence("a", [1, 2, 3], SamplingParams(), arrival_s=10.0)
+    phases.scheduled([seq], 10.4)
+    phases.scheduled([seq], 10.9)            # its next chunk: the first step stays
+    phases.first_token(seq, 11.5)
+    queue, prefill = phases.snapshots()
+    assert (queue.count, prefill.count) == (1, 1)
+    assert queue.sum == pytest.approx(0.4) and prefill.sum == pytest.approx(1.1)
