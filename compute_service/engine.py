@@ -331,6 +331,7 @@ class LLMEngine:
         return [merged[rid] for rid in ids]
 
     def stats(self) -> EngineStats:
+        queue_time, prefill_time = self.phases.snapshots()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs_live=self.scheduler.num_seqs_cap,
@@ -339,7 +340,7 @@ class LLMEngine:
             blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
             tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped,
             intra_op_threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
-            queue_time=self.phases.queue.snapshot(), prefill_time=self.phases.prefill.snapshot())
+            queue_time=queue_time, prefill_time=prefill_time)
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -86,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", default="paged", help="the nodes' KV layout: paged or contiguous (max_model_len "
                         "reserved per sequence, no prefix sharing)")
     parser.add_argument("--max-model-len", type=int, default=None, help="the nodes' longest sequence (default: the model's)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                        help="the nodes' scheduling of long prompts: more than N tokens left to prefill, a prompt "
+                             "yields to shorter ones (`kvfleet compute --long-prefill-token-threshold`; default 0: off)")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
     parser.add_argument("--block-service-standby", action="store_true",
                         help="two block_service replicas (a leader and a synchronous standby that takes over "
@@ -100,9 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The nodes' ``--kv-layout`` and ``--max-model-len``, as ``kvfleet compute`` takes them."""
+    """The nodes' ``--kv-layout``, ``--max-model-len`` and ``--long-prefill-token-threshold``, as
+    ``kvfleet compute`` takes them."""
     limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
-    return ("--kv-layout", args.kv_layout, *limit)
+    return ("--kv-layout", args.kv_layout, *limit,
+            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
 
 
 def _tier_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -145,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"kvfleet up: --max-model-len must be at least 1, got {args.max_model_len}", file=sys.stderr)
+        return 2
+    if args.long_prefill_token_threshold < 0:
+        print(f"kvfleet up: --long-prefill-token-threshold must be >= 0, got {args.long_prefill_token_threshold}",
+              file=sys.stderr)
         return 2
     try:
         check_tier_flags(args.kv_host_memory, args.kv_disk_dir, args.kv_disk_bytes, args.preemption_mode)

@@ -22,3 +22,8 @@ def test_compute_refuses_an_unknown_preemption_mode(tmp_path, model):  # noqa: F
 def test_up_refuses_a_host_tier_larger_than_the_machine(tmp_path, model):  # noqa: F811
     line = refused("up", "--model", str(model), "--kv-host-memory", str(1 << 62), tmp_path=tmp_path)
     assert line.startswith(f"kvfleet up: --kv-host-memory {1 << 62} bytes is more than this machine's memory")
+
+
+def test_up_refuses_a_negative_long_prefill_threshold(tmp_path, model):  # noqa: F811
+    line = refused("up", "--model", str(model), "--long-prefill-token-threshold", "-1", tmp_path=tmp_path)
+    assert line == "kvfleet up: --long-prefill-token-threshold must be >= 0, got -1"
