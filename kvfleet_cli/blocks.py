@@ -1,6 +1,9 @@
 """``kvfleet blocks``: who holds the KV blocks, asked of block_service (read-only).
 
-    kvfleet blocks --block-service 127.0.0.1:50051 [--node N ...] [--top 5] [--json]
+    kvfleet blocks [--block-service ADDR] [--node N ...] [--top 5] [--json]
+
+Without ``--block-service`` it asks the local cluster ``kvfleet up`` runs (its state file; with two
+replicas, the leader its etcd names), else 127.0.0.1:50051.
 
 Per node: used / cached / free by tier (device; host and disk: the committed blocks the node keeps
 below its pool, issue 15), the sequences (requests) holding the most blocks with their tenant and
@@ -16,15 +19,51 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
+
+from kvfleet_cli.cluster_state import ClusterState
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-service", default="127.0.0.1:50051", metavar="ADDR",
-                        help="block_service address (default 127.0.0.1:50051)")
+    parser.add_argument("--block-service", default=None, metavar="ADDR",
+                        help="block_service address (default: the leader of the local cluster `kvfleet up` runs, "
+                             f"else {DEFAULT_ADDRESS})")
     parser.add_argument("--node", action="append", default=[], metavar="NODE", help="only this node (repeatable)")
     parser.add_argument("--top", type=int, default=5, metavar="K", help="top holders per node (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="give up after this long")
+
+
+def block_service_address(explicit: str | None, state: ClusterState | None,
+                          leader_of: Callable[[str], str | None]) -> str:
+    """Where to ask: ``--block-service``, else the local cluster's leader (``leader_of(etcd url)``;
+    its first replica when etcd names none or cannot be read), else the default."""
+    if explicit:
+        return explicit
+    if state is None or not state.block_service:
+        return DEFAULT_ADDRESS
+    if len(state.block_service) > 1 and state.etcd:
+        try:
+            leader = leader_of(state.etcd)
+        except Exception:  # noqa: BLE001 - etcd down: a replica may still answer
+            leader = None
+        if leader:
+            return leader
+    return state.block_service[0]
+
+
+def _etcd_leader(url: str) -> str | None:
+    from kvfleet.leader import read_leader
+    from kvfleet.membership import etcd_client
+
+    async def read() -> str | None:
+        async with etcd_client(url) as client:
+            leader, _ = await asyncio.wait_for(read_leader(client), 5.0)
+        return leader.address if leader else None
+
+    return asyncio.run(read())
 
 
 async def _fetch(args: argparse.Namespace):
@@ -43,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         print("kvfleet blocks: --top must be 0 or more", file=sys.stderr)
         return 2
+    args.block_service = block_service_address(args.block_service, ClusterState.read(), _etcd_leader)
     try:
         report = asyncio.run(_fetch(args))
     except grpc.aio.AioRpcError as err:

@@ -1,8 +1,10 @@
 """Where the local cluster that ``kvfleet up`` started can be found: a small JSON file
 (``$KVFLEET_STATE_FILE``, default ``~/.cache/kvfleet/cluster.json``) with the router's address, the
-demo key when the demo tenants are served, and the pid of ``kvfleet up``.
+demo key when the demo tenants are served, the pid of ``kvfleet up``, its block_service replicas'
+addresses and its etcd.
 
-``kvfleet generate`` without ``--router`` reads it, so a newcomer does not copy an address; a file
+``kvfleet generate`` without ``--router`` and ``kvfleet blocks`` without ``--block-service`` read
+it (the leader among two replicas is the one etcd names), so a newcomer does not copy an address; a file
 whose ``up`` is gone (killed without cleanup) is ignored. ``up`` removes the file at shutdown
 only when it is still its own (a second ``up`` started meanwhile owns it then).
 """
@@ -29,6 +31,8 @@ class ClusterState:
     pid: int                # of `kvfleet up`
     api_key: str | None     # the demo tenants' gold key, None when the user's tenants are served
     work_dir: str
+    block_service: tuple[str, ...] = ()  # its replicas' host:port (two with a standby)
+    etcd: str = ""                       # its etcd's URL, which names the block_service leader
 
     def write(self, path: Path | None = None) -> Path:
         path = path or state_file()
@@ -43,8 +47,9 @@ class ClusterState:
         """The running local cluster, or None (no file, unreadable, or its ``up`` is gone)."""
         path = path or state_file()
         try:
-            state = cls(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            fields = json.loads(path.read_text())
+            state = cls(**{**fields, "block_service": tuple(fields.get("block_service", ()))})
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
         return state if _alive(state.pid) else None
 

@@ -195,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
             return 1
         _log_to(cluster.work_dir / "supervisor.log")
         key = "sk-gold" if args.tenants is None else None
-        state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir))
+        replicas = tuple(f"127.0.0.1:{c.port}" for c in (cluster.block_service, cluster.block_service_standby)
+                         if c is not None)
+        state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir), replicas,
+                             cluster.etcd.url)
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -27,6 +28,7 @@ from block_service.page_table import PageTable
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.tenants import parse_tenants
+from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +41,9 @@ EXHAUSTED = re.compile(r"block_pool exhausted \(alloc=(\d+)/(\d+)\) node=(\S+) t
                        r".* suppressed=(\d+) top holders: (.*)$")
 
 
-def _kvfleet(*argv: str) -> subprocess.CompletedProcess:
+def _kvfleet(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env=None if env is None else {**os.environ, **env})
 
 
 @contextlib.contextmanager
@@ -100,6 +102,10 @@ def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_
         table = _kvfleet("blocks", "--block-service", address, "--top", "2")
         as_json = _kvfleet("blocks", "--block-service", address, "--top", "2", "--json")
         unknown = _kvfleet("blocks", "--block-service", address, "--node", "nope")
+        # without --block-service: the local cluster's, from the state file `kvfleet up` writes
+        state = tmp_path / "cluster.json"
+        ClusterState("127.0.0.1:1", os.getpid(), None, str(tmp_path), (address,)).write(state)
+        implicit = _kvfleet("blocks", "--top", "2", env={"KVFLEET_STATE_FILE": str(state)})
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
 
@@ -136,6 +142,7 @@ def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_
 
     assert unknown.returncode == 1
     assert unknown.stderr.strip() == f"kvfleet blocks: block_service at {address}: unknown node 'nope'"
+    assert implicit.returncode == 0 and implicit.stdout.splitlines()[0] == table.stdout.splitlines()[0]  # ages move
 
 
 def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
