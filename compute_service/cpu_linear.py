@@ -13,7 +13,9 @@ over a day, so a node fed every batch size as it came grew by ~1 MiB a minute af
 MiB in a 30-minute soak, bounded only near 1,024 shapes: ~0.5 GiB). ``PackedLinear`` therefore hands
 oneDNN only a few row counts (``padded_rows``): at most 32 shapes per layer, all met once at load
 (``warm_up``), so the heap is flat from the first request on. The padding rows are zeros whose
-outputs are dropped.
+outputs are dropped. One more shape is the step's whole token budget (``batch_hint``): a prefill
+step that fills its budget is one call, not tiles joined by a copy (measured at 2,048 rows, two
+threads: tiles cost 5-19% more in float32, 3-6% in bfloat16).
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def row_tiles(rows: int) -> list[tuple[int, int, int]]:
-    """``(start, rows, padded rows)`` of each oneDNN call for an input of ``rows`` rows."""
+def row_tiles(rows: int, whole: int = 0) -> list[tuple[int, int, int]]:
+    """``(start, rows, padded rows)`` of each oneDNN call for an input of ``rows`` rows; exactly
+    ``whole`` rows (the step's token budget) go in one call."""
+    if rows == whole:
+        return [(0, rows, rows)]
     return [(start, min(TILE_ROWS, rows - start), padded_rows(min(TILE_ROWS, rows - start)))
             for start in range(0, rows, TILE_ROWS)]
 
@@ -58,13 +63,15 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.whole_rows = batch_hint if batch_hint > TILE_ROWS else 0  # a full step's rows: one call
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        outs = [self._rows(rows[start:start + n], padded) for start, n, padded in row_tiles(rows.shape[0])]
+        outs = [self._rows(rows[start:start + n], padded)
+                for start, n, padded in row_tiles(rows.shape[0], self.whole_rows)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -119,6 +126,6 @@ def warm_up(layers: list[PackedLinear]) -> None:
     shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype): m for m in layers}
     with torch.inference_mode():
         for (in_features, _, _, _), layer in shapes.items():
-            x = torch.zeros(TILE_ROWS, in_features, dtype=layer.packed_weight.dtype)
-            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)}):
+            x = torch.zeros(max(TILE_ROWS, layer.whole_rows), in_features, dtype=layer.packed_weight.dtype)
+            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | {layer.whole_rows} - {0}):
                 layer(x[:rows])

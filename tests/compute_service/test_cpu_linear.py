@@ -26,13 +26,21 @@ def test_row_tiles_cover_every_row_once():
         assert all(padded == padded_rows(n) for _, n, padded in tiles)
 
 
-@pytest.mark.parametrize("shape", [(1, 40), (7, 40), (17, 40), (TILE_ROWS, 40), (TILE_ROWS + 45, 40), (3, 5, 40)])
+def test_a_step_of_the_whole_budget_is_one_call():
+    assert row_tiles(2048, whole=2048) == [(0, 2048, 2048)]
+    assert row_tiles(2047, whole=2048) == row_tiles(2047)  # any other count: tiles
+    assert PackedLinear(torch.nn.Linear(8, 8), 2048).whole_rows == 2048
+    assert PackedLinear(torch.nn.Linear(8, 8), 64).whole_rows == 0  # within one tile anyway
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (7, 40), (17, 40), (TILE_ROWS, 40), (TILE_ROWS + 45, 40), (3, 5, 40),
+                                   (600, 40)])
 def test_packed_linear_matches_linear(shape):
     torch.manual_seed(0)
     linear = torch.nn.Linear(40, 24)
     x = torch.randn(*shape)
     with torch.inference_mode():
-        expected, got = linear(x), PackedLinear(linear, 64)(x)
+        expected, got = linear(x), PackedLinear(linear, 600)(x)  # 600 rows: the whole budget, one call
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
