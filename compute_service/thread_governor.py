@@ -24,7 +24,9 @@ from collections.abc import Mapping
 
 from compute_service.cpu_host import THREADS_ENV, intra_op_threads
 
-FIRST_PROBE_S = 1.0          # after the first step: not in the noise of a process just started
+FIRST_PROBE_S = 0.0          # at the first step: a burst's first step is seconds of prefill (2.4 s at one
+#                              thread against 1.3 s at two, 2,048 float32 tokens of bench-small), so it runs
+#                              at the count a probe chose; one made in a start-up's noise is redone soon
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
 PROBE_INTERVAL_MORE_S = 3.0  # between probes at the larger count
 MAX_BACKOFF = 4              # a count chosen again and again: up to 4x the interval between probes

@@ -36,7 +36,7 @@ def test_engine_starts_a_cpu_short_and_probes_its_thread_count_on_the_first_step
         assert torch.get_num_threads() == candidates[0] == max(1, usable_cpus() - 1)
         governor = engine.thread_probe.governor
         deadline = time.monotonic() + 30
-        while True:  # the first probe comes after a second of steps
+        while True:  # the first probe comes with the first step
             out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
             assert len(out.new_token_ids) == 3
             if len(candidates) < 2 or governor.chosen or time.monotonic() > deadline:

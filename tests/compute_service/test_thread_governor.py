@@ -23,12 +23,16 @@ def test_a_fixed_count_or_omp_num_threads_turns_the_governor_off():
 
 def test_probes_at_once_then_every_interval_and_sooner_at_the_larger_count():
     governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0)
-    assert governor.current == 1 and not governor.due(99.0)  # the first step: a second of it first
-    assert not governor.due(99.9) and governor.due(100.0)
+    assert governor.current == 1 and governor.due(100.0)  # the first step: a burst's prefill may be long
     governor.decide({1: 1.0, 2: 0.5}, now=100.0)  # all CPUs: a neighbour costs most here, look again soon
     assert not governor.due(100.9) and governor.due(101.0)
     governor.decide({1: 1.0, 2: 2.0}, now=101.0)  # back to one: every 5 s
     assert not governor.due(105.9) and governor.due(106.0)
+
+
+def test_a_first_probe_can_wait_for_the_first_steps():
+    governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0, first_probe_s=1.0)
+    assert not governor.due(99.0) and not governor.due(99.9) and governor.due(100.0)
 
 
 def test_probes_back_off_while_they_keep_the_count_and_not_after_a_change():
