@@ -91,7 +91,9 @@ class BlockSync:
 
     async def _resync_until_done(self) -> None:
         backoff, throttle = self._backoff(), LogThrottle(self._throttle_s)
-        while True:
+        # not ``while True``: on Python 3.11 a cancel that lands as the nudge below arrives is lost
+        # inside ``asyncio.wait_for``, and ``close`` would wait on this loop for ever
+        while not self._closed:
             self._retry_now.clear()  # a nudge during this try makes the next one start at once
             try:
                 outcome = await self._sync(False)
@@ -110,7 +112,7 @@ class BlockSync:
             return
 
     async def _reconcile_every(self, interval_s: float) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(interval_s)
             if self.resyncing:
                 continue  # the resync is the reconciliation
