@@ -91,8 +91,8 @@ class BlockSync:
 
     async def _resync_until_done(self) -> None:
         backoff, throttle = self._backoff(), LogThrottle(self._throttle_s)
-        # not ``while True``: on Python 3.11 a cancel that lands as the nudge below arrives is lost
-        # inside ``asyncio.wait_for``, and ``close`` would wait on this loop for ever
+        # not ``while True``: Python 3.11's ``asyncio.wait_for`` can lose a cancel that races its
+        # inner wait (fixed in 3.12); ``close`` must not wait on this loop for ever if it does
         while not self._closed:
             self._retry_now.clear()  # a nudge during this try makes the next one start at once
             try:
