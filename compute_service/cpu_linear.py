@@ -127,5 +127,6 @@ def warm_up(layers: list[PackedLinear]) -> None:
     with torch.inference_mode():
         for (in_features, _, _, _), layer in shapes.items():
             x = torch.zeros(max(TILE_ROWS, layer.whole_rows), in_features, dtype=layer.packed_weight.dtype)
-            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | {layer.whole_rows} - {0}):
+            whole = {layer.whole_rows} if layer.whole_rows else set()
+            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | whole):
                 layer(x[:rows])

@@ -55,15 +55,9 @@ def block_service_address(explicit: str | None, state: ClusterState | None,
 
 
 def _etcd_leader(url: str) -> str | None:
-    from kvfleet.leader import read_leader
-    from kvfleet.membership import etcd_client
+    from kvfleet.leader import leader_address
 
-    async def read() -> str | None:
-        async with etcd_client(url) as client:
-            leader, _ = await asyncio.wait_for(read_leader(client), 5.0)
-        return leader.address if leader else None
-
-    return asyncio.run(read())
+    return asyncio.run(leader_address(url))
 
 
 async def _fetch(args: argparse.Namespace):

@@ -163,15 +163,9 @@ class LocalCluster:
 
     def block_service_leader(self) -> str | None:
         """The replica etcd names the block_service leader now (None: none is elected)."""
-        from kvfleet.leader import read_leader
-        from kvfleet.membership import etcd_client
+        from kvfleet.leader import leader_address
 
-        async def read():
-            async with etcd_client(self.etcd.url) as client:
-                leader, _ = await read_leader(client)
-            return leader.address if leader else None
-
-        return asyncio.run(read())
+        return asyncio.run(leader_address(self.etcd.url))
 
     def _block_service_flag(self) -> list[str]:
         """What the nodes and the router are told: the fixed address, or the leader in etcd."""
