@@ -60,7 +60,7 @@ def main() -> None:
     cfg = QUICK if args.quick else FULL
     sides = {"A": (shlex.split(args.a), _env(args.a_env)), "B": (shlex.split(args.b), _env(args.b_env))}
 
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.local_cluster import LocalCluster
 

@@ -112,7 +112,7 @@ def main() -> None:
     model = Path(args.model) if args.model else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
 
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.local_cluster import LocalCluster
 

@@ -158,7 +158,7 @@ def main() -> None:
     cfg["rounds"] = args.rounds or cfg["rounds"]
     model = Path(args.model) if args.model else (SMOLLM2 if (SMOLLM2 / "config.json").is_file() else ensure_model())
 
-    from compute_service.model_config import ModelConfig
+    from compute_service.model.config import ModelConfig
 
     prompts = first_prompts(cfg, ModelConfig.from_dir(model).vocab_size)
     work = Path(tempfile.mkdtemp(prefix="kvfleet-cold-start-"))

@@ -24,7 +24,7 @@ QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
 
 
 def run_engine(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=64, kv_cache_memory=1 << 30, max_num_seqs=64,

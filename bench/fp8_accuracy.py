@@ -132,7 +132,7 @@ def forward_all_positions(model, pool: tuple, prompts: list[list[int]], position
     over the paged pool ``(kv_cache, kv_scales)``; sequence i owns blocks ``i * n .. (i + 1) * n - 1``."""
     import torch
 
-    from compute_service.attention_metadata import AttentionMetadata
+    from compute_service.engine.attention_metadata import AttentionMetadata
 
     kv_cache, kv_scales = pool
     n = len(prompts)
@@ -173,11 +173,11 @@ def scale_granularity_error(kv_cache) -> dict[str, float]:
 def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ...], corpus: str = "docs") -> dict:
     import torch
 
-    from compute_service.cpu_linear import pack_linears
-    from compute_service.kv_pool import allocate_kv_cache, kv_cache_dtype
-    from compute_service.model_config import ModelConfig
-    from compute_service.tokenizer import Tokenizer
-    from compute_service.weights import load_model
+    from compute_service.kv.pool import allocate_kv_cache, kv_cache_dtype
+    from compute_service.model.config import ModelConfig
+    from compute_service.model.cpu_linear import pack_linears
+    from compute_service.model.tokenizer import Tokenizer
+    from compute_service.model.weights import load_model
 
     mc = ModelConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
@@ -222,7 +222,7 @@ def run(model_dir: Path, num_prompts: int, positions: int, dtypes: tuple[str, ..
 
 
 def _bytes_per_token(mc, name: str) -> int:
-    from compute_service.kv_cache_dtype import kv_bytes_per_token
+    from compute_service.kv.cache_dtype import kv_bytes_per_token
 
     return kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name)
 

@@ -46,7 +46,7 @@ def _transformers_greedy(model_dir: Path, prompts: list[list[int]], dtype, devic
 
 
 def _engine(model_dir: Path, dtype: str, device: str, kv_bytes: int):
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine(model_dir, EngineConfig(block_size=64, kv_cache_memory=kv_bytes, max_num_seqs=64,
                                              max_num_batched_tokens=4096, dtype=dtype, device=device))

@@ -4,7 +4,7 @@ The field guide's claim: paging cuts memory fragmentation from 37% to under 9% a
 concurrent sessions (8 -> 26 per card). Here both layouts run the same requests through the
 in-process engine (``LLMEngine`` with its local allocator: the same page table block_service
 serves, without the network; the layouts differ only in how a sequence takes blocks,
-``compute_service/kv_layout.py``) over a pool of ``--pool-seqs`` contiguous reservations:
+``compute_service/kv/layout.py``) over a pool of ``--pool-seqs`` contiguous reservations:
 
     workload   20% of requests at 8K tokens, 80% at 128K (prompt + output), all arriving at once,
                in a seeded order; ``--scale S`` divides every length by S (64: 128 and 2,048 tokens)
@@ -80,9 +80,9 @@ def workload(num_requests: int, scale: int, short_share: float = SHORT_SHARE, se
 
 
 def make_engine(model_dir: Path, layout: str, scale: int, pool_seqs: int):
-    from compute_service.engine import EngineConfig, LLMEngine
-    from compute_service.kv_pool import bytes_per_block
-    from compute_service.model_config import ModelConfig
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from compute_service.kv.pool import bytes_per_block
+    from compute_service.model.config import ModelConfig
 
     max_len = LONG // scale
     num_blocks = pool_seqs * -(-max_len // BLOCK_SIZE)

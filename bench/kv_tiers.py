@@ -85,9 +85,9 @@ def working_set_blocks(shape: dict) -> int:
 
 
 def engine(model: Path, pool_blocks: int, **tiers):
-    from compute_service.engine import EngineConfig, LLMEngine
-    from compute_service.kv_pool import bytes_per_block
-    from compute_service.model_config import ModelConfig
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from compute_service.kv.pool import bytes_per_block
+    from compute_service.model.config import ModelConfig
 
     per_block = bytes_per_block(ModelConfig.from_dir(model), BLOCK_SIZE, "float32")
     sized = {k: v * per_block if k in ("kv_host_memory", "kv_disk_bytes") else v for k, v in tiers.items()}

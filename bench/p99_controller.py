@@ -62,7 +62,7 @@ class Run:
 
 
 def p99(values: list[float]) -> float:
-    from compute_service.batch_controller import p99 as nearest_rank
+    from compute_service.engine.batch_controller import p99 as nearest_rank
 
     return nearest_rank(values) if values else float("nan")
 
@@ -148,10 +148,10 @@ def plot(runs: list[Run], target_ms: float, seconds: float) -> None:
 async def main_async(args) -> dict:
     import torch
 
-    from compute_service.async_engine import AsyncEngine
-    from compute_service.batch_controller import BatchController, ControllerConfig
-    from compute_service.engine import EngineConfig, LLMEngine
-    from compute_service.live_cap import LiveCap
+    from compute_service.engine.async_engine import AsyncEngine
+    from compute_service.engine.batch_controller import BatchController, ControllerConfig
+    from compute_service.engine.live_cap import LiveCap
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(args.threads)
     model = ensure_model()

@@ -48,7 +48,7 @@ def measure_decode(model: Path, batch: int, prompt_len: int, decode_steps: int) 
     """(decode tokens/s, mean context during the timed steps): ``batch`` prompts prefilled first,
     ``WARM_UP`` decode steps, then ``decode_steps`` steps of one token for each, timed one by one;
     the median step counts (a shared machine's stalls land in a few steps, not in every one)."""
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=64, kv_cache_memory=1 << 30, max_num_seqs=batch,

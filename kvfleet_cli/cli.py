@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("block_service.checkpoint",
                    "check block_service snapshots, logs and backups (verify PATH), or restore a backup"),
     "blocks": ("kvfleet_cli.blocks", "who holds the KV blocks: per node tiers, top holders, waste; tenants"),
-    "compute": ("compute_service.main", "run a compute node: model, KV pool, Compute service, etcd membership"),
+    "compute": ("compute_service.node.main", "run a compute node: model, KV pool, Compute service, etcd membership"),
     "router": ("router.main", "run the router: the public Inference service, queueing and KV-aware routing"),
     "generate": ("kvfleet_cli.generate_client", "send a prompt to the router and stream the answer"),
     "plan": ("kvfleet_cli.plan_command", "size the KV cache and the hardware for a model, a device and a context"),

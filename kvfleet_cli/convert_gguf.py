@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from compute_service.model_config import ModelConfig, ModelLoadError
+from compute_service.model.config import ModelConfig, ModelLoadError
 from kvfleet_cli.gguf_tokenizer import GGUFTokenizerSpec, TokenizerMetadataError, write_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         hint = " (run `kvfleet models pull smollm2`)" if Path(args.model) == default_model_dir() else ""
         print(f"kvfleet demo: {args.model} is not a model directory (no config.json){hint}", file=sys.stderr)
         return 2
-    from compute_service.model_config import ModelLoadError
+    from compute_service.model.config import ModelLoadError
 
     try:
         return run_in_process(args) if args.in_process else run_cluster(args)
@@ -67,7 +67,7 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 
 def run_in_process(args: argparse.Namespace) -> int:
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
     from kvfleet_cli.demo_traffic import LinePrinter
     from router.chat_template import ChatMessage, ChatTemplate

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from compute_service.kv_cache_dtype import KV_CACHE_DTYPES
-from compute_service.kv_layout import KV_LAYOUTS
-from compute_service.tier_flags import add_tier_arguments, check_tier_flags
+from compute_service.kv.cache_dtype import KV_CACHE_DTYPES
+from compute_service.kv.layout import KV_LAYOUTS
+from compute_service.kv.tier_flags import add_tier_arguments, check_tier_flags
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.models_pull import default_model_dir

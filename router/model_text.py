@@ -27,8 +27,8 @@ class ModelText:
 def load_model_text(model_dir: str) -> ModelText:
     from pathlib import Path
 
-    from compute_service.model_config import ModelConfig
-    from compute_service.tokenizer import Tokenizer  # tokenizers is slow to import
+    from compute_service.model.config import ModelConfig
+    from compute_service.model.tokenizer import Tokenizer  # tokenizers is slow to import
 
     tokenizer = Tokenizer(model_dir)
 

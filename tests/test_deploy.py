@@ -147,7 +147,7 @@ def exported_names() -> set[str]:
     from block_service import metrics as block_metrics
     from block_service.durable import DurablePageTable
     from block_service.page_table import PageTable
-    from compute_service import metrics as node_metrics
+    from compute_service.node import metrics as node_metrics
     from kvfleet.allocator import AllocatorStats
     from kvfleet.latency_histogram import LatencyHistogram
     from kvfleet.metric_families import registry_of

@@ -44,20 +44,20 @@ PURE = [
     "block_service.prefix_index", "block_service.block_lru", "block_service.pool_codec", "block_service.frozen_keys",
     "block_service.lineage", "block_service.lower_tiers", "block_service.replication_log",
     "block_service.standby_acks", "block_service.role",
-    "compute_service.scheduler", "compute_service.kv_cache_manager", "compute_service.allocator_policy",
-    "compute_service.recent_commits", "compute_service.request_phases", "kvfleet.latency_histogram",
-    "compute_service.block_link", "compute_service.block_sync", "compute_service.sliding_window", "kvfleet.backoff",
-    "compute_service.model_config", "compute_service.rope_config", "compute_service.kv_cache_dtype",
-    "compute_service.kv_layout", "compute_service.batch_controller", "compute_service.live_cap",
-    "compute_service.block_usage", "compute_service.kv_snapshot", "compute_service.tier_queue",
-    "compute_service.kv_tiers", "compute_service.swap_cost", "compute_service.tier_flags",
+    "compute_service.engine.scheduler", "compute_service.kv.cache_manager", "compute_service.blocks.allocator_policy",
+    "compute_service.blocks.recent_commits", "compute_service.engine.request_phases", "kvfleet.latency_histogram",
+    "compute_service.blocks.link", "compute_service.blocks.sync", "compute_service.model.sliding_window", "kvfleet.backoff",
+    "compute_service.model.config", "compute_service.model.rope_config", "compute_service.kv.cache_dtype",
+    "compute_service.kv.layout", "compute_service.engine.batch_controller", "compute_service.engine.live_cap",
+    "compute_service.kv.block_usage", "compute_service.kv.snapshot", "compute_service.blocks.tier_queue",
+    "compute_service.kv.tier_index", "compute_service.engine.swap_cost", "compute_service.kv.tier_flags",
     "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
     "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
     "router.chat_template", "router.openai_requests", "router.openai_responses",
-    "compute_service.cpu_host", "compute_service.mem_probe",
+    "compute_service.engine.cpu_host", "compute_service.node.mem_probe",
     "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
     "kvfleet_cli.cluster_state", "kvfleet.preflight",
-    "kvfleet.metric_families", "kvfleet.metrics_server", "block_service.metrics", "compute_service.metrics",
+    "kvfleet.metric_families", "kvfleet.metrics_server", "block_service.metrics", "compute_service.node.metrics",
     "router.metrics",
     "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
     "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
@@ -199,6 +199,6 @@ def test_the_graph_sees_known_arrows():
     """The reader is not blind: arrows that exist must be found (a parser that found none would pass
     every test above)."""
     graph = edges()
-    assert "kvfleet.allocator" in graph["compute_service.kv_cache_manager"]
-    assert "compute_service.engine" in graph["kvfleet_cli.demo"]
-    assert any(m.startswith("block_service.") for m in graph["compute_service.block_registration"])
+    assert "kvfleet.allocator" in graph["compute_service.kv.cache_manager"]
+    assert "compute_service.engine.llm_engine" in graph["kvfleet_cli.demo"]
+    assert any(m.startswith("block_service.") for m in graph["compute_service.blocks.registration"])

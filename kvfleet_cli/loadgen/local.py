@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from compute_service.model_config import ModelConfig, ModelLoadError
+from compute_service.model.config import ModelConfig, ModelLoadError
 from kvfleet_cli.local_cluster import LocalCluster
 
 BENCH_KEY = "sk-bench"

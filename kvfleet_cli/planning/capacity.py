@@ -1,5 +1,5 @@
 """How many sequences of a given context fit one device's KV pool, counted the way the engine
-counts: the pool is ``budget // bytes_per_block`` blocks (``compute_service.kv_pool``) and a
+counts: the pool is ``budget // bytes_per_block`` blocks (``compute_service.kv.pool``) and a
 sequence of ``n`` tokens holds ``ceil(n / block_size)`` of them. Pure.
 
     device memory x gpu_memory_utilization
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compute_service.kv_cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES, SCALE_BYTES
+from compute_service.kv.cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES, SCALE_BYTES
 from kvfleet_cli.planning.devices import Device
 from kvfleet_cli.planning.shapes import ModelShape
 
@@ -103,7 +103,7 @@ def capacity(shape: ModelShape, device: Device, request: CapacityRequest, block_
     per_token = shape.kv_elements_per_token(tp) * item
     formula = shape.kv_formula(item, tp)
     if kv_dtype in SCALE_BYTES and shape.mla is None:
-        # the pool stores one scale per (token, KV head) row of K and of V (compute_service.kv_cache_dtype)
+        # the pool stores one scale per (token, KV head) row of K and of V (compute_service.kv.cache_dtype)
         rows = 2 * shape.num_layers * shape.kv_heads_per_device(tp)
         per_token += rows * SCALE_BYTES[kv_dtype]
         formula += f" + {rows} rows x {SCALE_BYTES[kv_dtype]} B scales = {per_token:,} B"

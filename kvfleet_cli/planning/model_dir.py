@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from compute_service.model_config import ModelConfig, ModelLoadError
+from compute_service.model.config import ModelConfig, ModelLoadError
 from kvfleet_cli.planning.shapes import MLAShape, ModelShape, MoEShape
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}

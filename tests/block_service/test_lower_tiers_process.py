@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from block_service.client import BlockManagerClient
-from compute_service.block_registration import RemoteAllocatorFactory
+from compute_service.blocks.registration import RemoteAllocatorFactory
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
 from kvfleet.block_hash import block_hashes
 from tests.block_service.test_block_service_process import ROOT, Service

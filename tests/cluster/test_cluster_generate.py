@@ -15,7 +15,7 @@ from cluster_helpers import (
     tokens_of,
 )
 
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2_grpc
 

@@ -10,9 +10,9 @@ import urllib.request
 
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 
-from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.kv_pool import bytes_per_block
-from compute_service.model_config import ModelConfig
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.kv.pool import bytes_per_block
+from compute_service.model.config import ModelConfig
 from kvfleet.sampling import SamplingParams
 
 PROMPT = random_prompt(64, 41)                         # 3 reusable blocks

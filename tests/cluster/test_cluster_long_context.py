@@ -34,7 +34,7 @@ def model_dir(long_dir):
 @pytest.fixture(scope="module")
 def in_process(long_dir) -> dict[str, list[int]]:
     """The in-process engine's greedy tokens, by KV dtype, with the node's block size and pool."""
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
     tokens = {}

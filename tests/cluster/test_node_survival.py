@@ -14,7 +14,7 @@ import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
 from block_service.durable import recover
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 

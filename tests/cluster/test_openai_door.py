@@ -14,7 +14,7 @@ import openai
 import pytest
 from cluster_helpers import BLOCK_SIZE, TENANTS, block_pools, random_prompt, request, stream, tokens_of
 
-from compute_service.tokenizer import Tokenizer
+from compute_service.model.tokenizer import Tokenizer
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model

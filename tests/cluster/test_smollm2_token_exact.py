@@ -45,7 +45,7 @@ def reference(smollm2) -> list[list[int]]:
 
 
 def test_engine_in_process_matches_transformers(smollm2, reference):
-    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
     engine = LLMEngine(smollm2, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=32 << 20))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from compute_service.block_registration import RemoteAllocatorFactory
+from compute_service.blocks.registration import RemoteAllocatorFactory
 from kvfleet_cli.model_maker import make_model
 from tests.compute_service.served_blocks import BS, BYTES_PER_BLOCK, HeldAsks, Served
 

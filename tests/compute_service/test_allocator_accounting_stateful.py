@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from block_service.bookkeeping import apply_bookkeeping
 from block_service.node_sync import LiveSequence as ListedSequence
 from block_service.page_table import PageTable
-from compute_service.allocator_policy import AllocatorPolicy, Bookkeeping
+from compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.block_hash import reusable_blocks
 from kvfleet.errors import AlreadyExists

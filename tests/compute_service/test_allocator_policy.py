@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.allocator_policy import (
+from compute_service.blocks.allocator_policy import (
     DEFER_STEPS,
     TOPUP_MARGIN,
     AllocatorPolicy,

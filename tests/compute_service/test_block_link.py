@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from compute_service.block_link import DOWN, LOST, UP, BlockLink, trouble_of
+from compute_service.blocks.link import DOWN, LOST, UP, BlockLink, trouble_of
 from kvfleet.errors import InvalidArgument, NotFound, Unavailable
 
 
@@ -52,7 +52,7 @@ def test_a_new_leader_cuts_the_resync_backoff_short() -> None:
     makes it try at once instead of at the end of a long delay."""
     import asyncio
 
-    from compute_service.block_sync import BlockSync, SyncOutcome
+    from compute_service.blocks.sync import BlockSync, SyncOutcome
     from kvfleet.backoff import Backoff
 
     async def run() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from compute_service import remote_allocator
+from compute_service.blocks import remote_allocator
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import BS, check_agrees, hashes

@@ -4,8 +4,8 @@ is forgotten (its bytes are about to change), in both KV layouts. Pure: an in-pr
 from __future__ import annotations
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.sequence import Sequence
+from compute_service.engine.sequence import Sequence
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.sampling import SamplingParams
 
 BS = 16

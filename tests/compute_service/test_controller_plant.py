@@ -10,12 +10,12 @@ host). Nothing sleeps and nothing is timed: time is the plant's.
 from __future__ import annotations
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service.batch_controller import BatchController, ControllerConfig, p99
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.live_cap import LiveCap
-from compute_service.request_output import RequestOutput
-from compute_service.scheduler import Scheduler, SchedulerConfig
-from compute_service.sequence import Sequence
+from compute_service.engine.batch_controller import BatchController, ControllerConfig, p99
+from compute_service.engine.live_cap import LiveCap
+from compute_service.engine.request_output import RequestOutput
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import Sequence
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.sampling import SamplingParams
 
 BASE_S, PER_TOKEN_S = 0.004, 0.002

@@ -5,8 +5,8 @@ because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
 import pytest
 import torch
 
-from compute_service.cpu_linear import TILE_ROWS, PackedLinear, pack_linears, padded_rows, row_tiles
-from compute_service.mem_probe import malloc_info
+from compute_service.model.cpu_linear import TILE_ROWS, PackedLinear, pack_linears, padded_rows, row_tiles
+from compute_service.node.mem_probe import malloc_info
 
 
 def test_padded_rows_are_few_and_waste_little():

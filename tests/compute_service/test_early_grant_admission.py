@@ -11,9 +11,9 @@ nothing running. The head's ask takes those grants back instead.
 
 from __future__ import annotations
 
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.scheduler import Scheduler, SchedulerConfig
-from compute_service.sequence import Sequence
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import Sequence
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.served_blocks import BS, check_agrees, num_sequences
 

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from compute_service.async_engine import AsyncEngine
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 

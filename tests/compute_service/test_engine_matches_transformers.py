@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.kv_pool import bytes_per_block
-from compute_service.model_config import ModelConfig
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.kv.pool import bytes_per_block
+from compute_service.model.config import ModelConfig
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 

@@ -1,10 +1,10 @@
-"""The engine times each request's queue and prefill (compute_service/request_phases.py)."""
+"""The engine times each request's queue and prefill (compute_service/engine/request_phases.py)."""
 
 from __future__ import annotations
 
 import time
 
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 
 

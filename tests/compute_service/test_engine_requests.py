@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from compute_service.async_engine import AsyncEngine
-from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.kv_pool import parse_block_size
-from compute_service.model_config import ModelLoadError
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.kv.pool import parse_block_size
+from compute_service.model.config import ModelLoadError
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 

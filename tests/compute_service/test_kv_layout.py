@@ -8,8 +8,8 @@ import pytest
 
 from block_service.local_allocator import LocalBlockAllocator
 from block_service.page_table import PageTable
-from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.kv_layout import parse_kv_layout, reserved_tokens
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.kv.layout import parse_kv_layout, reserved_tokens
 from kvfleet.sampling import SamplingParams
 from kvfleet.tenants import Tenant
 from tests.compute_service.conftest import random_prompt

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service import kv_snapshot_io
-from compute_service.block_usage import BlockUsage
-from compute_service.kv_snapshot import Fingerprint, SnapshotRefused
+from compute_service.kv import snapshot_io as kv_snapshot_io
+from compute_service.kv.block_usage import BlockUsage
+from compute_service.kv.snapshot import Fingerprint, SnapshotRefused
 from kvfleet.block_hash import next_block_hash
 
 SEED = b"fp8-seed"

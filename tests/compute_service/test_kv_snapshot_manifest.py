@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-import compute_service.kv_snapshot as ks
-from compute_service.block_usage import BlockUsage
+import compute_service.kv.snapshot as ks
+from compute_service.kv.block_usage import BlockUsage
 from kvfleet.block_hash import next_block_hash
 
 SEED = b"test-seed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.kv_tiers import POOL, Move, PrefixLookups, TierIndex
+from compute_service.kv.tier_index import POOL, Move, PrefixLookups, TierIndex
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
 
 

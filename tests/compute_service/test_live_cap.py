@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service.batch_controller import BatchController, ControllerConfig
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.live_cap import LiveCap
-from compute_service.request_output import RequestOutput
-from compute_service.scheduler import Scheduler, SchedulerConfig
-from compute_service.sequence import Sequence
+from compute_service.engine.batch_controller import BatchController, ControllerConfig
+from compute_service.engine.live_cap import LiveCap
+from compute_service.engine.request_output import RequestOutput
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import Sequence
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.sampling import SamplingParams
 
 

@@ -9,7 +9,7 @@ import asyncio
 import os
 import signal
 
-from compute_service import node_lifecycle
+from compute_service.node import lifecycle as node_lifecycle
 
 
 def test_sigterm_while_the_start_waits_forever_stops_the_node(monkeypatch, caplog):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compute_service import metrics
+from compute_service.node import metrics
 from kvfleet.allocator import AllocatorStats
 from kvfleet.metric_families import registry_of
 
@@ -55,7 +55,7 @@ def test_the_cpu_thread_count_is_a_gauge_only_on_cpu():
 
 
 def test_lower_tier_lookups_and_blocks_are_exported():
-    from compute_service.kv_tiers import PrefixLookups, TierCounts
+    from compute_service.kv.tier_index import PrefixLookups, TierCounts
 
     r = registry_of(metrics.families(_sample(lookups=PrefixLookups(hot=5, host=3, disk=2, miss=7),
                                              tiers=TierCounts(100, 400, 30, 90, 4), num_swapped=2)))

@@ -9,11 +9,11 @@ the second until the first has committed the shared blocks, and the remote alloc
 from __future__ import annotations
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service.allocator_policy import AllocatorPolicy
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.recent_commits import RecentCommits
-from compute_service.scheduler import Scheduler, SchedulerConfig
-from compute_service.sequence import Sequence
+from compute_service.blocks.allocator_policy import AllocatorPolicy
+from compute_service.blocks.recent_commits import RecentCommits
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import Sequence
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.sampling import SamplingParams
 

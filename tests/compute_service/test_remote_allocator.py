@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from compute_service.allocator_policy import DEFER_STEPS
+from compute_service.blocks.allocator_policy import DEFER_STEPS
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.request_phases import RequestPhases
-from compute_service.sequence import Sequence
+from compute_service.engine.request_phases import RequestPhases
+from compute_service.engine.sequence import Sequence
 from kvfleet.sampling import SamplingParams
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from block_service.local_allocator import LocalBlockAllocator
-from compute_service.kv_cache_manager import KVCacheManager
-from compute_service.scheduler import Scheduler, SchedulerConfig
-from compute_service.sequence import Sequence, Status
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import Sequence, Status
+from compute_service.kv.cache_manager import KVCacheManager
 from kvfleet.allocator import Refusal
 from kvfleet.sampling import SamplingParams
 

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from compute_service.async_engine import AsyncEngine
-from compute_service.engine import EngineConfig, LLMEngine
-from compute_service.node_context import EarlyBlocks, NodeContext, NodeStatus
-from compute_service.serve_session import ServeSession
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.node.context import EarlyBlocks, NodeContext, NodeStatus
+from compute_service.node.serve_session import ServeSession
 from kvfleet.membership import NodeState
 from kvfleet.v1 import compute_pb2
 from tests.compute_service.served_blocks import BS, num_sequences

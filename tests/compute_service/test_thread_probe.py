@@ -8,8 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from compute_service.thread_governor import ThreadGovernor
-from compute_service.thread_probe import ThreadProbe
+from compute_service.engine.thread_governor import ThreadGovernor
+from compute_service.engine.thread_probe import ThreadProbe
 
 
 class _Refusing(nn.Linear):

@@ -10,7 +10,7 @@ import math
 import pytest
 from safetensors import safe_open
 
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet_cli import cli
 from kvfleet_cli.model_maker import make_model

@@ -7,8 +7,8 @@ import grpc
 import pytest
 import torch
 
-from compute_service.kv_pool import bytes_per_block
-from compute_service.model_config import ModelConfig
+from compute_service.kv.pool import bytes_per_block
+from compute_service.model.config import ModelConfig
 from kvfleet_cli.local_cluster import LocalCluster
 from tests.cluster.cluster_helpers import block_pools, request, stream, tokens_of
 from tests.models.hf_models import build, prompt, reference_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine import EngineConfig, LLMEngine
+from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from tests.models.hf_models import CASES, ROPES, build, prompt, reference_tokens
 

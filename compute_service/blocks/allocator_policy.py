@@ -1,0 +1,437 @@
+"""What a compute node tells block_service about its blocks, and when. Pure: plain lists and dicts.
+
+``RemoteBlockAllocator`` (remote_allocator.py) is the bridge: it moves work between the engine's
+step thread and the event loop and calls block_service. What it answers from the node's own
+tables, what it sends now, what it defers and what each answer changes is decided here, so it can
+be tested without a thread, a loop or a network. The bridge calls it under one lock.
+
+Three rules keep the engine's step from waiting on the network:
+
+- **Ask early.** A request's first allocation is asked for when the request reaches the node
+  (``ask``, batched with the other arrivals of a loop iteration), so when the scheduler admits it
+  the answer is already here (``allocate``). A mismatch (the engine hashed differently, or
+  re-allocates after a preemption) falls back to asking then. An early grant never keeps the
+  sequence being admitted waiting: when the pool refuses that one, the newest grants give way
+  (``give_back_early``), since their requests are queued behind it.
+- **Write-behind.** Commits, drops, releases and reserve top-ups answer nothing the engine needs now:
+  they are queued and sent together after a step. What others wait for goes at the end of its
+  step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
+  sharing the prefix may arrive any moment). Decode-time bookkeeping rides along with those, or
+  goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
+  the block, a generated block's commit or a sliding window's drop after at most ``defer_steps``.
+- **One block ahead.** Every sequence holds one block more than the engine has been handed.
+  When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
+  a top-up; block_service is only on the path when no reserve covers the growth.
+
+The reserve costs at most one block per running sequence, charged to its tenant like any other;
+none is kept past ``max_model_len`` (``cap_length``), so a contiguous layout's reservation, which
+already covers it, gets none.
+block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
+not token by token: its fill-level figures count a reserve block as full.
+
+A sequence's blocks, as the node sees them:
+
+    asked ──take_asks──▶ in flight ──fold_asks──▶ early ──allocate──▶ claimed ──release──▶ gone
+                                                                        ▲
+                                               claim (the engine asked itself, no early) ┘
+
+A request may end at any of these moments, and its release must leave block_service holding
+nothing for it: queued, its ask is dropped (never sent); in flight, it is marked and its grant
+given back when the answer lands; early, the grant is given back; claimed, the table is the
+engine's, which releases it itself (a request's stream ending passes ``claimed=False``).
+
+A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
+the reserve, one block ahead; entries the engine dropped (``drop_front``, a sliding window) are
+``DROPPED`` at once, so a sync lists the table as block_service will hold it after the drop.
+``num_tokens`` is the sequence's length at block_service (what was asked and granted).
+Bookkeeping waits in four queues (top-ups, commits, drops, releases) until ``take`` empties them
+into one ``ApplyMany``; ``end_step`` says when that is due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from compute_service.blocks.recent_commits import RecentCommits
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
+
+DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
+TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
+
+
+@dataclass(slots=True)
+class Bookkeeping:
+    """One ``ApplyMany``, applied in this order: top-ups (they bring block_service's length of a
+    sequence up to the blocks the engine fills, so the commits after them are of full blocks),
+    commits (a block is committed by its live sequence), drops (after the commits: a dropped
+    block is cached under its hash), releases."""
+
+    topups: list[tuple[str, int]] = field(default_factory=list)       # (seq, tokens to extend to)
+    commits: list[tuple[str, int, bytes]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+    drops: list[tuple[str, int]] = field(default_factory=list)        # (seq, leading blocks dropped)
+
+    def __bool__(self) -> bool:
+        return bool(self.topups or self.commits or self.releases or self.drops)
+
+
+@dataclass(slots=True)
+class Growth:
+    """``extend``'s first pass: what the node's tables answered, and what needs block_service."""
+
+    answers: dict[str, list[int]]
+    short: list[tuple[str, int]]  # (seq, tokens) with no reserve left to cover them
+
+
+@dataclass(slots=True, frozen=True)
+class LiveSequence:
+    """A sequence block_service holds for this node (claimed by the engine or granted early)."""
+
+    seq_id: str
+    tenant: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Table:
+    tenant: str
+    block_ids: list[int]     # what block_service gave: handed + reserve
+    handed: int              # blocks the engine has been given
+    num_tokens: int          # the sequence's length at block_service
+    prompt_blocks: int       # full blocks of its prompt: their commits are urgent
+
+
+class AllocatorPolicy:
+    def __init__(self, block_size: int, defer_steps: int = DEFER_STEPS):
+        self.block_size = block_size
+        self.defer_steps = defer_steps
+        self._tables: dict[str, _Table] = {}
+        # granted, not yet claimed: (ask, grant, the commits it saw: RecentCommits.mark when sent)
+        self._early: dict[str, tuple[AllocateRequest, Allocation, int]] = {}
+        self._asks: list[AllocateRequest] = []      # preallocations to send
+        self._in_flight: dict[str, tuple[bool, int]] = {}  # sent → (released before its answer, mark)
+        self._recent_commits = RecentCommits()
+        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
+        self._commits: list[tuple[str, int, bytes]] = []
+        self._releases: list[str] = []
+        self._drops: dict[str, int] = {}            # seq → leading blocks dropped (the latest count)
+        self._growing: dict[str, int] = {}          # the short sequences of the extend under way
+        self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
+        self._in_step = False
+        self._step = 0                              # end_step calls so far
+        self._urgent = False                        # a release or a prompt block's commit is queued
+        self._due: int | None = None                # the step by which deferred bookkeeping must go
+        self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
+
+    def cap_length(self, max_model_len: int) -> None:
+        """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
+        self._max_tokens = max_model_len
+
+    # -- early allocation -------------------------------------------------------------------------
+
+    def ask(self, request: AllocateRequest) -> bool:
+        """Queue a preallocation; True when it is the first queued (the bridge sends them soon,
+        together with the other arrivals of its loop iteration)."""
+        self._asks.append(request)
+        return len(self._asks) == 1
+
+    def take_asks(self) -> list[AllocateRequest]:
+        """The preallocations to send now."""
+        asks, self._asks = self._asks, []
+        mark = self._recent_commits.mark()  # the commits queued so far are sent before the asks
+        self._in_flight.update((r.seq_id, (False, mark)) for r in asks)
+        return asks
+
+    def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
+        """block_service's answers (``None``: the call failed). A grant waits for the engine to
+        claim it; a refusal is not kept (the engine asks again when it admits the sequence).
+        A grant for a sequence released while its ask was in flight is given back at once.
+        True when a release was queued that the bridge should send soon."""
+        queued = False
+        for request, result in zip(asks, results):
+            released, mark = self._in_flight.pop(request.seq_id, (False, 0))
+            if not isinstance(result, Allocation):
+                continue
+            if released:
+                self._release_now(request.seq_id)
+                queued = True
+            else:
+                self._early[request.seq_id] = (request, result, mark)
+        return queued and not self._in_step
+
+    # -- the engine's calls -----------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | None:
+        """The early allocation if it was asked as the engine asks now (then it is claimed), else
+        None: the engine's ask goes to block_service (an early one asked differently is given back).
+        An early grant is stale, and given back too, when the first block it missed was committed
+        on this node after it was asked (another sequence prefilled the shared prefix meanwhile):
+        asking now finds that block cached instead of computing it again."""
+        early = self._early.pop(seq_id, None)
+        if early is None:
+            return None
+        request, result, mark = early
+        hit = result.num_cached_blocks
+        stale = hit < len(block_hashes) and self._recent_commits.committed_since(block_hashes[hit], mark)
+        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens and not stale:
+            self.claim(seq_id, request.tenant, result, num_tokens)
+            return result
+        self._release_now(seq_id)
+        return None
+
+    def give_back_early(self, keep: str, shortfall: int) -> list[str]:
+        """The pool refused ``keep``, the sequence the engine is admitting, ``shortfall`` blocks
+        short: other early grants go back (releases queued; their sequences ask again when
+        admitted), the newest first, until the blocks they hold past their cache hits cover it (or
+        none is left). Those grants belong to requests queued behind ``keep``, which the scheduler
+        admits only after it: holding blocks for them would keep it waiting for blocks that only
+        its own admission would free, and with nothing running on the node it would wait forever.
+        The older grants stay: they protect the prefixes they hit from eviction. Returns the
+        sequences whose grants were given back (none: asking again gains nothing)."""
+        given: list[str] = []
+        for seq_id in reversed(list(self._early)):
+            if shortfall <= 0:
+                break
+            if seq_id == keep:
+                continue
+            _, grant, _ = self._early.pop(seq_id)
+            shortfall -= len(grant.block_ids) - grant.num_cached_blocks
+            self._release_now(seq_id)
+            given.append(seq_id)
+        return given
+
+    def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
+        """The engine now holds ``result``; queue its reserve block."""
+        blocks = len(result.block_ids)
+        self._tables[seq_id] = _Table(tenant, list(result.block_ids), blocks, num_tokens,
+                                      num_tokens // self.block_size)
+        self._topup(seq_id, num_tokens)
+
+    def extend(self, growth: Sequence[tuple[str, int]]) -> Growth:
+        """Hand over reserve blocks where they cover the growth (queueing the next reserve);
+        the rest is ``short``: the bridge asks block_service (``extend_asks``) and hands over."""
+        answers: dict[str, list[int]] = {}
+        short: list[tuple[str, int]] = []
+        for seq_id, num_tokens in growth:
+            if self._covers(seq_id, num_tokens):
+                answers[seq_id] = self._hand(seq_id, num_tokens)
+            else:
+                short.append((seq_id, num_tokens))
+        return Growth(answers, short)
+
+    def extend_asks(self, short: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """What to ask block_service for the short sequences, once the queue before them was sent:
+        one block ahead each (a new reserve); ``fold_extend`` says what to ask next.
+
+        Only those the table still does not cover are asked: a top-up sent with that queue may
+        have brought the reserve, and block_service's length then is past the growth. Asking for
+        less than it holds is an error, not a refusal (a sequence cannot shrink), so every ask
+        here is past the table's end and therefore past block_service's length."""
+        self._growing, self._refused = dict(short), {}
+        return [(s, (self._blocks(n) + 1) * self.block_size) for s, n in short if not self._covers(s, n)]
+
+    def fold_extend(self, asks: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> list[tuple[str, int]]:
+        """block_service's answers to ``asks``; returns what to ask next: exactly the growth of
+        each sequence whose one-block-ahead ask was refused (empty when done)."""
+        retry: list[tuple[str, int]] = []
+        for (seq_id, tokens), result in zip(asks, results):
+            wanted = self._growing[seq_id]
+            if isinstance(result, Refusal):
+                if tokens > wanted:
+                    retry.append((seq_id, wanted))
+                self._refused[seq_id] = result
+                continue
+            self._refused.pop(seq_id, None)
+            table = self._tables[seq_id]
+            table.block_ids.extend(result)
+            table.num_tokens = max(table.num_tokens, tokens)
+        return retry
+
+    def hand_over(self) -> dict[str, list[int] | Refusal]:
+        """The answers of the extend under way: the new blocks of each short sequence, or why not."""
+        answers: dict[str, list[int] | Refusal] = {}
+        for seq_id, num_tokens in self._growing.items():
+            refusal = self._refused.get(seq_id)
+            if refusal is not None:
+                answers[seq_id] = refusal
+                continue
+            answers[seq_id] = self._hand(seq_id, num_tokens)
+        self._growing, self._refused = {}, {}
+        return answers
+
+    def abandon_extend(self) -> None:
+        """The extend under way got no answer (block_service unreachable): nothing is handed over.
+        Blocks granted before it broke stay in their tables; the engine's next growth takes them."""
+        self._growing, self._refused = {}, {}
+
+    def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
+        if not commits:
+            return
+        self._commits.extend(commits)
+        self._recent_commits.record(h for _, _, h in commits)
+        if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
+            self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
+        else:
+            self._defer(self.defer_steps)
+
+    def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
+        """The engine gave back its sequences' leading blocks (sliding window): the tables mark
+        them ``DROPPED`` now, block_service hears it with the next batch (deferred like a
+        generated block's commit, which it always follows)."""
+        for seq_id, n in drops:
+            table = self._tables.get(seq_id)
+            if table is None or n <= 0:
+                continue
+            table.block_ids[:n] = [DROPPED] * n
+            self._drops[seq_id] = max(n, self._drops.get(seq_id, 0))
+            self._defer(self.defer_steps)
+
+    def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
+        """Give back what block_service holds or will hold for these sequences: a table the
+        engine claimed (unless ``claimed`` is False: the engine may still be using it and
+        releases it itself), an early allocation it never claimed, one in flight (when its
+        answer lands); a queued ask is dropped. A sequence unknown or already released sends
+        nothing. True when the bridge should send soon (between steps: after an abort no
+        ``end_step`` comes to send it)."""
+        queued = False
+        for seq_id in seq_ids:
+            if seq_id in self._tables:
+                if not claimed:
+                    continue
+                del self._tables[seq_id]
+                self._topups.pop(seq_id, None)
+                self._drops.pop(seq_id, None)  # the release gives back the whole table
+            elif seq_id in self._in_flight:
+                self._in_flight[seq_id] = (True, self._in_flight[seq_id][1])
+                continue
+            elif self._early.pop(seq_id, None) is None:
+                self._asks = [r for r in self._asks if r.seq_id != seq_id]
+                continue
+            self._release_now(seq_id)
+            queued = True
+        return queued and not self._in_step
+
+    # -- steps and sending ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self._in_step = True
+
+    def end_step(self) -> bool:
+        """The engine finished a step: True when what is queued is urgent or due."""
+        self._in_step = False
+        self._step += 1
+        return self._urgent or (self._due is not None and self._step >= self._due)
+
+    def has_bookkeeping(self) -> bool:
+        return bool(self._commits or self._releases or self._topups or self._drops)
+
+    def take(self) -> Bookkeeping:
+        """Everything queued, to send now in one call."""
+        self._urgent, self._due = False, None
+        released = set(self._releases)
+        batch = Bookkeeping([(s, n) for s, n in self._topups.items() if s not in released],
+                            self._commits, self._releases, list(self._drops.items()))
+        self._topups, self._commits, self._releases, self._drops = {}, [], [], {}
+        return batch
+
+    def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
+        """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
+        for (seq_id, tokens), new in zip(topups, results):
+            table = self._tables.get(seq_id)
+            if isinstance(new, list) and table is not None:
+                table.block_ids.extend(new)
+                table.num_tokens = max(table.num_tokens, tokens)
+
+    def fold_commits(self, commits: Sequence[tuple[str, int, bytes]], refused: Collection[int]) -> None:
+        """Sent commits block_service took (all but the indexes ``refused``): a commit declares its
+        block full, so block_service's length of the sequence is now at least that block's end
+        (it grows past a prompt's length when a refused top-up left it inside the block). Folded
+        on the answer, not when queued, so a sync in between lists what block_service holds."""
+        for i, (seq_id, index, _) in enumerate(commits):
+            table = self._tables.get(seq_id)
+            if table is not None and i not in refused:
+                table.num_tokens = max(table.num_tokens, (index + 1) * self.block_size)
+
+    def requeue(self, batch: Bookkeeping) -> None:
+        """A taken batch did not reach block_service: put it back before what was queued since,
+        for the sync to sort out (top-ups of sequences released meanwhile are dropped)."""
+        topups = {s: n for s, n in batch.topups if s in self._tables}
+        topups.update(self._topups)  # a newer top-up of a sequence replaces the older one
+        self._topups = topups
+        self._commits = list(batch.commits) + self._commits
+        self._releases = list(batch.releases) + self._releases
+        drops = {s: n for s, n in batch.drops if s in self._tables}
+        for s, n in self._drops.items():
+            drops[s] = max(n, drops.get(s, 0))
+        self._drops = drops
+        self._urgent = True
+
+    def take_for_sync(self) -> tuple[Bookkeeping, list[LiveSequence]]:
+        """What is queued and the live sequences, at one moment: a sync lists exactly the
+        sequences whose releases are not in that batch."""
+        return self.take(), self.live_sequences()
+
+    def after_sync(self, batch: Bookkeeping, refused: Sequence[str]) -> Bookkeeping:
+        """Of a batch taken for a sync that block_service did not get first, what to send after it:
+        its releases are moot (the sync released every sequence not listed) and so are its drops
+        (the listed tables have their dropped entries ``DROPPED`` already), its commits and
+        top-ups of sequences still live and accepted are not (commits keep prefix hits; top-ups
+        bring the reserve). Early allocations block_service refused are forgotten (nothing to
+        release there); refused claimed sequences are the engine's to fail and release."""
+        for seq_id in refused:
+            self._early.pop(seq_id, None)
+        gone = set(refused)
+        topups = [(s, n) for s, n in batch.topups if s in self._tables and s not in gone]
+        held = {s: len(t.block_ids) for s, t in self._tables.items() if s not in gone}
+        commits = [c for c in batch.commits if c[0] in held and c[1] < held[c[0]]
+                   and self._tables[c[0]].block_ids[c[1]] != DROPPED]
+        return Bookkeeping(topups, commits, [])
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """What block_service holds for this node as far as the node knows: claimed tables (reserve
+        included) and early allocations not yet claimed. A node re-registering sends these."""
+        live = [LiveSequence(s, t.tenant, list(t.block_ids), t.num_tokens) for s, t in self._tables.items()]
+        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a, _) in self._early.items()]
+        return live
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _covers(self, seq_id: str, num_tokens: int) -> bool:
+        return self._blocks(num_tokens) <= len(self._tables[seq_id].block_ids)
+
+    def _hand(self, seq_id: str, num_tokens: int) -> list[int]:
+        """The blocks a sequence growing to ``num_tokens`` gets from its table (covered); when that
+        uses up the reserve, queue the next one."""
+        table, need = self._tables[seq_id], self._blocks(num_tokens)
+        new = table.block_ids[table.handed:need]
+        table.handed = max(table.handed, need)
+        if len(table.block_ids) <= table.handed:
+            self._topup(seq_id, num_tokens)
+        return new
+
+    def _prompt_blocks(self, seq_id: str, index: int) -> int:
+        table = self._tables.get(seq_id)
+        return table.prompt_blocks if table is not None else index + 1
+
+    def _release_now(self, seq_id: str) -> None:
+        self._releases.append(seq_id)
+        self._urgent = True
+
+    def _defer(self, steps: int) -> None:
+        """What was just queued must be sent within ``steps`` more steps."""
+        due = self._step + max(steps, 0) + 1  # end_step counts this step first
+        self._due = due if self._due is None else min(self._due, due)
+
+    def _topup(self, seq_id: str, num_tokens: int) -> None:
+        """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
+        a little before decoding (a token a step) fills the blocks it has."""
+        held = self._tables[seq_id].handed
+        if self._max_tokens is not None and held * self.block_size >= self._max_tokens:
+            return  # the handed blocks already hold every token the sequence may reach
+        self._topups[seq_id] = (held + 1) * self.block_size
+        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)

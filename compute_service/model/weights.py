@@ -1,0 +1,136 @@
+"""Load ``*.safetensors`` weights in Hugging Face naming into ``CausalLM``, fusing q/k/v and
+gate/up. Every problem is a ``ModelLoadError`` naming the file and the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from compute_service.model.causal_lm import CausalLM
+from compute_service.model.config import ModelConfig, ModelLoadError
+from compute_service.model.rope import RotaryEmbedding
+
+MAX_NAMED = 6  # tensors named in a refusal; the rest are counted
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} holds no *.safetensors weights file")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return tensors
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in sorted(names)[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+class _Checkpoint:
+    """The checkpoint's tensors, taken one by one: a missing or misshapen tensor is noted, and
+    whatever is never taken is left over (both refuse the model in ``done``)."""
+
+    def __init__(self, model_dir: Path, tensors: dict[str, torch.Tensor]):
+        self.model_dir, self.left = model_dir, dict(tensors)
+        self.missing: list[str] = []
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.left.pop(name, None)
+        if t is None:
+            self.missing.append(name)
+            return torch.zeros(shape)
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{self.model_dir}: weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def take_copy(self, name: str, same_as: torch.Tensor) -> None:
+        """Use up ``name`` if the checkpoint holds it as an exact copy of ``same_as``."""
+        t = self.left.get(name)
+        if t is not None and t.shape == same_as.shape and torch.equal(t, same_as):
+            del self.left[name]
+
+    def cat(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        return torch.cat([self.take(n, s) for n, s in zip(names, shapes)])
+
+    def done(self) -> None:
+        if self.missing:
+            raise ModelLoadError(f"{self.model_dir}: the checkpoint lacks {len(self.missing)} tensor(s) the "
+                                 f"config needs: {_names(self.missing)}")
+        if self.left:
+            raise ModelLoadError(f"{self.model_dir}: the checkpoint has {len(self.left)} tensor(s) this config does "
+                                 f"not use (an unsupported feature?): {_names(list(self.left))}")
+
+
+def _layer_state(ckpt: _Checkpoint, c: ModelConfig, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i`` in the engine's naming, q/k/v and gate/up fused (weights and biases alike)."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    attn, mlp = src + "self_attn.", src + "mlp."
+    qkv = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+    state = {
+        dst + "self_attn.qkv_proj.weight": ckpt.cat([n + ".weight" for n in qkv], [(q, h), (kv, h), (kv, h)]),
+        dst + "self_attn.o_proj.weight": ckpt.take(attn + "o_proj.weight", (h, q)),
+        dst + "mlp.gate_up_proj.weight": ckpt.cat([n + ".weight" for n in gate_up], [(inter, h), (inter, h)]),
+        dst + "mlp.down_proj.weight": ckpt.take(mlp + "down_proj.weight", (h, inter)),
+        dst + "input_layernorm.weight": ckpt.take(src + "input_layernorm.weight", (h,)),
+        dst + "post_attention_layernorm.weight": ckpt.take(src + "post_attention_layernorm.weight", (h,)),
+    }
+    if c.qkv_bias:
+        state[dst + "self_attn.qkv_proj.bias"] = ckpt.cat([n + ".bias" for n in qkv], [(q,), (kv,), (kv,)])
+    if c.o_proj_bias:
+        state[dst + "self_attn.o_proj.bias"] = ckpt.take(attn + "o_proj.bias", (h,))
+    if c.mlp_bias:
+        state[dst + "mlp.gate_up_proj.bias"] = ckpt.cat([n + ".bias" for n in gate_up], [(inter,), (inter,)])
+        state[dst + "mlp.down_proj.bias"] = ckpt.take(mlp + "down_proj.bias", (h,))
+    if c.qk_norm:
+        state[dst + "self_attn.q_norm.weight"] = ckpt.take(attn + "q_norm.weight", (c.head_dim,))
+        state[dst + "self_attn.k_norm.weight"] = ckpt.take(attn + "k_norm.weight", (c.head_dim,))
+    return state
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> CausalLM:
+    """The model with every parameter filled from the checkpoint and every checkpoint tensor used."""
+    model_dir = Path(model_dir)
+    ckpt = _Checkpoint(model_dir, read_safetensors(model_dir))
+    c = config
+    state: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": ckpt.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+        "norm.weight": ckpt.take("model.norm.weight", (c.hidden_size,)),
+    }
+    if not c.tie_word_embeddings:
+        state["lm_head.weight"] = ckpt.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+    else:  # some tied checkpoints store the head anyway: a copy of the embedding is used up, else left over
+        ckpt.take_copy("lm_head.weight", state["embed_tokens.weight"])
+    for i in range(c.num_layers):
+        state.update(_layer_state(ckpt, c, i))
+    ckpt.done()
+
+    with torch.device(device):
+        model = CausalLM(c)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:  # the mapping above and CausalLM disagree: a bug here, not the model's
+        raise ModelLoadError(f"{model_dir}: parameters left unfilled {missing}, unexpected {unexpected}")
+    model = model.to(dtype=dtype)
+    # RoPE tables stay float32 whatever the weights' dtype (they are cast per use)
+    with torch.device(device):
+        model.rope = RotaryEmbedding(c.head_dim, c.max_context_len, c.rope, c.max_position_embeddings)
+    return model.eval()

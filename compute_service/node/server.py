@@ -1,0 +1,96 @@
+"""The node's internal gRPC ``Compute`` service: glue between the routers and ``AsyncEngine``.
+
+``Serve`` is one bidirectional stream per router: a reader task feeds its commands to a
+``ServeSession`` while the handler writes the session's batched events; the stream ending (the
+router left, or the node finished draining) aborts whatever the router still had running here.
+``Stats`` answers the node's load and pool figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.node.context import NodeContext
+from compute_service.node.serve_session import ServeSession
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+    def __init__(self, node: NodeContext):
+        self.node = node
+        self._sessions: set[ServeSession] = set()
+
+    def end_streams(self) -> None:
+        """Close every Serve stream (after a drain): their routers see the stream end."""
+        for session in list(self._sessions):
+            session.close()
+
+    async def Serve(self, request_iterator, context):
+        session = ServeSession(self.node)
+        self._sessions.add(session)
+        reader = asyncio.create_task(self._read_commands(request_iterator, session))
+        try:
+            while (events := await session.next_events()) is not None:
+                await context.write(events)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            session.close()
+            self._sessions.discard(session)
+
+    @staticmethod
+    async def _read_commands(request_iterator, session: ServeSession) -> None:
+        try:
+            async for commands in request_iterator:
+                for command in commands.commands:  # a burst's starts reach the engine together
+                    session.command(command)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke under us
+            log.info("Serve stream ended: %s", e)
+        session.close()  # the router closed its side: nothing more will be asked
+
+    async def Stats(self, request, context):
+        node = self.node
+        stats = await node.engine_stats()
+        b = stats.blocks
+        return compute_pb2.ComputeStats(
+            node_id=node.node_id, state=node.state.value,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_blocks=b.num_blocks, num_free_blocks=b.num_free, num_cached_blocks=b.num_cached,
+            num_used_blocks=b.num_used, prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits,
+            generated_tokens=stats.generated_tokens, block_rpcs=node.block_rpcs(), block_size=node.block_size,
+            reconciled_sequences=node.reconciled_sequences(),
+        )
+
+
+async def warm_up(engine: AsyncEngine, node_id: str, *, block_size: int, max_model_len: int, vocab_size: int,
+                  seed: int = 0) -> float:
+    """Touch every kernel path before the node takes traffic (extensions built, caches hot): a
+    random-token prefill over several blocks batched with a short one, greedy and sampled decode,
+    then a prefill that starts from cached prefix blocks. Returns the seconds it took."""
+    import random
+
+    from kvfleet.sampling import SamplingParams
+
+    started = time.perf_counter()
+    rng = random.Random(seed)
+    length = min(2 * block_size + 3, max_model_len - 8)
+    long = [rng.randrange(vocab_size) for _ in range(length)]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True)
+
+    async def one(name: str, prompt: list[int], sampling: SamplingParams) -> None:
+        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{name}", prompt, sampling, tenant="__warmup__"):
+            pass
+
+    await asyncio.gather(one("long", long, greedy), one("short", long[:5], sampled))
+    await one("cached", long + [1, 2], greedy)  # the long prompt's full blocks are cached now
+    return time.perf_counter() - started
