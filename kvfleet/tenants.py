@@ -35,6 +35,8 @@ _REQUIRED = ("name", "api_key", "quota_mib", "paid_level", "max_concurrent")
 _OPTIONAL = ("reserved_mib", "lower_tier_quota_mib")
 MIB = 1 << 20
 MAX_MIB = float(1 << 40)  # more is a typo, not a quota
+# a node's own warm-up requests run under this name: internal, never in a tenants file, never shown to users
+WARMUP_TENANT = "__warmup__"
 
 
 class TenantsFileError(ValueError):

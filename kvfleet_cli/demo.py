@@ -58,7 +58,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         prompt = sum(r["prompt_tokens"] for r in finished)
         print(f"\n{len(finished)} requests, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s); "
               f"{cached} of {prompt} prompt tokens came from the prefix cache")
-        time.sleep(0.5)  # the last releases reach block_service just after the last token
         print("\ncluster summary (block_service):")
         print(cluster.summary())
         print("\nstopping the cluster ...", flush=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet import parent_death
+from kvfleet.tenants import WARMUP_TENANT
 from kvfleet_cli.etcd_server import EtcdServer
 from kvfleet_cli.ports import free_port
 
@@ -334,8 +335,9 @@ class LocalCluster:
                 time.sleep(0.1)
         raise TimeoutError(f"router not SERVING within {timeout}s:\n{self.router.log_tail()}")
 
-    def summary(self) -> str:
-        """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them."""
+    def summary(self, settle_s: float = 5.0) -> str:
+        """Blocks per node, prefix hit rate and per-tenant usage, as block_service counts them, once no
+        block is in use (or after ``settle_s``: a block still held then is shown, not hidden)."""
         from block_service.client import BlockManagerClient
 
         address = self.block_service_address  # with a standby: read from etcd, outside the loop below
@@ -344,7 +346,12 @@ class LocalCluster:
             async with BlockManagerClient(address, timeout_s=10) as client:
                 return await client.stats()
 
+        deadline = time.monotonic() + settle_s
         nodes, tenants = asyncio.run(read())
+        # the last releases reach block_service just after the last token: wait for them, not for a guess
+        while any(n.num_used for n in nodes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            nodes, tenants = asyncio.run(read())
         lines = ["node       blocks   used  cached   free  prefix hits"]
         for n in sorted(nodes, key=lambda n: n.node_id):
             c = n.counters
@@ -353,6 +360,8 @@ class LocalCluster:
             lines.append(f"{n.node_id:<10} {n.num_blocks:>6} {n.num_used:>6} {n.num_cached:>7} {n.num_free:>6}  {rate}")
         lines.append("tenant     node       charged  allowed  sequences")
         for t in sorted(tenants, key=lambda t: (t.tenant, t.node_id)):
+            if t.tenant == WARMUP_TENANT:  # the nodes' own warm-up, not a user's tenant
+                continue
             allowed = "-" if t.blocks_allowed is None else str(t.blocks_allowed)
             lines.append(f"{t.tenant:<10} {t.node_id:<10} {t.blocks_charged:>7} {allowed:>8} {t.num_sequences:>10}")
         return "\n".join(lines)

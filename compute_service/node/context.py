@@ -1,11 +1,11 @@
 """What a compute node's Serve streams may use of the node, and nothing else.
 
-main.py builds one ``NodeContext`` once the engine is up; the Compute servicer hands it to every
+``lifecycle.py`` builds one ``NodeContext`` once the engine is up; the Compute servicer hands it to every
 Serve stream (``ServeSession``) and every request on one (``RequestStream``). They reach the node
 only through its methods, so what a stream can do to the node is written here, in one place:
 
     NodeContext
-      status        NodeStatus: node id, lifecycle state, in-flight count (main.py drains on it)
+      status        NodeStatus: node id, lifecycle state, in-flight count (lifecycle.py drains on it)
       engine        AsyncEngine: requests in, outputs back, aborts
       early_blocks  EarlyBlocks when blocks come from block_service (None: an in-process pool)
       block_size, stream_interval
@@ -26,7 +26,7 @@ from kvfleet.sampling import SamplingParams
 
 @dataclass(slots=True)
 class NodeStatus:
-    """What the node's lifecycle (main.py) and its streams share: the state main.py moves on,
+    """What the node's lifecycle (lifecycle.py) and its streams share: the state it moves on,
     the in-flight count the streams keep and a drain waits on."""
 
     node_id: str

@@ -16,6 +16,7 @@ import time
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.node.context import NodeContext
 from compute_service.node.serve_session import ServeSession
+from kvfleet.tenants import WARMUP_TENANT
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ async def warm_up(engine: AsyncEngine, node_id: str, *, block_size: int, max_mod
     sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True)
 
     async def one(name: str, prompt: list[int], sampling: SamplingParams) -> None:
-        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{name}", prompt, sampling, tenant="__warmup__"):
+        async for _ in engine.generate(f"warmup-{node_id}-{seed}-{name}", prompt, sampling, tenant=WARMUP_TENANT):
             pass
 
     await asyncio.gather(one("long", long, greedy), one("short", long[:5], sampled))

@@ -17,6 +17,8 @@ import contextlib
 import logging
 import time
 
+from kvfleet.tenants import WARMUP_TENANT
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SNAPSHOT_BLOCKS = 128
@@ -125,7 +127,7 @@ class WarmStart:
         async def prefill(i: int) -> None:
             prompt = [rng.randrange(vocab_size) for _ in range(length)]
             async for _ in self.engine.generate(f"warmup-random-{self.args.node_id}-{i}", prompt, one,
-                                                tenant="__warmup__"):
+                                                tenant=WARMUP_TENANT):
                 pass
 
         await asyncio.gather(*(prefill(i) for i in range(WARMUP_PROMPTS)))

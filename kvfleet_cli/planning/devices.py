@@ -1,5 +1,5 @@
 """The devices ``kvfleet plan`` knows: memory, memory bandwidth and dense 16-bit tensor FLOPs — the
-three numbers a roofline needs. Pure: the CPU's figures are measured by ``kvfleet_cli.plan``.
+three numbers a roofline needs. Pure: the CPU's figures are measured by ``kvfleet_cli.planning.cpu_device.measured_cpu``.
 
 Figures are the vendors' datasheets (SXM parts; dense, not the 2:4-sparse numbers), memory as
 ``nvidia-smi`` reports it (MiB), so that a plan for an H200 matches what a node sees on one.
@@ -40,7 +40,7 @@ DEVICES: dict[str, Device] = {
     # L40S 48GB: 46068 MiB GDDR6, 864 GB/s, 362 TFLOP/s bf16
     "l40s": Device("L40S", 46068 * MIB, 864e9, 362e12, CUDA_OVERHEAD),
 }
-CPU = "cpu"  # measured where the plan runs: see kvfleet_cli.plan.measure_cpu
+CPU = "cpu"  # measured where the plan runs: see kvfleet_cli.planning.cpu_device.measured_cpu
 KNOWN = sorted([*DEVICES, CPU])
 
 

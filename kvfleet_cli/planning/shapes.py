@@ -1,5 +1,5 @@
 """A model's shape as capacity planning needs it: what its KV cache holds per token and how many
-parameters it stores and reads. Pure: no torch, no file access (``kvfleet_cli.plan`` reads the files).
+parameters it stores and reads. Pure: no torch, no file access (``kvfleet_cli.planning.model_dir`` reads the files).
 
 Two attention families, two KV formulas:
 
