@@ -21,11 +21,13 @@ import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from kvfleet.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -103,20 +105,17 @@ def metrics_listen(listen: str, port: int) -> str:
     return f"{host or '0.0.0.0'}:{port}"
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"not a port (0-65535): {text!r}")
+def _port(value: object) -> int:
+    port = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        port = int(value)
+    if port is None or not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port must be a port (0-65535), got {value!r}")
     return port
 
 
-def add_metrics_argument(parser) -> None:
-    """``--metrics-port`` for every service: off unless given, 0 picks a free port."""
-    parser.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on this port at /metrics, on --listen's host "
-                             "(0: any free port, logged; default: off)")
+def metrics_port_setting() -> Any:
+    """``--metrics-port`` of every service (a ``kvfleet.settings`` field): off unless given, 0
+    picks a free port."""
+    return setting(None, "serve Prometheus metrics on this port at /metrics, on --listen's host (0: any free port, "
+                   "logged)", unset="off", parse=_port, metavar="PORT")

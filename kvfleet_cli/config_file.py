@@ -1,9 +1,11 @@
 """A command's flags from a file (``kvfleet up --config FILE``): YAML or TOML, one key per flag,
 named as the flag without its dashes (``block_size: 256`` or ``block-size = 256``).
 
-The file's values are defaults: a flag given on the command line wins over them. A key that is no
-flag of the command, or a value of the wrong kind, is refused in one line naming the key, so a typo
-never starts a cluster on a silently ignored setting. ``kvfleet tune`` writes such a file.
+The keys are the names of the command's settings (``kvfleet.settings``), and each value meets the
+rule its flag does, in the same words, after the file's name: ``tuned.yaml: --block-size must be a
+multiple of 16 in 16..2048, got 17``. The file's values are defaults: a flag given on the command
+line wins over them. An unknown key is refused in one line too, so a typo never starts a cluster on
+a silently ignored setting. ``kvfleet tune`` writes such a file.
 """
 
 from __future__ import annotations
@@ -14,26 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from kvfleet import settings
+
 
 class ConfigError(ValueError):
     """The file cannot be read, or says something the command does not take."""
-
-
-def _kind_ok(value: object, current: object) -> bool:
-    """Whether ``value`` suits a flag whose default is ``current`` (None: a string or number)."""
-    if isinstance(value, bool) or isinstance(current, bool):
-        return isinstance(value, bool) and (current is None or isinstance(current, bool))
-    if current is None:
-        return isinstance(value, (str, int, float))
-    if isinstance(current, float):
-        return isinstance(value, (int, float))
-    return isinstance(value, type(current))
-
-
-def _kind_name(current: object) -> str:
-    if isinstance(current, bool):
-        return "true or false"
-    return {int: "an integer", float: "a number"}.get(type(current), "a string")
 
 
 def read(path: str | Path) -> dict:
@@ -54,17 +41,19 @@ def read(path: str | Path) -> dict:
     return data
 
 
-def load(path: str | Path, flags: Mapping[str, object]) -> dict[str, object]:
-    """The file's values by flag destination, checked against ``flags`` (destination → its
-    current value, whose kind the file's value must have)."""
+def load(path: str | Path, schema: type) -> dict[str, object]:
+    """The file's values by setting name, each checked by the setting of ``schema`` (a settings
+    dataclass) it names."""
+    known = settings.names(schema)
     values = {}
     for key, value in read(path).items():
-        dest = str(key).replace("-", "_")
-        if dest not in flags:
-            raise ConfigError(f"{path}: unknown key {key!r}; known: {', '.join(sorted(flags))}")
-        if not _kind_ok(value, flags[dest]):
-            raise ConfigError(f"{path}: {key} must be {_kind_name(flags[dest])}, got {value!r}")
-        values[dest] = value
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"{path}: unknown key {key!r}; known: {', '.join(sorted(known))}")
+        try:
+            values[name] = settings.convert_named(schema, name, value)
+        except ValueError as err:
+            raise ConfigError(f"{path}: {err}") from None
     return values
 
 

@@ -26,25 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet import parent_death
+from compute_service.node.settings import NodeSettings
+from kvfleet import parent_death, settings
 from kvfleet.tenants import WARMUP_TENANT
+from kvfleet_cli.demo_tenants import DEMO_TENANTS
 from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.local_nodes import local_node_settings, node_command
 from kvfleet_cli.ports import free_port
-
-DEMO_TENANTS = """\
-tenants:
-  - name: gold
-    api_key: sk-gold
-    quota_mib: 256
-    paid_level: 2
-    max_concurrent: 16
-  - name: free
-    api_key: sk-free
-    quota_mib: 64
-    paid_level: 0
-    max_concurrent: 4
-"""
-
 
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
@@ -77,8 +65,8 @@ class LocalCluster:
         num_nodes: int = 2,
         tenants_file: str | Path | None = None,
         work_dir: str | Path | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int = 64 << 20,
+        block_size: int | str | None = None,
+        kv_cache_memory: int | None = None,
         with_block_service: bool = True,
         compute_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
@@ -86,12 +74,16 @@ class LocalCluster:
         log_level: str = "INFO",
         http: bool = True,
         metrics: bool = True,
-        kv_cache_dtype: str = "auto",
-        dtype: str = "auto",
+        kv_cache_dtype: str | None = None,
+        dtype: str | None = None,
         block_service_standby: bool = False,
         lease_ttl_s: int = 5,
-        kv_disk: tuple[str | Path, int] | None = None,
+        node: NodeSettings | None = None,
     ):
+        """Every node takes ``node`` (``kvfleet up``'s), else the local defaults with the engine values
+        given here; ``compute_args`` follow on each node's command line, so they win."""
+        self.node = local_node_settings(node, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                                        kv_cache_dtype=kv_cache_dtype, dtype=dtype)
         self.model_dir = str(Path(model_dir).resolve())
         self.num_nodes = num_nodes
         self._own_work_dir = work_dir is None  # a temporary one: its state goes at stop, its logs stay
@@ -101,13 +93,8 @@ class LocalCluster:
             tenants_file = self.work_dir / "tenants.yaml"
             Path(tenants_file).write_text(DEMO_TENANTS)
         self.tenants_file = str(tenants_file)
-        self.block_size = block_size
-        self.kv_cache_memory = kv_cache_memory
-        self.kv_cache_dtype = kv_cache_dtype
-        self.dtype = dtype  # the nodes' compute dtype (auto: bfloat16 on a CPU with native bfloat16)
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
-        self.kv_disk = kv_disk  # (directory, bytes): each node's disk KV tier in directory/<node id>
         self.router_args = tuple(router_args)
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level
@@ -123,6 +110,10 @@ class LocalCluster:
         self.router: Child | None = None
         socket_path = self.work_dir / "router.sock"
         self._router_socket = str(socket_path) if len(str(socket_path)) <= MAX_UNIX_SOCKET_PATH else None
+
+    @property
+    def block_size(self) -> int:
+        return self.node.engine.block_size
 
     # -- addresses --------------------------------------------------------------------------------
 
@@ -146,12 +137,15 @@ class LocalCluster:
         """Each service's Prometheus endpoint, by child name (empty when metrics are off)."""
         return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
 
+    def _metrics_port(self, name: str) -> int | None:
+        """A metrics port picked now, so that a restart serves it where it was (None: no metrics)."""
+        if self.metrics:
+            self.metrics_ports[name] = free_port()
+        return self.metrics_ports.get(name)
+
     def _metrics_args(self, name: str) -> list[str]:
-        """``--metrics-port`` on a port picked now, so that a restart serves it where it was."""
-        if not self.metrics:
-            return []
-        port = self.metrics_ports[name] = free_port()
-        return ["--metrics-port", str(port)]
+        port = self._metrics_port(name)
+        return [] if port is None else ["--metrics-port", str(port)]
 
     @property
     def block_service_address(self) -> str | None:
@@ -254,13 +248,10 @@ class LocalCluster:
 
     def add_node(self, node_id: str, wait: bool = True, timeout: float = 120.0, extra: tuple[str, ...] = ()) -> Child:
         port = free_port()
-        argv = ["compute", "--listen", f"127.0.0.1:{port}", "--model", self.model_dir, "--etcd", self.etcd.url,
-                "--node-id", node_id, "--block-size", str(self.block_size),
-                "--kv-cache-memory", str(self.kv_cache_memory), "--kv-cache-dtype", self.kv_cache_dtype,
-                "--dtype", self.dtype, *self._metrics_args(node_id), *self.compute_args, *extra]
-        if self.kv_disk is not None:
-            argv += ["--kv-disk-dir", str(Path(self.kv_disk[0]) / node_id), "--kv-disk-bytes", str(self.kv_disk[1])]
-        argv += self._block_service_flag()
+        block_service = self._block_service_flag()
+        command = node_command(self.node, self.model_dir, node_id, f"127.0.0.1:{port}", self.etcd.url,
+                               block_service[1] if block_service else None, self._metrics_port(node_id))
+        argv = ["compute", *settings.to_argv(command), *self.compute_args, *extra]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)
         if wait:
             self.wait_ready([node_id], timeout)

@@ -21,8 +21,9 @@ from pathlib import Path
 from kvfleet_cli.bench_command import add_cluster_arguments, check_fits, cpu_model
 from kvfleet_cli.loadgen.phases import PhasePlan
 from kvfleet_cli.loadgen.workload import Mix
+from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS
 
-BASELINE_BLOCK_SIZE = 16  # kvfleet up's default
+BASELINE_BLOCK_SIZE = LOCAL_NODE_DEFAULTS["block_size"]  # kvfleet up's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

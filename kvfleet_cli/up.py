@@ -17,13 +17,15 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from compute_service.kv.cache_dtype import KV_CACHE_DTYPES
-from compute_service.kv.layout import KV_LAYOUTS
-from compute_service.kv.tier_flags import add_tier_arguments, check_tier_flags
+from compute_service.node.settings import NodeSettings
+from kvfleet import settings
+from kvfleet.settings import setting
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS, local_node_settings
 from kvfleet_cli.models_pull import default_model_dir
 from kvfleet_cli.supervisor import Backoff, RestartPolicy
 
@@ -70,54 +72,29 @@ class Supervisor:
         return None
 
 
+@dataclass(slots=True)
+class UpSettings:
+    """``kvfleet up``: the local cluster's shape, and the settings every node of it takes (a node's
+    own flags, with the local cluster's defaults where they differ: ``LOCAL_NODE_DEFAULTS``)."""
+
+    nodes: int = setting(2, "compute nodes", at_least=1, metavar="N")
+    model: str | None = setting(None, "model directory", unset=f"{default_model_dir()} when pulled (`kvfleet models "
+                                f"pull smollm2`), else {TINY_MODEL}, random weights, made if missing", metavar="DIR")
+    tenants: str | None = setting(None, "tenants YAML", unset="a demo file with gold and free", metavar="FILE")
+    work_dir: str | None = setting(None, "logs and state", unset="a temporary directory", metavar="DIR")
+    block_service_standby: bool = setting(False, "two block_service replicas (a leader and a synchronous standby "
+                                          "that takes over when it dies), elected through the cluster's etcd")
+    node: NodeSettings = field(default_factory=local_node_settings)
+
+    def __post_init__(self) -> None:
+        settings.check(self)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=2, help="compute nodes (default 2)")
-    parser.add_argument("--model", default=None,
-                        help=f"model directory (default {default_model_dir()} when pulled (`kvfleet models pull "
-                             f"smollm2`), else {TINY_MODEL}, random weights, made if missing)")
-    parser.add_argument("--tenants", default=None, help="tenants YAML (default: a demo file with gold and free)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="the nodes' compute dtype (default auto: bfloat16 on a CPU with native bfloat16, "
-                             "else float32; float32 is token-exact against transformers)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="the nodes' KV pool dtype: auto, float32, bfloat16, float16, fp8_e4m3")
-    parser.add_argument("--kv-layout", default="paged", help="the nodes' KV layout: paged or contiguous (max_model_len "
-                        "reserved per sequence, no prefix sharing)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="the nodes' longest sequence (default: the model's)")
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
-                        help="the nodes' scheduling of long prompts: more than N tokens left to prefill, a prompt "
-                             "yields to shorter ones (`kvfleet compute --long-prefill-token-threshold`; default 0: off)")
-    parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
-    parser.add_argument("--block-service-standby", action="store_true",
-                        help="two block_service replicas (a leader and a synchronous standby that takes over "
-                             "when it dies), elected through the cluster's etcd")
+    settings.add_flags(parser, UpSettings, LOCAL_NODE_DEFAULTS)
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML or TOML of these flags' values (block_size: 256, ...; `kvfleet tune` writes one); "
                              "flags given on the command line win")
-    add_tier_arguments(parser)
-    parser.add_argument("--kv-snapshot-dir", default=None,
-                        help="the nodes' KV snapshots (`kvfleet compute --kv-snapshot-dir`): written when a node "
-                             "drains, restored when it starts, so a restarted cluster starts warm (default: off)")
-
-
-def _layout_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The nodes' ``--kv-layout``, ``--max-model-len`` and ``--long-prefill-token-threshold``, as
-    ``kvfleet compute`` takes them."""
-    limit = () if args.max_model_len is None else ("--max-model-len", str(args.max_model_len))
-    return ("--kv-layout", args.kv_layout, *limit,
-            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
-
-
-def _tier_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The nodes' host tier and preemption mode (each node's disk tier is a directory of its own:
-    ``LocalCluster``'s ``kv_disk``)."""
-    return ("--kv-host-memory", str(args.kv_host_memory), "--preemption-mode", args.preemption_mode)
-
-
-def _snapshot_args(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--kv-snapshot-dir", args.kv_snapshot_dir) if args.kv_snapshot_dir else ()
 
 
 def file_defaults(args: argparse.Namespace) -> dict:
@@ -126,8 +103,7 @@ def file_defaults(args: argparse.Namespace) -> dict:
         return {}
     from kvfleet_cli.config_file import load
 
-    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command", "log_level")}
-    return load(args.config, flags)
+    return load(args.config, UpSettings)
 
 
 def _log_to(path: Path) -> None:
@@ -137,47 +113,33 @@ def _log_to(path: Path) -> None:
     log.addHandler(handler)
 
 
+def _model_dir(model: str | None) -> str:
+    """The model to serve: the one given, else the pulled default, else the tiny one (made if
+    missing); ``ValueError`` for a directory that holds no model."""
+    if model is not None:
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"{model} is not a model directory (no config.json)")
+        return model
+    real = default_model_dir()
+    if (real / "config.json").is_file():
+        return str(real)
+    print(f"{real} is not pulled (`kvfleet models pull smollm2`): serving {TINY_MODEL}, random weights", file=sys.stderr)
+    if not (Path(TINY_MODEL) / "config.json").is_file():
+        from kvfleet_cli.model_maker import make_model
+
+        make_model(TINY_MODEL, preset="tiny")
+    return TINY_MODEL
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.nodes < 1:
-        print("--nodes must be at least 1", file=sys.stderr)
-        return 2
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        print(f"kvfleet up: --kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}",
-              file=sys.stderr)
-        return 2
-    if args.kv_layout not in KV_LAYOUTS:
-        print(f"kvfleet up: --kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {args.kv_layout!r}", file=sys.stderr)
-        return 2
-    if args.max_model_len is not None and args.max_model_len < 1:
-        print(f"kvfleet up: --max-model-len must be at least 1, got {args.max_model_len}", file=sys.stderr)
-        return 2
-    if args.long_prefill_token_threshold < 0:
-        print(f"kvfleet up: --long-prefill-token-threshold must be >= 0, got {args.long_prefill_token_threshold}",
-              file=sys.stderr)
-        return 2
     try:
-        check_tier_flags(args.kv_host_memory, args.kv_disk_dir, args.kv_disk_bytes, args.preemption_mode)
-    except ValueError as e:
+        up = settings.build(UpSettings, args)
+        model = _model_dir(up.model)
+    except ValueError as e:  # a setting's rule, one between settings (the KV tiers), or no model there
         print(f"kvfleet up: {e}", file=sys.stderr)
         return 2
-    if args.model is None:
-        real = default_model_dir()
-        args.model = str(real) if (real / "config.json").is_file() else TINY_MODEL
-        if args.model == TINY_MODEL:
-            print(f"{real} is not pulled (`kvfleet models pull smollm2`): serving {TINY_MODEL}, random weights",
-                  file=sys.stderr)
-            if not (Path(TINY_MODEL) / "config.json").is_file():
-                from kvfleet_cli.model_maker import make_model
-
-                make_model(TINY_MODEL, preset="tiny")
-    elif not (Path(args.model) / "config.json").is_file():
-        print(f"kvfleet up: {args.model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
-    cluster = LocalCluster(args.model, args.nodes, args.tenants, args.work_dir, args.block_size, args.kv_cache_memory,
-                           kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
-                           block_service_standby=args.block_service_standby,
-                           compute_args=(*_layout_args(args), *_snapshot_args(args), *_tier_args(args)),
-                           kv_disk=(args.kv_disk_dir, args.kv_disk_bytes) if args.kv_disk_dir else None)
+    cluster = LocalCluster(model, up.nodes, up.tenants, up.work_dir, node=up.node,
+                           block_service_standby=up.block_service_standby)
     stop = False
 
     def on_signal(*_):
@@ -194,20 +156,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvfleet up: the cluster did not start: {err}", file=sys.stderr)
             return 1
         _log_to(cluster.work_dir / "supervisor.log")
-        key = "sk-gold" if args.tenants is None else None
+        key = "sk-gold" if up.tenants is None else None
         replicas = tuple(f"127.0.0.1:{c.port}" for c in (cluster.block_service, cluster.block_service_standby)
                          if c is not None)
         state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir), replicas,
                              cluster.etcd.url)
         state_path = state.write()
-        print(f"kvfleet is up: router at {cluster.router_address}, {args.nodes} compute nodes serving {args.model}, "
+        print(f"kvfleet is up: router at {cluster.router_address}, {up.nodes} compute nodes serving {model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
-        if args.block_service_standby:
+        if up.block_service_standby:
             print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
                   f"a synchronous standby that takes over when it dies)")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
-        print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(args.model).name!r})")
+        print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(model).name!r})")
         print("Prometheus metrics:" + "".join(f"\n  {name:<14} {url}" for name, url in cluster.metrics_urls.items()))
         key_arg = "" if key else " --api-key <your api key>"
         print(f"try:  kvfleet generate{key_arg} --chat \"What is the capital of France?\""

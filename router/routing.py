@@ -37,32 +37,35 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvfleet.settings import check, setting
+
 _EPS = 1e-9
 
 
 @dataclass(slots=True, frozen=True)
 class RoutingConfig:
-    prefix_weight: float = 1.0         # w: cost of one uncached prompt block, in active blocks
-    decode_block_weight: float = 0.1   # d: a decoding request's block, as a share of a prefilling one's
-    lower_tier_hit_weight: float = 0.5  # l: a lower-tier block's worth, as a share of a hot one's
-    hot_spot_ratio: float = 2.0        # the winner is "far busier" above ratio · least + margin
+    """routing: KV-aware cost, hot-spot guard, cold-start ramp (``kvfleet router``'s flags for them)"""
+
+    prefix_weight: float = setting(1.0, "w: routing cost of one uncached prompt block, in active blocks", at_least=0,
+                                   metavar="W")
+    decode_block_weight: float = setting(
+        0.1, "d: a decoding request's KV block in a node's load, against a block still to prefill, 0..1 (at 0.1 a "
+             "first token waits on the prefill queued ahead of it; 1 counts every active block alike)",
+        at_least=0, at_most=1, metavar="D")
+    lower_tier_hit_weight: float = setting(
+        0.5, "l: what a prompt block a node holds below its pool (host memory, disk) is worth against one in its "
+             "pool, 0..1 (at 0.5 copying it back costs about half a prefill); hot > lower tier > miss for 0 < l < 1",
+        at_least=0, at_most=1, metavar="L")
+    hot_spot_ratio: float = setting(2.0, "the winner is far busier above ratio x the least load + margin: the least "
+                                    "loaded node is taken instead", at_least=1)
     hot_spot_margin_blocks: int = 16
-    warmup_s: float = 30.0             # cold-start ramp length
+    warmup_s: float = setting(30.0, "cold-start traffic ramp of a new node, seconds", at_least=0, metavar="S")
     warmup_min_share: float = 0.1      # candidate probability right after READY
 
     def __post_init__(self) -> None:
-        if self.prefix_weight < 0:
-            raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
-        if not 0 <= self.decode_block_weight <= 1:
-            raise ValueError(f"decode_block_weight must be in [0, 1], got {self.decode_block_weight}")
-        if not 0 <= self.lower_tier_hit_weight <= 1:
-            raise ValueError(f"lower_tier_hit_weight must be in [0, 1], got {self.lower_tier_hit_weight}")
-        if self.hot_spot_ratio < 1:
-            raise ValueError(f"hot_spot_ratio must be >= 1, got {self.hot_spot_ratio}")
+        check(self)
         if self.hot_spot_margin_blocks < 0:
             raise ValueError(f"hot_spot_margin_blocks must be >= 0, got {self.hot_spot_margin_blocks}")
-        if self.warmup_s < 0:
-            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
         if not 0 < self.warmup_min_share <= 1:
             raise ValueError(f"warmup_min_share must be in (0, 1], got {self.warmup_min_share}")
 

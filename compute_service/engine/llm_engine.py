@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from compute_service.engine.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
+from compute_service.engine.config import EngineConfig
+from compute_service.engine.cpu_host import usable_cpus
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.request_output import RequestOutput, StopChecker
 from compute_service.engine.request_phases import RequestPhases
@@ -27,15 +28,13 @@ from compute_service.engine.thread_governor import ThreadGovernor, thread_candid
 from compute_service.engine.thread_probe import ThreadProbe
 from compute_service.kv.cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.kv.cache_manager import KVCacheManager
-from compute_service.kv.layout import parse_kv_layout, reserved_tokens
+from compute_service.kv.layout import reserved_tokens
 from compute_service.kv.pool import (
     allocate_kv_cache,
     bytes_per_block,
     kv_cache_dtype,
     num_blocks_for,
-    parse_block_size,
 )
-from compute_service.kv.tier_flags import check_tier_flags
 from compute_service.kv.tier_index import PrefixLookups, TierCounts
 from compute_service.kv.tier_setup import build_tiers, measure_prefill
 from compute_service.model.config import ModelConfig
@@ -48,38 +47,6 @@ from kvfleet.latency_histogram import HistogramSnapshot
 from kvfleet.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    block_size: int | str = 256
-    kv_cache_memory: int | None = None   # bytes; None = a fraction of free memory
-    dtype: str = "auto"                  # auto (cpu_host.resolve_dtype: bfloat16 on a CPU with native
-    #                                      bfloat16, else float32; resolved on construction), float32
-    #                                      (token-exact against transformers), bfloat16, float16
-    kv_cache_dtype: str = "auto"         # auto (= dtype), float32, bfloat16, float16, fp8_e4m3
-    device: str = "cpu"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # > 0: prompts with more left yield to shorter ones (scheduler.py)
-    max_model_len: int | None = None     # None = the model's context length (max_context_len)
-    kv_layout: str = "paged"             # or contiguous: max_model_len reserved per sequence (kv/layout.py)
-    node_id: str = "local"
-    share_prefix_across_tenants: bool = False
-    kv_host_memory: int = 0              # bytes of host tier below the pool (0: none; tier_flags.py)
-    kv_disk_dir: str | None = None       # disk tier below host: a directory of block files, wiped at start
-    kv_disk_bytes: int = 0
-    preemption_mode: str = "auto"        # auto (by measured cost), swap or recompute
-
-    def __post_init__(self) -> None:
-        self.block_size = parse_block_size(self.block_size)
-        self.dtype = resolve_dtype(self.dtype, self.device.split(":")[0], host_cpu_flags())
-        parse_dtype(self.dtype)
-        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
-        parse_kv_layout(self.kv_layout)
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
-        check_tier_flags(self.kv_host_memory, self.kv_disk_dir, self.kv_disk_bytes, self.preemption_mode)
 
 
 def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:

@@ -14,26 +14,11 @@ import os
 
 import torch
 
+from compute_service.kv.block_size import BLOCK_SIZE_PRESETS, parse_block_size  # noqa: F401 - named here too
 from compute_service.kv.cache_dtype import fp8_unsupported_reason, kv_bytes_per_token, resolve_kv_cache_dtype
 from compute_service.model.config import ModelConfig
 
-BLOCK_SIZE_PRESETS = {"chat": 256, "code": 512, "document": 1024}
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 2048
 DEFAULT_MEMORY_FRACTION = 0.25
-
-
-def parse_block_size(value: int | str) -> int:
-    """A block size (multiple of 16 in 16–2048) or a preset name (chat, code, document)."""
-    if isinstance(value, str) and value in BLOCK_SIZE_PRESETS:
-        return BLOCK_SIZE_PRESETS[value]
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"block_size must be an integer or one of {sorted(BLOCK_SIZE_PRESETS)}, "
-                         f"got {value!r}") from None
-    if size % 16 or not MIN_BLOCK_SIZE <= size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be a multiple of 16 in {MIN_BLOCK_SIZE}-{MAX_BLOCK_SIZE}, got {size}")
-    return size
 
 
 KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

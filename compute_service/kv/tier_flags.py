@@ -1,4 +1,5 @@
-"""The lower KV tiers' flags, checked before anything loads. Pure Python: no torch.
+"""The rules between the lower KV tiers' settings (``EngineConfig`` declares each one), checked
+before anything loads. Pure Python: no torch.
 
     --kv-host-memory BYTES                 host tier (0: none, the default)
     --kv-disk-dir DIR --kv-disk-bytes B    disk tier below it (needs a host tier)
@@ -7,24 +8,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from compute_service.engine.swap_cost import PREEMPTION_MODES, parse_preemption_mode
-
-
-def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-host-memory", type=int, default=0, metavar="BYTES",
-                        help="bytes of host memory for a cold KV tier below the pool: evicted blocks are demoted "
-                             "there and promoted back on a prefix hit (default 0: none)")
-    parser.add_argument("--kv-disk-dir", default=None, metavar="DIR",
-                        help="directory of block files for a disk tier below host (this node's own: its block "
-                             "files are wiped at start); needs --kv-disk-bytes and --kv-host-memory")
-    parser.add_argument("--kv-disk-bytes", type=int, default=0, metavar="BYTES", help="bytes of the disk tier")
-    parser.add_argument("--preemption-mode", default="auto", metavar="|".join(PREEMPTION_MODES),
-                        help="a preempted sequence's KV: swapped to the host tier and back, recomputed, or auto "
-                             "(whichever the copy bandwidth and prefill speed measured at start say is cheaper)")
+from compute_service.engine.swap_cost import parse_preemption_mode
 
 
 def check_tier_flags(host_memory: int, disk_dir: str | None, disk_bytes: int, preemption_mode: str) -> None:

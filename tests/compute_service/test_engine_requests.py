@@ -110,13 +110,13 @@ def test_bad_prompts_are_refused_and_engine_keeps_serving(engine):
 
 @pytest.mark.parametrize("value", [0, 8, 17, 100, 4096, -16, "big", None])
 def test_invalid_block_size(value):
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="--block-size"):
         parse_block_size(value)
 
 
 def test_block_size_presets():
     assert [parse_block_size(p) for p in ("chat", "code", "document")] == [256, 512, 1024]
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="--block-size"):
         EngineConfig(dtype="float32", block_size=24)
 
 

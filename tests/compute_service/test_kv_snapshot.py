@@ -3,7 +3,6 @@ refused when they are not this node's to restore (the node then starts cold)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -13,6 +12,7 @@ import torch
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from compute_service.kv.snapshot_io import snapshot_path
+from compute_service.node.settings import WarmStartSettings
 from compute_service.node.warm_start import WarmStart
 from kvfleet.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
@@ -27,9 +27,10 @@ def make_engine(model_dir, block_size: int = BS) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=4 << 20, node_id="n0"))
 
 
-def args_for(model_dir, snapshot_dir) -> argparse.Namespace:
-    return argparse.Namespace(model=str(model_dir), node_id="n0", kv_snapshot_dir=str(snapshot_dir),
-                              kv_snapshot_blocks=64, kv_snapshot_interval_s=0.0, warmup="minimal")
+def args_for(model_dir, snapshot_dir) -> tuple[WarmStartSettings, str, str]:
+    """(settings, node id, model directory) of a WarmStart."""
+    return WarmStartSettings(kv_snapshot_dir=str(snapshot_dir), kv_snapshot_blocks=64, kv_snapshot_interval_s=0.0), \
+        "n0", str(model_dir)
 
 
 def on_engine(engine: LLMEngine, args, action):
@@ -41,7 +42,7 @@ def on_engine(engine: LLMEngine, args, action):
     async def run():
         async_engine = AsyncEngine(engine)
         try:
-            return await action(WarmStart(args, async_engine))
+            return await action(WarmStart(*args, async_engine))
         finally:
             await asyncio.to_thread(async_engine.shutdown)
 
@@ -135,7 +136,7 @@ def test_an_unchanged_pool_is_not_written_again(original, model_dirs, tmp_path):
 def test_snapshots_are_written_every_interval_while_serving(original, model_dirs, tmp_path):
     engine, _, _ = original
     args = args_for(model_dirs["llama"], tmp_path)
-    args.kv_snapshot_interval_s = 0.05
+    args[0].kv_snapshot_interval_s = 0.05
     path = snapshot_path(tmp_path, "n0")
 
     async def serve_a_while(warm):
@@ -156,7 +157,7 @@ def test_snapshots_are_written_every_interval_while_serving(original, model_dirs
 def test_random_warmup_prefills_random_prompts(model_dirs, tmp_path, warmup, prefilled):
     engine = make_engine(model_dirs["llama"])
     args = args_for(model_dirs["llama"], tmp_path)
-    args.warmup, args.warmup_tokens = warmup, 40
+    args[0].warmup, args[0].warmup_tokens = warmup, 40
 
     async def warm_up(warm):
         return await warm.random_prefill(engine.model_config.vocab_size, engine.max_model_len)

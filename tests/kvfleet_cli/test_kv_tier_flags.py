@@ -26,4 +26,4 @@ def test_up_refuses_a_host_tier_larger_than_the_machine(tmp_path, model):  # noq
 
 def test_up_refuses_a_negative_long_prefill_threshold(tmp_path, model):  # noqa: F811
     line = refused("up", "--model", str(model), "--long-prefill-token-threshold", "-1", tmp_path=tmp_path)
-    assert line == "kvfleet up: --long-prefill-token-threshold must be >= 0, got -1"
+    assert line == "kvfleet up: --long-prefill-token-threshold must be at least 0, got -1"

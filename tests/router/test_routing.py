@@ -120,24 +120,29 @@ def test_the_lower_tier_weight_and_its_bounds():
     assert picker(lower_tier_hit_weight=1.0).cost(cold, 10) == picker().cost(node("x", 3, 8), 10)
     assert picker(lower_tier_hit_weight=0.0).cost(cold, 10) == picker().cost(node("x", 3), 10)
     assert picker().cost(NodeLoad("c", 0, 6, OLD, 100), 10) == 0.5 * 4  # never more blocks than the prompt's
-    with pytest.raises(ValueError, match="lower_tier_hit_weight"):
+    with pytest.raises(ValueError, match="--lower-tier-hit-weight"):
         RoutingConfig(lower_tier_hit_weight=1.5)
 
 
-def test_the_router_flag_takes_a_share_and_says_so_in_one_line_otherwise(capsys):
+def test_the_router_flag_takes_a_share_and_says_so_in_one_line_otherwise():
     import argparse
 
+    from kvfleet.settings import SettingError, build
     from router.main import add_arguments
+    from router.settings import RouterSettings
 
     parser = argparse.ArgumentParser(prog="kvfleet router")
     add_arguments(parser)
     base = ["--etcd", "http://x:1", "--tenants", "t.yaml"]
-    assert parser.parse_args(base).lower_tier_hit_weight == 0.5
-    assert parser.parse_args(base + ["--lower-tier-hit-weight", "0.8"]).lower_tier_hit_weight == 0.8
-    with pytest.raises(SystemExit):
-        parser.parse_args(base + ["--lower-tier-hit-weight", "2"])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == "kvfleet router: error: argument --lower-tier-hit-weight: expected a number in [0, 1], got 2"
+
+    def routing(*argv: str) -> RoutingConfig:
+        return build(RouterSettings, parser.parse_args([*base, *argv])).routing
+
+    assert routing().lower_tier_hit_weight == 0.5
+    assert routing("--lower-tier-hit-weight", "0.8").lower_tier_hit_weight == 0.8
+    with pytest.raises(SettingError) as refused:
+        routing("--lower-tier-hit-weight", "2")
+    assert str(refused.value) == "--lower-tier-hit-weight must be at most 1, got 2"
 
 
 def test_decoding_blocks_weigh_a_tenth_of_the_prefill_queued_ahead():
@@ -169,5 +174,5 @@ def test_the_hot_spot_guard_compares_loads():
 
 
 def test_the_decode_weight_is_a_share():
-    with pytest.raises(ValueError, match="decode_block_weight"):
+    with pytest.raises(ValueError, match="--decode-block-weight"):
         RoutingConfig(decode_block_weight=1.5)
