@@ -26,22 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from block_service.validation import validate_tokens
-from kvfleet.allocator import DROPPED
+from kvfleet.allocator import DROPPED, LiveSequence
 from kvfleet.errors import InvalidArgument
 from kvfleet.ids import check_id
-
-
-@dataclass(slots=True, frozen=True)
-class LiveSequence:
-    """One live sequence as its node holds it."""
-
-    seq_id: str
-    tenant: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", tuple(self.block_ids))  # compared with block_service's
 
 
 @dataclass(slots=True)

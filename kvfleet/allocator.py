@@ -78,6 +78,20 @@ class Allocation:
 
 
 @dataclass(slots=True, frozen=True)
+class LiveSequence:
+    """One live sequence as its node holds it (its whole table: handed blocks and reserve): what a
+    node lists in a sync and what block_service compares with its own view of that node."""
+
+    seq_id: str
+    tenant: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", tuple(self.block_ids))  # compared, never changed
+
+
+@dataclass(slots=True, frozen=True)
 class AllocatorStats:
     num_blocks: int
     num_free: int          # never used or evicted: holds nothing

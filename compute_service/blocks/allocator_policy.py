@@ -38,42 +38,35 @@ A sequence's blocks, as the node sees them:
 A request may end at any of these moments, and its release must leave block_service holding
 nothing for it: queued, its ask is dropped (never sent); in flight, it is marked and its grant
 given back when the answer lands; early, the grant is given back; claimed, the table is the
-engine's, which releases it itself (a request's stream ending passes ``claimed=False``).
+engine's, which releases it itself (``release``; a request's stream ending calls
+``release_unclaimed``, which leaves claimed tables alone).
 
 A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
 the reserve, one block ahead; entries the engine dropped (``drop_front``, a sliding window) are
 ``DROPPED`` at once, so a sync lists the table as block_service will hold it after the drop.
 ``num_tokens`` is the sequence's length at block_service (what was asked and granted).
-Bookkeeping waits in four queues (top-ups, commits, drops, releases) until ``take`` empties them
-into one ``ApplyMany``; ``end_step`` says when that is due.
+Early allocations are kept by ``EarlyGrants`` (early_grants.py); bookkeeping waits in
+``WriteBehind`` (write_behind.py) until ``take`` empties it into one ``ApplyMany``; ``end_step``
+says when that is due.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from compute_service.blocks.recent_commits import RecentCommits
-from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
+from compute_service.blocks.early_grants import EarlyGrants
+from compute_service.blocks.write_behind import Bookkeeping, WriteBehind
+from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, LiveSequence, Refusal
+
+if TYPE_CHECKING:
+    from block_service.bookkeeping import ApplyResult, ItemError
+
+__all__ = ["DEFER_STEPS", "TOPUP_MARGIN", "AllocatorPolicy", "Bookkeeping", "Growth", "LiveSequence"]
 
 DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
 TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
-
-
-@dataclass(slots=True)
-class Bookkeeping:
-    """One ``ApplyMany``, applied in this order: top-ups (they bring block_service's length of a
-    sequence up to the blocks the engine fills, so the commits after them are of full blocks),
-    commits (a block is committed by its live sequence), drops (after the commits: a dropped
-    block is cached under its hash), releases."""
-
-    topups: list[tuple[str, int]] = field(default_factory=list)       # (seq, tokens to extend to)
-    commits: list[tuple[str, int, bytes]] = field(default_factory=list)
-    releases: list[str] = field(default_factory=list)
-    drops: list[tuple[str, int]] = field(default_factory=list)        # (seq, leading blocks dropped)
-
-    def __bool__(self) -> bool:
-        return bool(self.topups or self.commits or self.releases or self.drops)
 
 
 @dataclass(slots=True)
@@ -82,16 +75,6 @@ class Growth:
 
     answers: dict[str, list[int]]
     short: list[tuple[str, int]]  # (seq, tokens) with no reserve left to cover them
-
-
-@dataclass(slots=True, frozen=True)
-class LiveSequence:
-    """A sequence block_service holds for this node (claimed by the engine or granted early)."""
-
-    seq_id: str
-    tenant: str
-    block_ids: list[int]
-    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -108,21 +91,11 @@ class AllocatorPolicy:
         self.block_size = block_size
         self.defer_steps = defer_steps
         self._tables: dict[str, _Table] = {}
-        # granted, not yet claimed: (ask, grant, the commits it saw: RecentCommits.mark when sent)
-        self._early: dict[str, tuple[AllocateRequest, Allocation, int]] = {}
-        self._asks: list[AllocateRequest] = []      # preallocations to send
-        self._in_flight: dict[str, tuple[bool, int]] = {}  # sent → (released before its answer, mark)
-        self._recent_commits = RecentCommits()
-        self._topups: dict[str, int] = {}           # seq → tokens to extend to (one block past handed)
-        self._commits: list[tuple[str, int, bytes]] = []
-        self._releases: list[str] = []
-        self._drops: dict[str, int] = {}            # seq → leading blocks dropped (the latest count)
+        self._early = EarlyGrants()
+        self._queue = WriteBehind()
         self._growing: dict[str, int] = {}          # the short sequences of the extend under way
         self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
         self._in_step = False
-        self._step = 0                              # end_step calls so far
-        self._urgent = False                        # a release or a prompt block's commit is queued
-        self._due: int | None = None                # the step by which deferred bookkeeping must go
         self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
 
     def cap_length(self, max_model_len: int) -> None:
@@ -134,72 +107,50 @@ class AllocatorPolicy:
     def ask(self, request: AllocateRequest) -> bool:
         """Queue a preallocation; True when it is the first queued (the bridge sends them soon,
         together with the other arrivals of its loop iteration)."""
-        self._asks.append(request)
-        return len(self._asks) == 1
+        return self._early.ask(request)
 
     def take_asks(self) -> list[AllocateRequest]:
         """The preallocations to send now."""
-        asks, self._asks = self._asks, []
-        mark = self._recent_commits.mark()  # the commits queued so far are sent before the asks
-        self._in_flight.update((r.seq_id, (False, mark)) for r in asks)
-        return asks
+        return self._early.take()
 
     def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
-        """block_service's answers (``None``: the call failed). A grant waits for the engine to
-        claim it; a refusal is not kept (the engine asks again when it admits the sequence).
-        A grant for a sequence released while its ask was in flight is given back at once.
-        True when a release was queued that the bridge should send soon."""
-        queued = False
-        for request, result in zip(asks, results):
-            released, mark = self._in_flight.pop(request.seq_id, (False, 0))
-            if not isinstance(result, Allocation):
-                continue
-            if released:
-                self._release_now(request.seq_id)
-                queued = True
-            else:
-                self._early[request.seq_id] = (request, result, mark)
-        return queued and not self._in_step
+        """block_service's answers (``None``: the call failed). A grant for a sequence released
+        while its ask was in flight is given back at once. True when a release was queued that
+        the bridge should send soon."""
+        given = self._early.fold(asks, results)
+        for seq_id in given:
+            self._queue.release(seq_id)
+        return bool(given) and not self._in_step
 
     # -- the engine's calls -----------------------------------------------------------------------
 
     def allocate(self, seq_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | None:
-        """The early allocation if it was asked as the engine asks now (then it is claimed), else
-        None: the engine's ask goes to block_service (an early one asked differently is given back).
-        An early grant is stale, and given back too, when the first block it missed was committed
-        on this node after it was asked (another sequence prefilled the shared prefix meanwhile):
-        asking now finds that block cached instead of computing it again."""
-        early = self._early.pop(seq_id, None)
-        if early is None:
+        """The early allocation if it answers the engine's ask (then it is claimed), else None: the
+        engine's ask goes to block_service (an early one that does not fit is given back)."""
+        grant = self._early.take_grant(seq_id)
+        if grant is None:
             return None
-        request, result, mark = early
-        hit = result.num_cached_blocks
-        stale = hit < len(block_hashes) and self._recent_commits.committed_since(block_hashes[hit], mark)
-        if list(request.block_hashes) == list(block_hashes) and request.num_tokens == num_tokens and not stale:
-            self.claim(seq_id, request.tenant, result, num_tokens)
-            return result
-        self._release_now(seq_id)
+        if self._early.fits(grant, block_hashes, num_tokens):
+            self.claim(seq_id, grant.request.tenant, grant.allocation, num_tokens)
+            return grant.allocation
+        self._queue.release(seq_id)
         return None
 
-    def give_back_early(self, keep: str, shortfall: int) -> list[str]:
-        """The pool refused ``keep``, the sequence the engine is admitting, ``shortfall`` blocks
-        short: other early grants go back (releases queued; their sequences ask again when
-        admitted), the newest first, until the blocks they hold past their cache hits cover it (or
-        none is left). Those grants belong to requests queued behind ``keep``, which the scheduler
-        admits only after it: holding blocks for them would keep it waiting for blocks that only
-        its own admission would free, and with nothing running on the node it would wait forever.
-        The older grants stay: they protect the prefixes they hit from eviction. Returns the
-        sequences whose grants were given back (none: asking again gains nothing)."""
-        given: list[str] = []
-        for seq_id in reversed(list(self._early)):
-            if shortfall <= 0:
-                break
-            if seq_id == keep:
-                continue
-            _, grant, _ = self._early.pop(seq_id)
-            shortfall -= len(grant.block_ids) - grant.num_cached_blocks
-            self._release_now(seq_id)
-            given.append(seq_id)
+    def give_back_early(self, keep: str, refusal: Refusal) -> list[str]:
+        """The pool refused ``keep``, the sequence the engine is admitting: other early grants go
+        back (releases queued; their sequences ask again when admitted), the newest first, until
+        the blocks they hold past their cache hits cover the shortfall (or none is left). Those
+        grants belong to requests queued behind ``keep``, which the scheduler admits only after
+        it: holding blocks for them would keep it waiting for blocks that only its own admission
+        would free, and with nothing running on the node it would wait forever. The older grants
+        stay: they protect the prefixes they hit from eviction. Returns the sequences whose
+        grants were given back (none: asking again gains nothing)."""
+        if refusal.reason != "pool":
+            return []
+        shortfall = refusal.blocks_asked - (refusal.blocks_allowed - refusal.blocks_charged)
+        given = self._early.give_back(keep, shortfall)
+        for seq_id in given:
+            self._queue.release(seq_id)
         return given
 
     def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
@@ -269,12 +220,10 @@ class AllocatorPolicy:
     def commit(self, commits: Sequence[tuple[str, int, bytes]]) -> None:
         if not commits:
             return
-        self._commits.extend(commits)
-        self._recent_commits.record(h for _, _, h in commits)
-        if any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits):
-            self._urgent = True  # a prompt's blocks: a request sharing the prefix may be on its way
-        else:
-            self._defer(self.defer_steps)
+        self._early.committed(h for _, _, h in commits)
+        # a prompt's blocks are urgent: a request sharing the prefix may be on its way
+        urgent = any(index < self._prompt_blocks(seq_id, index) for seq_id, index, _ in commits)
+        self._queue.commit(commits, urgent, self.defer_steps)
 
     def drop_front(self, drops: Sequence[tuple[str, int]]) -> None:
         """The engine gave back its sequences' leading blocks (sliding window): the tables mark
@@ -285,33 +234,26 @@ class AllocatorPolicy:
             if table is None or n <= 0:
                 continue
             table.block_ids[:n] = [DROPPED] * n
-            self._drops[seq_id] = max(n, self._drops.get(seq_id, 0))
-            self._defer(self.defer_steps)
+            self._queue.drop(seq_id, n, self.defer_steps)
 
-    def release(self, seq_ids: Sequence[str], claimed: bool = True) -> bool:
-        """Give back what block_service holds or will hold for these sequences: a table the
-        engine claimed (unless ``claimed`` is False: the engine may still be using it and
-        releases it itself), an early allocation it never claimed, one in flight (when its
-        answer lands); a queued ask is dropped. A sequence unknown or already released sends
+    def release(self, seq_ids: Sequence[str]) -> bool:
+        """The engine is done with these sequences: give back what block_service holds or will
+        hold for them (a claimed table, an early allocation it never claimed, one in flight when
+        its answer lands; a queued ask is dropped). A sequence unknown or already released sends
         nothing. True when the bridge should send soon (between steps: after an abort no
         ``end_step`` comes to send it)."""
         queued = False
         for seq_id in seq_ids:
-            if seq_id in self._tables:
-                if not claimed:
-                    continue
-                del self._tables[seq_id]
-                self._topups.pop(seq_id, None)
-                self._drops.pop(seq_id, None)  # the release gives back the whole table
-            elif seq_id in self._in_flight:
-                self._in_flight[seq_id] = (True, self._in_flight[seq_id][1])
-                continue
-            elif self._early.pop(seq_id, None) is None:
-                self._asks = [r for r in self._asks if r.seq_id != seq_id]
-                continue
-            self._release_now(seq_id)
-            queued = True
+            if self._tables.pop(seq_id, None) is not None or self._early.release(seq_id):
+                self._queue.release(seq_id)
+                queued = True
         return queued and not self._in_step
+
+    def release_unclaimed(self, seq_ids: Sequence[str]) -> bool:
+        """A request's stream ended: give back only what the engine never claimed (as ``release``).
+        A claimed table is left alone: the engine may be in a step with it right now, and releases
+        it itself when the request's abort reaches it."""
+        return self.release([s for s in seq_ids if s not in self._tables])
 
     # -- steps and sending ------------------------------------------------------------------------
 
@@ -321,20 +263,21 @@ class AllocatorPolicy:
     def end_step(self) -> bool:
         """The engine finished a step: True when what is queued is urgent or due."""
         self._in_step = False
-        self._step += 1
-        return self._urgent or (self._due is not None and self._step >= self._due)
+        return self._queue.end_step()
 
     def has_bookkeeping(self) -> bool:
-        return bool(self._commits or self._releases or self._topups or self._drops)
+        return bool(self._queue)
 
     def take(self) -> Bookkeeping:
         """Everything queued, to send now in one call."""
-        self._urgent, self._due = False, None
-        released = set(self._releases)
-        batch = Bookkeeping([(s, n) for s, n in self._topups.items() if s not in released],
-                            self._commits, self._releases, list(self._drops.items()))
-        self._topups, self._commits, self._releases, self._drops = {}, [], [], {}
-        return batch
+        return self._queue.take()
+
+    def fold_applied(self, batch: Bookkeeping, result: ApplyResult) -> list[ItemError]:
+        """block_service's answer to a sent batch; returns its refusals worth a line (a release of
+        a sequence already gone is what the release wanted)."""
+        self.fold_topups(batch.topups, result.growth)
+        self.fold_commits(batch.commits, {e.index for e in result.errors if e.kind == "commit"})
+        return [e for e in result.errors if not (e.code == "NOT_FOUND" and e.kind == "release")]
 
     def fold_topups(self, topups: Sequence[tuple[str, int]], results: Sequence[list[int] | Refusal]) -> None:
         """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
@@ -357,16 +300,7 @@ class AllocatorPolicy:
     def requeue(self, batch: Bookkeeping) -> None:
         """A taken batch did not reach block_service: put it back before what was queued since,
         for the sync to sort out (top-ups of sequences released meanwhile are dropped)."""
-        topups = {s: n for s, n in batch.topups if s in self._tables}
-        topups.update(self._topups)  # a newer top-up of a sequence replaces the older one
-        self._topups = topups
-        self._commits = list(batch.commits) + self._commits
-        self._releases = list(batch.releases) + self._releases
-        drops = {s: n for s, n in batch.drops if s in self._tables}
-        for s, n in self._drops.items():
-            drops[s] = max(n, drops.get(s, 0))
-        self._drops = drops
-        self._urgent = True
+        self._queue.requeue(batch, self._tables)
 
     def take_for_sync(self) -> tuple[Bookkeeping, list[LiveSequence]]:
         """What is queued and the live sequences, at one moment: a sync lists exactly the
@@ -380,8 +314,7 @@ class AllocatorPolicy:
         top-ups of sequences still live and accepted are not (commits keep prefix hits; top-ups
         bring the reserve). Early allocations block_service refused are forgotten (nothing to
         release there); refused claimed sequences are the engine's to fail and release."""
-        for seq_id in refused:
-            self._early.pop(seq_id, None)
+        self._early.forget(refused)
         gone = set(refused)
         topups = [(s, n) for s, n in batch.topups if s in self._tables and s not in gone]
         held = {s: len(t.block_ids) for s, t in self._tables.items() if s not in gone}
@@ -392,9 +325,8 @@ class AllocatorPolicy:
     def live_sequences(self) -> list[LiveSequence]:
         """What block_service holds for this node as far as the node knows: claimed tables (reserve
         included) and early allocations not yet claimed. A node re-registering sends these."""
-        live = [LiveSequence(s, t.tenant, list(t.block_ids), t.num_tokens) for s, t in self._tables.items()]
-        live += [LiveSequence(s, r.tenant, list(a.block_ids), r.num_tokens) for s, (r, a, _) in self._early.items()]
-        return live
+        live = [LiveSequence(s, t.tenant, t.block_ids, t.num_tokens) for s, t in self._tables.items()]
+        return live + self._early.live()
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -418,20 +350,10 @@ class AllocatorPolicy:
         table = self._tables.get(seq_id)
         return table.prompt_blocks if table is not None else index + 1
 
-    def _release_now(self, seq_id: str) -> None:
-        self._releases.append(seq_id)
-        self._urgent = True
-
-    def _defer(self, steps: int) -> None:
-        """What was just queued must be sent within ``steps`` more steps."""
-        due = self._step + max(steps, 0) + 1  # end_step counts this step first
-        self._due = due if self._due is None else min(self._due, due)
-
     def _topup(self, seq_id: str, num_tokens: int) -> None:
         """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
         a little before decoding (a token a step) fills the blocks it has."""
         held = self._tables[seq_id].handed
         if self._max_tokens is not None and held * self.block_size >= self._max_tokens:
             return  # the handed blocks already hold every token the sequence may reach
-        self._topups[seq_id] = (held + 1) * self.block_size
-        self._defer(held * self.block_size - num_tokens - TOPUP_MARGIN)
+        self._queue.topup(seq_id, (held + 1) * self.block_size, held * self.block_size - num_tokens - TOPUP_MARGIN)

@@ -56,6 +56,13 @@ class TierQueue:
             with self._lock:
                 self._refused += hashes
 
+    def fold_applied(self, sent: Sequence[TierChange], result) -> None:
+        """block_service's answer (``ApplyResult``) to a batch carrying the moves ``sent``: the
+        moves it did not record (past the tenant's cap, or bad) are refused; a move of a sequence
+        it lost is not (the node's sync sends its whole index again)."""
+        self.refuse(result.tier_refused + [sent[e.index].block_hash for e in result.errors
+                                           if e.kind == "tier" and e.code != "NOT_FOUND"])
+
     def take_refusals(self) -> list[bytes]:
         with self._lock:
             refused, self._refused = self._refused, []

@@ -131,7 +131,7 @@ def _early_blocks(remote: RemoteAllocatorFactory, blocks: RemoteBlockAllocator, 
     async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
         await blocks.preallocate(seq_id, tenant, token_ids, share, reserve)
 
-    return EarlyBlocks(preallocate, blocks.release, remote.trace_contexts)
+    return EarlyBlocks(preallocate, blocks.release_unclaimed, remote.trace_contexts)
 
 
 def _fail_refused(async_engine: AsyncEngine) -> OnRefused:

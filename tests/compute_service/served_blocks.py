@@ -122,8 +122,8 @@ def num_sequences(on_loop, client) -> int:
 
 
 async def release_on_loop(allocator, seq_id: str) -> None:
-    """A request's stream ending: the allocator's release, called on the event loop."""
-    allocator.release([seq_id])
+    """A request's stream ending: the allocator's release of what the engine never claimed, on the event loop."""
+    allocator.release_unclaimed([seq_id])
 
 
 def check_agrees(allocator, on_loop, client):
@@ -131,6 +131,6 @@ def check_agrees(allocator, on_loop, client):
     (handed + reserve) and lengths."""
     live = allocator.live_sequences()
     seqs = on_loop(client.sequences([s.seq_id for s in live])) if live else []
-    assert [(s.seq_id, s.tenant, s.block_ids, s.num_tokens) for s in seqs] == \
+    assert [(s.seq_id, s.tenant, tuple(s.block_ids), s.num_tokens) for s in seqs] == \
         [(s.seq_id, s.tenant, s.block_ids, s.num_tokens) for s in live]
     assert num_sequences(on_loop, client) == len(live)

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from block_service.bookkeeping import apply_bookkeeping
-from block_service.node_sync import LiveSequence as ListedSequence
 from block_service.page_table import PageTable
 from compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.allocator import LiveSequence as ListedSequence
 from kvfleet.block_hash import reusable_blocks
 from kvfleet.errors import AlreadyExists
 from kvfleet.tenants import Tenant
@@ -58,7 +58,7 @@ class Request:
     tenant: str
     prompt: int
     stage: str = "started"      # started (its task not run yet) → asking (preallocate awaits) → woken → submitted → gone
-    ended: bool = False         # the stream ended (release claimed=False done)
+    ended: bool = False         # the stream ended (release_unclaimed done)
     in_engine: bool = False     # the engine holds the request (added, not finished or aborted)
     block_table: list[int] = field(default_factory=list)  # what the engine was handed
     length: int = 0             # tokens the engine allocated for
@@ -220,11 +220,11 @@ class AccountingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def stream_ends(self, data: st.DataObject) -> None:
         """A cancel (or the end after the engine finished): abort in the engine's inbox, then
-        ``release_early`` on the loop (claimed=False), which also wakes a waiting preallocation."""
+        ``release_early`` on the loop (``release_unclaimed``), which also wakes a waiting preallocation."""
         r = data.draw(st.sampled_from([r for r in self.requests.values() if not r.ended]))
         r.ended = True
         self.inbox.append(("abort", r.seq_id))
-        self.kick(self.policy.release([r.seq_id], claimed=False))
+        self.kick(self.policy.release_unclaimed([r.seq_id]))
         self.wake([r.seq_id])
 
     @rule()

@@ -25,6 +25,11 @@ def refusal(reason: str = "quota") -> Refusal:
     return Refusal(reason, "n0", "t", 1, 4, 4)
 
 
+def pool_short(blocks: int) -> Refusal:
+    """The pool's refusal of an ask ``blocks`` blocks more than it has free."""
+    return Refusal("pool", "n0", "t", blocks + 2, 62, 64)
+
+
 def asked(seq_id: str, num_tokens: int, hashes=(), tenant: str = "t") -> AllocateRequest:
     return AllocateRequest("n0", seq_id, tenant, list(hashes), num_tokens)
 
@@ -123,7 +128,7 @@ def test_a_drop_marks_the_table_at_once_and_goes_with_the_deferred_bookkeeping()
     policy.commit([("s", 3, H[3])])                       # a generated block
     policy.drop_front([("s", 2)])
     policy.drop_front([("s", 3)])
-    assert policy.live_sequences()[0].block_ids == [DROPPED] * 3 + [3]
+    assert policy.live_sequences()[0].block_ids == (DROPPED, DROPPED, DROPPED, 3)
     assert steps_until_sent(policy) == DEFER_STEPS + 1
     batch = policy.take()
     assert (batch.commits, batch.drops) == ([("s", 3, H[3])], [("s", 3)])
@@ -176,7 +181,7 @@ def test_a_request_ending_gives_back_only_what_the_engine_never_claimed():
     policy.fold_asks(asks, [Allocation([0, 1], 0), Allocation([2, 3], 0)])
     policy.allocate("a", H[:1], 20)
     policy.take()
-    assert policy.release(["a", "b"], claimed=False) is True  # the engine holds a: its release is the engine's
+    assert policy.release_unclaimed(["a", "b"]) is True  # the engine holds a: its release is the engine's
     assert policy.take().releases == ["b"]
     assert [s.seq_id for s in policy.live_sequences()] == ["a"]
     assert policy.release(["b", "unknown"]) is False      # already released, never known: nothing to send
@@ -245,17 +250,17 @@ def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(mome
 
     policy.ask(asked("a", 20, H[:1]))
     if moment == "queued":
-        policy.release(["a"], claimed=False)
+        policy.release_unclaimed(["a"])
     asks = policy.take_asks()
     if moment == "in flight":
-        assert policy.release(["a"], claimed=False) is False  # nothing to send yet: the answer is not in
+        assert policy.release_unclaimed(["a"]) is False  # nothing to send yet: the answer is not in
     holds.update(r.seq_id for r in asks)
     if policy.fold_asks(asks, [Allocation([0, 1], 0) for _ in asks]):
         flush()
     if moment == "claimed":
         assert policy.allocate("a", H[:1], 20) == Allocation([0, 1], 0)
     if moment in ("answered", "claimed"):
-        policy.release(["a"], claimed=False)              # the request's stream ended
+        policy.release_unclaimed(["a"])              # the request's stream ended
     if moment == "claimed":
         flush()
         assert holds == {"a"}                             # the engine may be mid-step on it: its own
@@ -301,8 +306,9 @@ def test_early_grants_give_way_to_the_sequence_the_pool_refused_newest_first():
                             Allocation([9, 10, 11], 0)])
     assert policy.allocate("head", H[:3], 50) is None     # asked differently: given back, asked now
     # refused for the pool, 4 blocks short: d's and c's new blocks (3 + 3) cover it; b keeps its hit
-    assert policy.give_back_early("head", 4) == ["d", "c"]
+    assert policy.give_back_early("head", pool_short(4)) == ["d", "c"]
     assert policy.take().releases == ["head", "d", "c"]
     assert [s.seq_id for s in policy.live_sequences()] == ["b"]
-    assert policy.give_back_early("head", 9) == ["b"]     # still short: the rest goes too
-    assert policy.give_back_early("head", 9) == []        # nothing more to give: no retry
+    assert policy.give_back_early("head", refusal("quota")) == []  # the tenant's answer: nothing to gain
+    assert policy.give_back_early("head", pool_short(9)) == ["b"]  # still short: the rest goes too
+    assert policy.give_back_early("head", pool_short(9)) == []     # nothing more to give: no retry

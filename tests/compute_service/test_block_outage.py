@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from compute_service.blocks import remote_allocator
+from compute_service.blocks import sender
 from kvfleet.allocator import Allocation, Refusal
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import BS, check_agrees, hashes
@@ -115,7 +115,7 @@ def test_early_asks_taken_by_an_engine_call_that_timed_out_are_answered(node, se
     does not answer it in time, its wait is cut where it stands: the early asks it had taken were
     then never answered, and their requests never reached the engine (their preallocation waited
     until the client gave up). They are answered "not now": each asks again when admitted."""
-    monkeypatch.setattr(remote_allocator, "ANSWER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(sender, "ANSWER_TIMEOUT_S", 0.5)
     allocator, on_loop, client = node
     asks = allocator.client
     arrived: list = []

@@ -190,11 +190,11 @@ def test_a_request_ended_before_the_engine_claimed_it_leaves_nothing(node, momen
         else:
             asks.let_go()
             await task
-        allocator.release(["a"])
+        allocator.release_unclaimed(["a"])  # the request's stream ended
         if moment == "queued":
             asks.let_go()
             await other
-            allocator.release(["x"])
+            allocator.release_unclaimed(["x"])
         elif moment == "in flight":
             asks.let_go()
         await task
@@ -210,7 +210,7 @@ def test_a_request_ended_after_the_engine_claimed_it_is_released_by_the_engine(n
     assert allocator.allocate("a", "t", hashes(ids), 40).block_ids  # the engine claims it
     on_loop(release_on_loop(allocator, "a"))  # the stream ends: the engine may be mid-step on it
     on_loop(allocator.settle())
-    assert held(on_loop, client, "a").block_ids == allocator.live_sequences()[0].block_ids
+    assert tuple(held(on_loop, client, "a").block_ids) == allocator.live_sequences()[0].block_ids
     allocator.release(["a"])  # the engine, when the request's abort reaches it
     holds_nothing(allocator, on_loop, client)
 
@@ -232,7 +232,7 @@ def test_a_stream_closing_during_preallocation_cancels_its_waiters_and_leaks_not
         await second
         await allocator.settle()
         assert [s.seq_id for s in allocator.live_sequences()] == ["b"]
-        allocator.release(["a", "b"])  # the stream's requests end
+        allocator.release_unclaimed(["a", "b"])  # the stream's requests end
         with pytest.raises(asyncio.CancelledError):
             await first
 
