@@ -1,10 +1,11 @@
 """Retrying a peer that is down: capped exponential delays, and a log line now and then. Pure.
 
-    delays:  0.2  0.4  0.8  1.6  3.2  5.0  5.0 ...   (first_s doubling, capped at cap_s)
+    delays:  0.2  0.4  0.8  1.6  3.2  5.0  5.0 ...   (first_s times factor each step, capped at cap_s)
 
 A process that waits for block_service or etcd to come back retries soon at first (a restart
 takes seconds) and then at a steady, cheap pace; ``LogThrottle`` keeps the wait to one line every
-few seconds instead of one per attempt.
+few seconds instead of one per attempt. ``kvfleet up`` paces the restarts of a crashed child with
+the same delays (``kvfleet_cli.supervisor``).
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from dataclasses import dataclass, field
 class Backoff:
     first_s: float = 0.2
     cap_s: float = 5.0
+    factor: float = 2.0
     _next_s: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         if not 0 < self.first_s <= self.cap_s:
             raise ValueError(f"backoff needs 0 < first_s <= cap_s, got {self.first_s}, {self.cap_s}")
+        if self.factor < 1:
+            raise ValueError(f"backoff needs factor >= 1, got {self.factor}")
         self._next_s = self.first_s
 
     def next(self) -> float:
-        """The delay before the next attempt (each call doubles the following one, up to the cap)."""
+        """The delay before the next attempt (each call multiplies the following one, up to the cap)."""
         delay = self._next_s
-        self._next_s = min(self._next_s * 2, self.cap_s)
+        self._next_s = min(self._next_s * self.factor, self.cap_s)
         return delay
 
     def reset(self) -> None:

@@ -2,7 +2,8 @@
 
 A child that crashes at once (a bad flag, a port taken, a peer not up yet) would otherwise be
 restarted in a tight loop, filling its log and burning the CPU its siblings need; one that crashes
-rarely should come back fast. So each child has its own ``Backoff``:
+rarely should come back fast. So each child has its own ``Restarts``, whose delays are
+``kvfleet.backoff.Backoff``'s (the same pacing every retry of a peer uses):
 
     delay of restart k (k = 1, 2, ...) in one streak:  min(initial · factor^(k-1), max)
                                                         0.5, 1, 2, 4, ... 30, 30 s by default
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvfleet.backoff import Backoff
+
 
 @dataclass(slots=True, frozen=True)
 class RestartPolicy:
@@ -29,15 +32,14 @@ class RestartPolicy:
     window_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.initial_delay_s <= self.max_delay_s:
-            raise ValueError(f"need 0 <= initial_delay_s <= max_delay_s, "
-                             f"got {self.initial_delay_s} and {self.max_delay_s}")
-        if self.factor < 1:
-            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        self.delays()  # the delays' bounds are Backoff's to check
         if self.stable_after_s <= 0 or self.window_s <= 0:
             raise ValueError(f"stable_after_s and window_s must be > 0, got {self.stable_after_s}, {self.window_s}")
         if self.max_crashes < 1:
             raise ValueError(f"max_crashes must be >= 1, got {self.max_crashes}")
+
+    def delays(self) -> Backoff:
+        return Backoff(self.initial_delay_s, self.max_delay_s, self.factor)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +50,7 @@ class RestartDecision:
     crashes_in_window: int
 
 
-class Backoff:
+class Restarts:
     """One child's exits → whether and when to start it again. Call ``started`` at each start and
     ``exited`` at each exit; the first start is the one before any restart."""
 
@@ -56,7 +58,7 @@ class Backoff:
         self.policy = policy
         self.num_restarts = 0
         self._started_at: float | None = None
-        self._streak = 0                    # restarts since the child last stayed up stable_after_s
+        self._delays = policy.delays()       # this streak's (reset once the child stayed up stable_after_s)
         self._exits: deque[float] = deque()  # exit times within the window
 
     def started(self, now: float) -> None:
@@ -65,7 +67,7 @@ class Backoff:
     def exited(self, now: float) -> RestartDecision:
         policy = self.policy
         if self._started_at is not None and now - self._started_at >= policy.stable_after_s:
-            self._streak = 0
+            self._delays.reset()
         self._started_at = None
         self._exits.append(now)
         while self._exits and self._exits[0] <= now - policy.window_s:
@@ -73,7 +75,5 @@ class Backoff:
         crashes = len(self._exits)
         if crashes > policy.max_crashes:
             return RestartDecision(False, 0.0, self.num_restarts, crashes)
-        delay = min(policy.initial_delay_s * policy.factor ** self._streak, policy.max_delay_s)
-        self._streak += 1
         self.num_restarts += 1
-        return RestartDecision(True, delay, self.num_restarts, crashes)
+        return RestartDecision(True, self._delays.next(), self.num_restarts, crashes)

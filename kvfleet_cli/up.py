@@ -1,7 +1,7 @@
 """``kvfleet up``: a local cluster until Ctrl-C, whose processes are restarted when they die.
 
 The supervisor polls the cluster's processes; a dead one is started again with the same command
-line (same port, same state directory) after the delay its ``Backoff`` gives
+line (same port, same state directory) after the delay its ``Restarts`` gives
 (``kvfleet_cli.supervisor``), and each restart is one line on stderr and in ``supervisor.log`` in
 the work directory. A process that crash-loops is given up on: the cluster stops, exit status 1.
 Shutdown (Ctrl-C, SIGTERM) ends the polling before anything is stopped, so nothing that exits
@@ -27,7 +27,7 @@ from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS, local_node_settings
 from kvfleet_cli.models_pull import default_model_dir
-from kvfleet_cli.supervisor import Backoff, RestartPolicy
+from kvfleet_cli.supervisor import RestartPolicy, Restarts
 
 TINY_MODEL = "models/demo-tiny"
 POLL_S = 0.2
@@ -45,7 +45,7 @@ class Supervisor:
         self.clock = clock
         now = clock()
         names = ["etcd", *(c.name for c in cluster.children())]
-        self._backoffs = {name: Backoff(policy) for name in names}
+        self._backoffs = {name: Restarts(policy) for name in names}
         for backoff in self._backoffs.values():
             backoff.started(now)
         self._due: dict[str, float] = {}  # name → when to start it again

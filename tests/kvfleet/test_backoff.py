@@ -14,10 +14,15 @@ def test_delays_double_up_to_the_cap_and_reset():
     assert backoff.next() == 0.2
 
 
-@pytest.mark.parametrize("first, cap", [(0, 1), (-1, 1), (2, 1)])
-def test_bad_bounds_are_refused(first, cap):
+def test_a_factor_other_than_two_paces_the_same_way():
+    backoff = Backoff(0.5, 30.0, factor=3.0)
+    assert [backoff.next() for _ in range(5)] == [0.5, 1.5, 4.5, 13.5, 30.0]
+
+
+@pytest.mark.parametrize("first, cap, factor", [(0, 1, 2), (-1, 1, 2), (2, 1, 2), (1, 2, 0.5)])
+def test_bad_bounds_are_refused(first, cap, factor):
     with pytest.raises(ValueError, match="backoff"):
-        Backoff(first, cap)
+        Backoff(first, cap, factor)
 
 
 def test_log_throttle_lets_one_line_through_per_period():

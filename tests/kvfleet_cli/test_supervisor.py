@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_cli.supervisor import Backoff, RestartPolicy
+from kvfleet_cli.supervisor import RestartPolicy, Restarts
 
 
-def crash_at_once(backoff: Backoff, times: int, start: float = 0.0) -> list[float]:
+def crash_at_once(backoff: Restarts, times: int, start: float = 0.0) -> list[float]:
     """Start and crash the child ``times`` times, each restart exactly when due; the delays."""
     now, delays = start, []
     for _ in range(times):
@@ -20,13 +20,13 @@ def crash_at_once(backoff: Backoff, times: int, start: float = 0.0) -> list[floa
 
 
 def test_delays_double_from_half_a_second_up_to_the_cap():
-    backoff = Backoff(RestartPolicy(max_crashes=100, window_s=1.0))
+    backoff = Restarts(RestartPolicy(max_crashes=100, window_s=1.0))
     assert crash_at_once(backoff, 9) == [0.5, 1, 2, 4, 8, 16, 30, 30, 30]
     assert backoff.num_restarts == 9
 
 
 def test_restart_numbers_count_every_restart():
-    backoff = Backoff()
+    backoff = Restarts()
     numbers = []
     for t in range(3):
         backoff.started(t * 100.0)
@@ -36,7 +36,7 @@ def test_restart_numbers_count_every_restart():
 
 def test_a_child_that_stayed_up_starts_a_new_streak():
     policy = RestartPolicy(stable_after_s=60.0)
-    backoff = Backoff(policy)
+    backoff = Restarts(policy)
     assert crash_at_once(backoff, 4) == [0.5, 1, 2, 4]
     backoff.started(100.0)
     assert backoff.exited(100.0 + 59.0).delay_s == 8  # not long enough: the streak goes on
@@ -47,7 +47,7 @@ def test_a_child_that_stayed_up_starts_a_new_streak():
 
 
 def test_gives_up_after_too_many_crashes_in_the_window():
-    backoff = Backoff(RestartPolicy(max_crashes=3, window_s=10.0, initial_delay_s=0.1, max_delay_s=0.1))
+    backoff = Restarts(RestartPolicy(max_crashes=3, window_s=10.0, initial_delay_s=0.1, max_delay_s=0.1))
     assert crash_at_once(backoff, 3) == [0.1, 0.1, 0.1]
     backoff.started(0.3)
     decision = backoff.exited(0.3)
@@ -56,7 +56,7 @@ def test_gives_up_after_too_many_crashes_in_the_window():
 
 
 def test_crashes_older_than_the_window_do_not_count():
-    backoff = Backoff(RestartPolicy(max_crashes=2, window_s=10.0))
+    backoff = Restarts(RestartPolicy(max_crashes=2, window_s=10.0))
     for t in (0.0, 5.0, 11.0, 16.0):  # never more than two within 10 s
         backoff.started(t - 0.5)
         decision = backoff.exited(t)
@@ -66,7 +66,7 @@ def test_crashes_older_than_the_window_do_not_count():
 
 
 def test_an_exit_without_a_recorded_start_still_backs_off():
-    backoff = Backoff()
+    backoff = Restarts()
     assert [backoff.exited(float(t)).delay_s for t in range(3)] == [0.5, 1, 2]
 
 
