@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.kvfleet-kernels-built
 # the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
 REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos model demo test bench bench-peers clean
+.PHONY: setup protos model demo test test-fast bench bench-peers clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -42,9 +42,15 @@ model: $(REAL_MODEL)/config.json
 demo: setup protos $(REAL_MODEL)/config.json
 	$(PY) -m kvfleet_cli demo --model $(REAL_MODEL)
 
+# everything, with the 25 slowest tests named (CI runs this through .ci/run)
 test: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# pure and in-process tests only: nothing that starts a process, a cluster or kills one (tests/conftest.py)
+test-fast: setup protos $(REAL_MODEL)/config.json
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q --durations=25 -m "not process and not cluster and not chaos"
 
 bench: setup protos
 	$(PY) bench/engine_vs_transformers.py --quick

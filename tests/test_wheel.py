@@ -17,6 +17,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in ("bench", "tests"))
 STUBS = [f"kvfleet/v1/{m}{suffix}" for m in ("inference", "compute", "block_manager")
@@ -67,6 +69,7 @@ def throwaway_venv(path: Path) -> Path:
     return python
 
 
+@pytest.mark.process
 def test_the_wheel_carries_its_stubs_and_kernel_sources_and_runs_installed(tmp_path):
     wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -93,6 +93,7 @@ async def _assert_same_state(client: BlockManagerClient, mirror: PageTable, live
     assert got == {**{s: mirror.sequence(s).block_ids for s in live}, **extra}
 
 
+@pytest.mark.chaos
 def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     mirror = PageTable()  # the same calls in-process: what the service must hold
     mirror.configure_tenants(parse_tenants(yaml.safe_load(TENANTS_YAML)))

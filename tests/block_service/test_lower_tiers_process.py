@@ -13,6 +13,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from block_service.client import BlockManagerClient
 from compute_service.blocks.registration import RemoteAllocatorFactory
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
@@ -26,6 +28,8 @@ tenants:
 """  # a's lower-tier cap: 2 blocks of 64 KiB
 
 
+@pytest.mark.process
+@pytest.mark.chaos
 def test_tier_moves_survive_a_sigkill_and_show_in_kvfleet_blocks(tmp_path: Path) -> None:
     (tmp_path / "tenants.yaml").write_text(TENANTS_YAML)
     service = Service(tmp_path / "state", tmp_path / "tenants.yaml")

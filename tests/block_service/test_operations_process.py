@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import yaml
 
 from block_service.backup import read_manifest
@@ -71,6 +72,7 @@ async def _ready(address: str) -> BlockManagerClient:
     return client
 
 
+@pytest.mark.process
 def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_holders(tmp_path: Path) -> None:
     with block_service(tmp_path) as (address, proc, log):
         async def fill_and_burst() -> int:
@@ -152,6 +154,8 @@ def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.process
+@pytest.mark.chaos
 def test_a_lost_state_directory_is_restored_from_the_shipped_backup(tmp_path: Path) -> None:
     backup = tmp_path / "backup"
     mirror = PageTable()  # the same calls in-process: the state the backup must restore to

@@ -15,6 +15,7 @@ from replicas import TTL_S, ReplicaProcess, leader_address, wait_leader
 
 from block_service import leader_client
 from block_service.client import BlockManagerClient
+from block_service.durable_mark import parse_mark, read_mark
 from block_service.lineage import write_lineage
 from block_service.trace import Trace, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation
@@ -71,6 +72,20 @@ async def _wait_same_state(leader: str, standby: str, timeout_s: float = 60.0) -
         await asyncio.sleep(0.2)
 
 
+async def _wait_mark(etcd_url: str, leader: str, timeout_s: float = 30.0) -> None:
+    """Until the leader's durable mark in etcd covers every record ``leader`` holds (it writes the
+    mark every third of the lease TTL)."""
+    records = (await _state(leader))[0]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with etcd_client(etcd_url) as client:
+            mark = parse_mark(await read_mark(client))
+        if mark is not None and mark[1] >= records:
+            return
+        assert time.monotonic() < deadline, f"the mark {mark} does not cover {leader}'s {records} records"
+        await asyncio.sleep(0.1)
+
+
 async def _drive(client, steps: int, seed: int = 5) -> None:
     trace = Trace(seed=seed, node_ids=["n0", "n1"], tenants=["a", "b"])
     for node in ("n0", "n1"):
@@ -94,6 +109,7 @@ def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas) -> N
     assert theirs == mine
 
 
+@pytest.mark.chaos
 def test_standby_takes_over_with_every_acknowledged_change(etcd, replicas) -> None:
     a = replicas("a", "--sync-standby")
     wait_leader(etcd.url, a.address, [a])
@@ -145,6 +161,7 @@ def test_a_standby_of_another_lineage_refuses_in_one_line(etcd, replicas, tmp_pa
     assert "0123456789abcdef" in line and "move" in line
 
 
+@pytest.mark.process
 def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> None:
     import sys
 
@@ -158,6 +175,7 @@ def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> N
     assert "need --etcd" in out.stderr + out.stdout
 
 
+@pytest.mark.chaos
 def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas) -> None:
     a = replicas("a")
     wait_leader(etcd.url, a.address, [a])
@@ -189,6 +207,7 @@ def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas)
     assert "n9" not in [node[0] for node in mine[1]]
 
 
+@pytest.mark.chaos
 def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(etcd, replicas) -> None:
     """a leads, dies; b takes over and acknowledges more; b dies; a restarts: a lacks b's records, so
     it must wait for b rather than lead (and serve a page table without them). b back: b leads."""
@@ -216,14 +235,17 @@ def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(e
     a.kill()
     asyncio.run(write(10, "second"))  # acknowledged by b, now the leader
     assert leader_address(etcd.url) == b.address
-    time.sleep(TTL_S)  # b's mark written (every TTL/3)
+    asyncio.run(_wait_mark(etcd.url, b.address))  # etcd holds b's mark of all its records
     b.kill()
     a_again = replicas("a", "--sync-standby")
-    until = time.monotonic() + 4 * TTL_S  # b's lease lapses within TTL; a would campaign at once
-    while time.monotonic() < until:
+    # once b's lease lapses, a finds no leader and reads the mark: it says it will not lead, and
+    # does not; a replica that ignored the mark would campaign at once instead
+    deadline = time.monotonic() + 30 + TTL_S
+    while "will not lead" not in a_again.log_text():
         assert leader_address(etcd.url) != a_again.address, "a replica without b's records took the lead"
-        time.sleep(0.2)
-    assert "will not lead" in a_again.log_text()
+        assert time.monotonic() < deadline, f"a neither led nor refused to:\n{a_again.log_text()[-3000:]}"
+        time.sleep(0.1)
+    assert leader_address(etcd.url) != a_again.address, "a replica without b's records took the lead"
     b_again = ReplicaProcess("b", b.state_dir.parent, etcd.url, "--standby", "--sync-standby")  # as up restarts it
     b_again.argv[b_again.argv.index("--listen") + 1] = b.address
     b_again.start()

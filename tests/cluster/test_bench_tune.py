@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvfleet_cli.cli import parse_args
 from kvfleet_cli.ports import free_port
 
@@ -35,6 +37,7 @@ def one_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.cluster
 def test_bench_local_three_phases_agree_with_the_servers_counters(model_dir, tmp_path):
     out = tmp_path / "out"
     done = kvfleet("bench", "--local", "--model", str(model_dir), "--context", "40", "--mix", "0.5:20,0.5:70",
@@ -96,6 +99,7 @@ def test_bench_remote_wrong_key_and_down_router(start_cluster, tmp_path):
     assert line.startswith(f"kvfleet bench: no router answers at {cluster.router_address}")
 
 
+@pytest.mark.process
 def test_bench_bad_input_lines(model_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -109,6 +113,7 @@ def test_bench_bad_input_lines(model_dir, tmp_path):
     assert "no config.json" in one_line(kvfleet("bench", "--local", "--model", str(tmp_path), cwd=tmp_path))
 
 
+@pytest.mark.cluster
 def test_tune_two_candidates_writes_a_config_that_up_accepts(model_dir, tmp_path):
     out = tmp_path / "tune"
     done = kvfleet("tune", "--model", str(model_dir), "--slo-ms", "10000", "--block-sizes", "64,128",

@@ -4,8 +4,11 @@ etcd, two block_service replicas, nodes and router (LocalCluster), a shortened l
 
 from __future__ import annotations
 
+import pytest
 from cluster_helpers import Streams
 from test_node_survival import MAX_TOKENS, expected, generate, no_live_sequences, pids, until  # noqa: F401
+
+pytestmark = pytest.mark.chaos  # each test kills or stops a part of the cluster on purpose
 
 LEASE_TTL = 2
 

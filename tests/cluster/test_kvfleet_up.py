@@ -209,6 +209,7 @@ def test_generate_finds_the_cluster_up_started(up, tmp_path):
         "or pass --router)"]
 
 
+@pytest.mark.chaos
 def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
     u = up(nodes=1)
     address = u.address()
@@ -247,6 +248,7 @@ def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
     stop_and_check_nothing_is_left(u)
 
 
+@pytest.mark.cluster
 def test_a_temporary_cluster_keeps_its_logs_and_drops_its_state(model_dir):
     with LocalCluster(model_dir, num_nodes=1) as cluster:
         work = cluster.work_dir

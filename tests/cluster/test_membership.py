@@ -79,6 +79,7 @@ def test_a_silent_node_leaves_within_its_ttl(etcd):
     asyncio.run(main())
 
 
+@pytest.mark.process
 def test_a_node_registers_once_etcd_comes_up(tmp_path):
     """A node started while etcd is down neither raises nor exits: its registration (and a state
     change made meanwhile) reaches etcd once etcd answers."""

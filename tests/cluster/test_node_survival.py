@@ -18,6 +18,8 @@ from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
+pytestmark = pytest.mark.chaos  # each test kills or stops a part of the cluster on purpose
+
 LEASE_TTL = 2
 NUM_STREAMS = 6
 MAX_TOKENS = 120

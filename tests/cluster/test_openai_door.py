@@ -189,6 +189,7 @@ def test_grpc_chat_refusals_name_the_field(cluster):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
 
 
+@pytest.mark.cluster
 def test_no_template_full_queue_timeout_and_no_node(model_dir, tmp_path):
     """A model without a chat template refuses chat (both doors); a full queue is 429; a request
     past --http-timeout-s gets 504; with no READY node, 503 (and /health says so)."""
@@ -273,6 +274,7 @@ def test_kvfleet_generate_chat(cluster):
     assert f"{answer.usage.prompt_tokens} prompt tokens" in out.stderr
 
 
+@pytest.mark.process
 def test_a_taken_http_port_is_one_line_and_exit_2(tmp_path):
     import socket
     import subprocess

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -10,22 +11,49 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from kvfleet import parent_death
+
+pytestmark = pytest.mark.process  # starts processes without a tier fixture (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # A parent that starts a wrapped program and a kvfleet-style child (``arm`` at startup), prints
-# their pids, and waits to be killed.
+# their pids, and waits to be killed; the kvfleet-style child says "armed" on the same output once
+# it has armed.
 PARENT = textwrap.dedent("""
     import os, subprocess, sys, time
     from kvfleet import parent_death
     env = parent_death.child_env(os.environ)
     wrapped = subprocess.Popen(parent_death.wrap(["sleep", "600"]), env=env)
-    armed = subprocess.Popen([sys.executable, "-c",
-                              "from kvfleet import parent_death; parent_death.arm(); import time; time.sleep(600)"], env=env)
-    print(wrapped.pid, armed.pid, flush=True)
+    armed = subprocess.Popen([sys.executable, "-c", "from kvfleet import parent_death; parent_death.arm(); "
+                              "print('armed', flush=True); import time; time.sleep(600)"], env=env)
+    print("pids", wrapped.pid, armed.pid, flush=True)
     time.sleep(600)
 """)
+
+
+def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def _lines(pipe, wanted: set[str], timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """The first line of each kind in ``wanted`` (its first word) → its other words, read from an
+    unbuffered ``pipe`` as they come (so that a line never waits in a buffer that ``select`` cannot see)."""
+    got: dict[str, list[str]] = {}
+    deadline = time.monotonic() + timeout_s
+    while not wanted <= set(got):
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([pipe], [], [], left)[0], f"only {sorted(got)} within {timeout_s} s"
+        line = pipe.readline().decode()
+        assert line, f"the parent's output ended with only {sorted(got)}"
+        word, *rest = line.split()
+        got.setdefault(word, rest)
+    return got
 
 
 def _alive(pid: int) -> bool:
@@ -36,14 +64,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_children_die_when_their_parent_is_killed():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, bufsize=0, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
     children: list[int] = []
     try:
-        children = [int(pid) for pid in parent.stdout.readline().split()]
+        said = _lines(parent.stdout, {"pids", "armed"})  # the kvfleet-style child has armed
+        children = [int(pid) for pid in said["pids"]]
         assert len(children) == 2 and all(_alive(pid) for pid in children)
-        time.sleep(0.5)  # both have armed: the wrapped one has exec'd sleep
-        assert Path(f"/proc/{children[0]}/comm").read_text().strip() == "sleep"
+        # the wrapped one arms before its exec: once it runs sleep, it has armed
+        _until(lambda: Path(f"/proc/{children[0]}/comm").read_text().strip() == "sleep", "the wrapped child runs sleep")
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 10

@@ -64,6 +64,7 @@ def test_engine_in_process_matches_transformers(smollm2, reference):
     assert texts["0"].startswith("The capital of France is Paris")
 
 
+@pytest.mark.cluster
 def test_cluster_matches_transformers(smollm2, reference, tmp_path):
     from kvfleet import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc

@@ -86,6 +86,7 @@ def test_config_and_tokenizer_match_transformers(gguf_path, converted):
     assert json.loads((converted / "generation_config.json").read_text())["eos_token_id"] == ours.eos_token_id
 
 
+@pytest.mark.process
 def test_pull_is_idempotent(converted):
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     done = cli("models", "pull", "smollm2", "--models-dir", str(converted.parent))
@@ -110,12 +111,14 @@ def assert_refused(done: subprocess.CompletedProcess, out_parent: Path, words: s
     assert list(out_parent.iterdir()) == [], "something half-written was left behind"
 
 
+@pytest.mark.process
 def test_missing_file(tmp_path):
     (tmp_path / "out").mkdir()
     done = cli("convert-gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "out" / "model"))
     assert_refused(done, tmp_path / "out", "no such file")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("keep", [3000, 50_000_000], ids=["header", "tensors"])
 def test_truncated_file(tmp_path, gguf_path, keep):
     cut = tmp_path / "cut.gguf"
@@ -126,6 +129,7 @@ def test_truncated_file(tmp_path, gguf_path, keep):
     assert_refused(done, tmp_path / "out", "not a readable GGUF file")
 
 
+@pytest.mark.process
 def test_unsupported_architecture(tmp_path):
     import gguf
 
@@ -142,6 +146,7 @@ def test_unsupported_architecture(tmp_path):
     assert_refused(done, tmp_path / "out", "architecture 'falcon' is not supported")
 
 
+@pytest.mark.process
 def test_existing_output_is_not_overwritten(tmp_path, gguf_path):
     out = tmp_path / "out" / "model"
     out.mkdir(parents=True)

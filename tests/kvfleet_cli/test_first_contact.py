@@ -15,6 +15,8 @@ import pytest
 from kvfleet_cli.model_maker import make_model
 from kvfleet_cli.ports import free_port
 
+pytestmark = pytest.mark.process  # starts processes without a tier fixture (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = "tenants:\n  - name: gold\n    api_key: sk-gold\n    quota_mib: 16\n    paid_level: 1\n    max_concurrent: 2\n"
 

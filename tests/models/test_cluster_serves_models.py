@@ -28,6 +28,7 @@ def serve(model_dir, work_dir, prompts):
     return got, refused.value, pools
 
 
+@pytest.mark.cluster
 def test_the_cluster_serves_what_transformers_computes(tmp_path):
     """A Qwen3 with attention biases, tied embeddings, odd head shapes and a vocabulary (301) larger
     than its tokenizer's (260): ids the model embeds are valid prompt tokens for the router. A prompt
