@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 
 import pytest
 
@@ -195,13 +196,20 @@ async def _drain(aengine, request_id, prompt):
 
 
 def test_a_burst_of_arrivals_is_one_first_batch(engine):
-    async def trickling(aengine):  # arrivals 10 ms apart, within the 200 ms batch wait
-        async def later(i):
-            await asyncio.sleep(0.01 * i)
-            await _drain(aengine, f"t{i}", random_prompt(10, seed=20 + i))
-        await asyncio.gather(*(later(i) for i in range(4)))
+    """Four arrivals one after another, each once the step thread has taken the wake-up of the one
+    before (so they are four arrivals, not one), all well within the batch wait: one first step."""
+    async def trickling(aengine):
+        drains = []
+        for i in range(4):
+            drains.append(asyncio.create_task(_drain(aengine, f"t{i}", random_prompt(10, seed=20 + i))))
+            await asyncio.sleep(0)  # the task submits before its first real wait
+            deadline = time.monotonic() + 30
+            while aengine._wake.is_set():  # cleared by the step thread when it sees the arrival
+                assert time.monotonic() < deadline, f"the step thread did not see arrival {i}"
+                await asyncio.sleep(0.001)
+        await asyncio.gather(*drains)
 
-    assert _first_step_batch(engine, trickling, batch_wait_s=0.2) == 4
+    assert _first_step_batch(engine, trickling, batch_wait_s=1.0) == 4
 
 
 def test_batch_wait_must_not_be_negative(engine):
