@@ -132,20 +132,16 @@ def forward_all_positions(model, pool: tuple, prompts: list[list[int]], position
     over the paged pool ``(kv_cache, kv_scales)``; sequence i owns blocks ``i * n .. (i + 1) * n - 1``."""
     import torch
 
-    from compute_service.engine.attention_metadata import AttentionMetadata
+    from kernels.metadata import AttentionMetadata
 
     kv_cache, kv_scales = pool
     n = len(prompts)
     blocks_per_seq = -(-positions // BLOCK_SIZE)
     tables = torch.arange(n * blocks_per_seq, dtype=torch.int32).view(n, blocks_per_seq)
     slots = (tables.long()[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten(1)[:, :positions]
-    empty_tables = torch.zeros(0, 0, dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=slots.flatten(), num_prefill_tokens=n * positions,
-        prefill_block_tables=tables, prefill_context_lens=torch.full((n,), positions, dtype=torch.int32),
-        prefill_query_start_loc=torch.arange(n + 1, dtype=torch.int32) * positions,
-        decode_block_tables=empty_tables, decode_context_lens=torch.zeros(0, dtype=torch.int32),
-        scale=model.config.head_dim ** -0.5)
+    meta = AttentionMetadata.prefill_only(
+        tables, torch.full((n,), positions, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32) * positions,
+        slots.flatten())
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.arange(positions).repeat(n)
     with torch.inference_mode():

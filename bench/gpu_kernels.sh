@@ -27,11 +27,12 @@ import json, os, sys
 import torch
 sys.path.insert(0, os.getcwd())
 from kernels import reference
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 from kernels.triton_decode import triton_paged_decode
 
 peak = float(os.environ["PEAK_TBPS"]) * 1e12
 num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-scale = head_dim**-0.5
+params = AttentionParams(head_dim**-0.5)
 
 
 def timed(fn, iters=20):
@@ -65,7 +66,7 @@ for context in (8192, 16384, 32768, 65536, 131072):
             tables = torch.randperm(num_blocks, device="cuda").view(batch, -1).to(torch.int32)
             lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
             query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
-            args = (query, k_cache, v_cache, tables, lens, scale)
+            args = (query, LayerCache(k_cache, v_cache), AttentionMetadata.decode_only(tables, lens), params)
             if context == 8192:
                 want = reference.paged_decode_reference(*args)
                 torch.testing.assert_close(triton_paged_decode(*args), want, rtol=2e-2, atol=2e-2)
@@ -77,7 +78,7 @@ for context in (8192, 16384, 32768, 65536, 131072):
             rows.append(row)
             print(f"| {context} | {batch} | {block_size} | {row['ms']:.3f} | {row['tbps']:.2f} | "
                   f"{row['of_peak']:.0%} | {row['of_copy']:.0%} |", flush=True)
-            del k_cache, v_cache
+            del k_cache, v_cache, args
             torch.cuda.empty_cache()
 print(json.dumps({"peak_tbps": peak / 1e12, "copy_tbps": round(copy_bw / 1e12, 2), "rows": rows}))
 EOF

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import cpu_kernels  # noqa: E402
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache  # noqa: E402
 
 SHAPES = [  # (batch, num_heads, num_kv_heads, head_dim, context)
     (8, 32, 8, 128, 16384),
@@ -56,6 +57,7 @@ def run_shape(shape, block_sizes, rounds: int, gather_rounds: int) -> list[dict]
     v = torch.randn(batch, num_kv_heads, context, head_dim, generator=gen)
     q = torch.randn(batch, num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
+    params = AttentionParams(scale)
     kv_bytes = 2 * k.numel() * k.element_size()
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
@@ -66,7 +68,8 @@ def run_shape(shape, block_sizes, rounds: int, gather_rounds: int) -> list[dict]
         perm = torch.randperm(num_blocks, generator=gen)
         k_cache, v_cache = paged_pool(k, block_size, perm), paged_pool(v, block_size, perm)
         tables = perm.view(batch, -1).to(torch.int32)
-        paged = lambda: kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)  # noqa: E731
+        cache, meta = LayerCache(k_cache, v_cache), AttentionMetadata.decode_only(tables, context_lens)
+        paged = lambda: kernels.paged_decode(q, cache, meta, params)  # noqa: E731
 
         def gather():
             ids = tables.flatten().long()
@@ -96,21 +99,24 @@ def run_shape(shape, block_sizes, rounds: int, gather_rounds: int) -> list[dict]
             "gather_ratio": round(t["gather"] / t["paged"], 2),
             "bandwidth_fraction": round(t["read"] / t["paged"], 2),
         })
-        del k_cache, v_cache
+        del k_cache, v_cache, cache
     return rows
 
 
 def run_prefill(prompt_lens: list[int], rounds: int) -> list[dict]:
-    """CPU prefill of whole prompts: the dispatch's GEMM path against the SDPA reference, same KV."""
-    from kernels import reference
+    """CPU prefill of whole prompts: the dispatch's path against SDPA over the gathered K/V, same KV."""
     from kernels.cpu_prefill import cpu_paged_prefill
+    from kernels.reference import gather_kv
     from kernels.testing import make_case
 
     rows = []
     for prompt in prompt_lens:
         case = make_case([prompt], q_lens=[prompt], num_heads=32, num_kv_heads=8, head_dim=128, block_size=256)
-        gemm = lambda: cpu_paged_prefill(*case.prefill_args())  # noqa: E731
-        sdpa = lambda: reference.paged_prefill_reference(*case.prefill_args())  # noqa: E731
+        table, cache = case.meta.prefill_block_tables[0], case.cache
+        gemm = lambda: cpu_paged_prefill(*case.args())  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            case.query.transpose(0, 1), gather_kv(cache.k, table, prompt, None), gather_kv(cache.v, table, prompt, None),
+            is_causal=True, scale=case.params.scale, enable_gqa=True)
         gemm(), sdpa()  # warm-up: the first calls of a shape cost several times more
         times = {"gemm": [], "sdpa": []}
         for _ in range(rounds):

@@ -21,11 +21,14 @@ from pathlib import Path
 
 import torch
 
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 from kernels.reference import prepare_store
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [str(_CSRC / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp")]
+_HEADERS = [str(_CSRC / "vec16.h")]  # not compiled on their own, but a change rebuilds
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = (*_QUERY_DTYPES, torch.float8_e4m3fn)
 _loaded = False
@@ -111,62 +114,44 @@ def library_path(name: str, flags: list[str]) -> str:
     """Where the build of variant ``name`` is cached: named after a hash of the sources, the flags
     and the torch version, so that another checkout, target or torch never loads a stale build."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/kvfleet/torch_extensions")
-    key = b"".join(Path(src).read_bytes() for src in _SOURCES) + " ".join([torch.__version__, *flags]).encode()
+    key = b"".join(Path(src).read_bytes() for src in _SOURCES + _HEADERS) + " ".join([torch.__version__, *flags]).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     os.makedirs(root, exist_ok=True)
     return os.path.join(root, f"cpu_kernels_{name}_{digest}", f"kvfleet_cpu_kernels_{name}.so")
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def supports(query: torch.Tensor, cache: LayerCache) -> bool:
     return (
         query.dtype in _QUERY_DTYPES
-        and k_cache.dtype in _CACHE_DTYPES
+        and cache.k.dtype in _CACHE_DTYPES
         and query.shape[2] <= 512
         and (_loaded or load_extension())
     )
 
 
-def supports_store(k_cache: torch.Tensor) -> bool:
-    return k_cache.dtype in _CACHE_DTYPES and (_loaded or load_extension())
+def supports_store(cache: LayerCache) -> bool:
+    return cache.k.dtype in _CACHE_DTYPES and (_loaded or load_extension())
 
 
-def cpu_paged_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window: int | None = None,
-    num_splits: int = 0,
-) -> torch.Tensor:
-    """Native paged decode; same contract as ``reference.paged_decode_reference`` (FP8: the scale
-    caches ``[num_blocks, Hkv, block_size]``, each row widened times its scale).
+def cpu_paged_decode(query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams,
+                     num_splits: int = 0) -> torch.Tensor:
+    """Native paged decode; same contract as ``reference.paged_decode_reference`` (FP8 rows widened
+    times their scales, soft-capped scores when ``params.logit_softcap`` is set).
 
-    The kernel checks shapes, strides and dtypes itself (this runs once per layer per step, so the
-    Python side stays a bare call). ``num_splits`` 0 lets it split long contexts across threads.
+    The kernel checks layouts itself (this runs once per layer per step, so the Python side stays a
+    bare call). ``num_splits`` 0 lets it split long contexts across threads.
     """
     if not _loaded and not load_extension():
         raise RuntimeError("the native CPU kernels could not be built")
     return torch.ops.kvfleet_kernels.paged_decode_cpu.default(
-        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits, window or 0
+        query, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, params.scale,
+        cache.k_scale, cache.v_scale, num_splits, params.window or 0, params.logit_softcap or 0.0,
     )
 
 
-def cpu_store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+def cpu_store_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
     """Native KV store; same contract as ``reference.store_kv_reference``."""
     if not _loaded and not load_extension():
         raise RuntimeError("the native CPU kernels could not be built")
-    key, value = prepare_store(key, value, k_cache, slot_mapping, k_scale, v_scale)
-    torch.ops.kvfleet_kernels.store_kv_cpu.default(key, value, k_cache, v_cache, slot_mapping)
-
+    key, value = prepare_store(key, value, cache, slot_mapping)
+    torch.ops.kvfleet_kernels.store_kv_cpu.default(key, value, cache.k, cache.v, slot_mapping)

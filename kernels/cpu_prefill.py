@@ -5,9 +5,10 @@ attends to exactly its own new tokens, causally: torch's fused flash attention
 (``scaled_dot_product_attention``, ``is_causal``) serves it in the pool's dtype, 1.3-2x faster than
 the GEMMs below at 145-4,096 tokens with one thread in torch 2.13 (bfloat16 and float32 alike;
 float32 outputs within 1e-6 of them). The rest, prompts that continue a cached prefix (chunked
-prefill, prefix-cache hits), sliding windows and FP8 caches, take the GEMMs. Rows of new tokens are taken
-in chunks so that one chunk's scores ``[num_kv_heads, G, rows, keys]`` stay under a memory budget, and a
-chunk multiplies only the keys its last row can see::
+prefill, prefix-cache hits), sliding windows, FP8 caches and soft-capped scores (``cap * tanh(s /
+cap)`` in place, before the mask), take the GEMMs. Rows of new tokens are taken in chunks so that one
+chunk's scores ``[num_kv_heads, G, rows, keys]`` stay under a memory budget, and a chunk multiplies
+only the keys its last row can see::
 
     keys →      0 .. prefix ..  | new tokens (causal)
     chunk 0 rows  x x x x x x x   x . . . . .       kv_end = prefix + rows of chunks 0..0
@@ -22,43 +23,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 from kernels.reference import gather_kv, window_start
 
 SCORE_BUDGET = 2 << 20  # float32 scores per chunk (8 MiB: under malloc's mmap threshold, no page faults)
 
 
-def cpu_paged_prefill(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
+def cpu_paged_prefill(query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                      params: AttentionParams) -> torch.Tensor:
     """Same contract as ``reference.paged_prefill_reference``."""
     total, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
+    window, cap = params.window, params.logit_softcap
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for b, ctx in enumerate(context_lens.tolist()):
+    starts = meta.prefill_query_start_loc.tolist()
+    for b, ctx in enumerate(meta.prefill_context_lens.tolist()):
         start, q_len = starts[b], starts[b + 1] - starts[b]
         if q_len == 0:
             continue
-        prefix = ctx - q_len
-        if prefix == 0 and k_scale is None and (window is None or window >= q_len):
-            out[start : start + q_len] = _causal_self_attention(
-                query[start : start + q_len], k_cache, v_cache, block_tables[b], scale)
+        prefix, table = ctx - q_len, meta.prefill_block_tables[b]
+        if prefix == 0 and cache.k_scale is None and cap is None and (window is None or window >= q_len):
+            out[start : start + q_len] = _causal_self_attention(query[start : start + q_len], cache, table,
+                                                                params.scale)
             continue
         lo = window_start(prefix, window)
-        k = gather_kv(k_cache, block_tables[b], ctx, k_scale, lo)  # [Hkv, ctx - lo, D]: key j is position lo + j
-        v = gather_kv(v_cache, block_tables[b], ctx, v_scale, lo)
+        k = gather_kv(cache.k, table, ctx, cache.k_scale, lo)  # [Hkv, ctx - lo, D]: key j is position lo + j
+        v = gather_kv(cache.v, table, ctx, cache.v_scale, lo)
         # q: [Hkv, G, q_len, D], scaled
-        q = (query[start : start + q_len].float() * scale).view(q_len, num_kv_heads, group, head_dim)
+        q = (query[start : start + q_len].float() * params.scale).view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3)
         span = ctx - lo if window is None else min(ctx - lo, window + q_len)
         rows = max(16, SCORE_BUDGET // (num_heads * span))
@@ -71,6 +64,8 @@ def cpu_paged_prefill(
             scores = buf[: num_heads * m * n].view(num_kv_heads, group * m, n)
             torch.bmm(q[:, :, r0:r1].reshape(num_kv_heads, group * m, head_dim),
                       k[:, kv_lo - lo:kv_end - lo].transpose(1, 2), out=scores)
+            if cap is not None:
+                scores.div_(cap).tanh_().mul_(cap)
             positions = torch.arange(prefix + r0, prefix + r1)[:, None]
             if window is None:  # the causal part only: [m, keys after the first row]
                 hidden = torch.arange(prefix + r0 + 1, kv_end) > positions
@@ -87,14 +82,15 @@ def cpu_paged_prefill(
     return out
 
 
-def _causal_self_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_self_attention(query: torch.Tensor, cache: LayerCache, block_table: torch.Tensor,
+                           scale: float) -> torch.Tensor:
     """Causal attention of ``query`` ``[n, H, D]`` over the ``n`` keys just stored at the start of
-    ``block_table``: torch's fused kernel, in the cache's dtype (it accumulates in float32)."""
-    n, bs = query.shape[0], k_cache.shape[2]
-    ids = block_table[: -(-n // bs)].long()
-    k = k_cache[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]  # [1, Hkv, n, D]
-    v = v_cache[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]
+    ``block_table``: torch's fused kernel, in the cache's dtype (it accumulates in float32). It has
+    no soft-cap: soft-capped layers take the GEMMs."""
+    n = query.shape[0]
+    ids = block_table[: -(-n // cache.block_size)].long()
+    k = cache.k[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]  # [1, Hkv, n, D]
+    v = cache.v[ids].transpose(0, 1).flatten(1, 2)[None, :, :n]
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None].to(k.dtype), k, v, is_causal=True, scale=scale,
                                          enable_gqa=True)
     return out[0].transpose(0, 1)

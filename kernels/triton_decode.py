@@ -11,8 +11,9 @@ max / sum (base 2) [batch, num_heads, num_splits, 2].
 Pass 2, grid (batch, num_heads): merges the splits, divides by the sum. FP8 rows are widened times
 their scales as they are loaded (``triton_tiles.load_kv_tile``).
 
-With a sliding window (``WINDOW`` > 0) a split's range is clipped to the last ``WINDOW`` tokens; a
-split wholly before them reads nothing (empty: it weighs nothing in pass 2).
+With a sliding window (``window`` > 0) a split's range is clipped to the last ``window`` tokens; a
+split wholly before them reads nothing (empty: it weighs nothing in pass 2). With a logit soft-cap
+(``SOFTCAP``) a tile's scores are squashed, in their base-2 units, before the online softmax.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
-from kernels.reference import is_fp8
-from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache, is_fp8
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, soft_cap, tile_scores
 
 LOG2E = 1.4426950408889634
 
@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     acc_ptr, ml_ptr,
-    qk_scale, tokens_per_split, window,
+    qk_scale, tokens_per_split, window, softcap,
     stride_qb, stride_qh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh,
@@ -44,6 +44,7 @@ def _decode_split_kernel(
     stride_mb, stride_mh, stride_ms,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +75,10 @@ def _decode_split_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + b * stride_bt,
                             t, t_mask, head_base, d, d_mask, stride_cb, stride_co, kv_head * stride_sh, stride_sb,
                             BLOCK_SIZE, IS_FP8, USE_FP32)
-        s = tl.where(t_mask[None, :], tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_G, BLOCK_N]
+        s = tile_scores(q, k, USE_FP32)  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
     out = b * stride_ab + heads * stride_ah + split * stride_as
@@ -130,18 +134,15 @@ def default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int)
     return splits
 
 
-def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, num_splits,
-                   window):
+def _launch_decode(query, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams, num_splits: int):
     # query: [batch, num_heads, head_dim], rows contiguous
-    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
-    # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
+    # cache.k, cache.v: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous, same strides
+    # block_tables: [batch, max_blocks] int32, contiguous; context_lens: [batch] int32 (AttentionMetadata)
     batch, num_heads, head_dim = query.shape
+    k_cache, v_cache, block_tables = cache.k, cache.v, meta.decode_block_tables
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert context_lens.is_contiguous() and block_size % 16 == 0
+    assert query.stride(2) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     # fp32 caches (and the CPU interpreter, whose bf16 arithmetic is wrong) take exact fp32 dots
     fp32 = k_cache.dtype == torch.float32 or interpreting()
 
@@ -151,11 +152,11 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    k_scale, v_scale = scale_pointers(k_cache, k_scale, v_scale)
+    k_scale, v_scale = scale_pointers(cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
+        query, k_cache, v_cache, block_tables, meta.decode_context_lens, k_scale, v_scale,
         acc, ml,
-        scale * LOG2E, tokens_per_split, window or 0,
+        params.scale * LOG2E, tokens_per_split, params.window or 0, (params.logit_softcap or 0.0) * LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1),
@@ -165,6 +166,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
+        SOFTCAP=params.logit_softcap is not None,
     )
     out = torch.empty_like(query)
     _decode_reduce_kernel[(batch, num_heads)](
@@ -179,35 +181,17 @@ def _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k
     return out
 
 
-def triton_paged_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
+def triton_paged_decode(query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams,
+                        num_splits: int | None = None) -> torch.Tensor:
     """Same contract as ``reference.paged_decode_reference``; ``num_splits`` None picks one per device."""
     if num_splits is None:
-        num_splits = default_num_splits(query, k_cache.shape[1], block_tables.shape[1] * k_cache.shape[2])
-    return _launch_decode(
-        query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
-        block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-        scale, k_scale, v_scale, num_splits, window,
-    )
+        num_splits = default_num_splits(query, cache.num_kv_heads, meta.decode_block_tables.shape[1] * cache.block_size)
+    return _launch_decode(query.contiguous() if query.stride(2) != 1 else query, cache, meta, params, num_splits)
 
 
-def scale_pointers(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                   v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_pointers(cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale caches a kernel reads (FP8), or a 3-D stand-in never read (other dtypes)."""
-    reference.check_scales(k_cache, k_scale, v_scale)
-    if k_scale is None:
-        dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k_cache.device)
+    if cache.k_scale is None:
+        dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=cache.k.device)
         return dummy, dummy
-    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
-    return k_scale, v_scale
-
+    return cache.k_scale, cache.v_scale

@@ -10,6 +10,7 @@ last ``q_len`` of its ``context_lens[b]`` positions; row r sees keys ``0..positi
 whole prefix, is already in the cache), so a tile walks keys only up to its last row's position.
 With a sliding window (``window`` > 0) row r also drops keys ``<= position - window``, and a tile
 starts at the oldest key its first row sees: older keys and their block-table entries are never read.
+Soft-capped scores (``SOFTCAP``) are squashed before the mask, as in ``triton_decode``.
 """
 
 from __future__ import annotations
@@ -18,23 +19,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import is_fp8
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache, is_fp8
 from kernels.triton_decode import LOG2E, interpreting, scale_pointers
-from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, soft_cap, tile_scores
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     k_scale_ptr, v_scale_ptr, out_ptr,
-    qk_scale, window,
+    qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_FP32: tl.constexpr, IS_FP8: tl.constexpr,
+    USE_FP32: tl.constexpr, IS_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +75,10 @@ def _prefill_kernel(
         causal = t_mask[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
             causal = causal & (t[None, :] > pos[:, None] - window)
-        s = tl.where(causal, tile_scores(q, k, USE_FP32), float("-inf"))  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(q, k, USE_FP32)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
+        s = tl.where(causal, s, float("-inf"))
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -82,57 +86,41 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
-def _launch_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                    k_scale, v_scale, max_q_len, window):
-    # query: [total_new_tokens, num_heads, head_dim], rows contiguous; query_start_loc: [batch + 1] int32
-    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
-    # block_tables: [batch, max_blocks] int32, rows contiguous; context_lens: [batch] int32
+def _launch_prefill(query, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams, max_q_len: int):
+    # query: [total_new_tokens, num_heads, head_dim], rows contiguous
+    # cache.k, cache.v: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous, same strides
+    # prefill_block_tables [batch, max_blocks], prefill_context_lens [batch], prefill_query_start_loc
+    # [batch + 1]: int32, contiguous (AttentionMetadata)
     total, num_heads, head_dim = query.shape
+    k_cache, v_cache, block_tables = cache.k, cache.v, meta.prefill_block_tables
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    batch = context_lens.shape[0]
-    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
-    assert block_tables.stride(1) == 1 and query_start_loc.shape == (batch + 1,) and block_size % 16 == 0
+    assert query.stride(2) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     fp32 = k_cache.dtype == torch.float32 or interpreting()  # exact fp32 dots, as in triton_decode
     out = torch.empty_like(query)
     if total == 0:
         return out
     block_m, block_n = (64, 64) if head_dim <= 128 else (32, 32)
-    grid = (batch, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
-    k_scale, v_scale = scale_pointers(k_cache, k_scale, v_scale)
+    grid = (meta.num_prefills, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
+    k_scale, v_scale = scale_pointers(cache)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale, out,
-        scale * LOG2E, window or 0,
+        query, k_cache, v_cache, block_tables, meta.prefill_context_lens, meta.prefill_query_start_loc,
+        k_scale, v_scale, out,
+        params.scale * LOG2E, params.window or 0, (params.logit_softcap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype),
+        USE_FP32=fp32, IS_FP8=is_fp8(k_cache.dtype), SOFTCAP=params.logit_softcap is not None,
     )
     return out
 
 
-def triton_paged_prefill(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
+def triton_paged_prefill(query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                         params: AttentionParams) -> torch.Tensor:
     """Same contract as ``reference.paged_prefill_reference``."""
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query.shape[0] else 0  # one sync
-    return _launch_prefill(
-        query.contiguous() if query.stride(2) != 1 else query, k_cache, v_cache,
-        block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-        query_start_loc, scale, k_scale, v_scale, max_q_len, window,
-    )
+    starts = meta.prefill_query_start_loc
+    max_q_len = int((starts[1:] - starts[:-1]).max()) if query.shape[0] else 0  # one sync
+    return _launch_prefill(query.contiguous() if query.stride(2) != 1 else query, cache, meta, params, max_q_len)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import is_fp8, prepare_store
+from kernels.metadata import LayerCache, is_fp8
+from kernels.reference import prepare_store
 
 
 @triton.jit
@@ -39,11 +40,9 @@ def _store_kv_kernel(
 
 def _launch_store(key, value, k_cache, v_cache, slot_mapping):
     # key, value: [num_tokens, num_kv_heads, head_dim], rows contiguous, in the cache's dtype
-    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous
+    # k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous, same strides (LayerCache)
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-    assert key.stride(2) == 1 and value.stride(2) == 1
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert key.dtype == value.dtype == k_cache.dtype and key.stride(2) == 1 and value.stride(2) == 1
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
@@ -55,17 +54,10 @@ def _launch_store(key, value, k_cache, v_cache, slot_mapping):
     )
 
 
-def triton_store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+def triton_store_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
     """Same contract as ``reference.store_kv_reference``; negative slots are skipped."""
-    key, value = prepare_store(key, value, k_cache, slot_mapping, k_scale, v_scale)
+    key, value = prepare_store(key, value, cache, slot_mapping)
+    k_cache, v_cache = cache.k, cache.v
     if is_fp8(k_cache.dtype):  # move FP8 as bytes: no float8 arithmetic in the kernel
         key, value = key.view(torch.uint8), value.view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)

@@ -1,6 +1,7 @@
 """What every paged-attention Triton kernel does per tile of ``BLOCK_N`` key positions, as
 ``@triton.jit`` helpers inlined into the kernels: read K/V in place through the block table, score
-the tile against the query rows, fold it into the online softmax (base-2 exponentials).
+the tile against the query rows (soft-capped where the layer says so), fold it into the online
+softmax (base-2 exponentials).
 
     positions t -> block_table[t // BLOCK_SIZE] -> tile [BLOCK_N, BLOCK_D] of (block, kv head)
 
@@ -41,6 +42,13 @@ def tile_scores(q, k, USE_FP32: tl.constexpr):
     else:
         s = tl.dot(q.to(k.dtype), tl.trans(k))
     return s
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` (Gemma 2's logit soft-cap; ``cap`` in the scores' base-2 units), as
+    ``cap * (2 sigmoid(2 s / cap) - 1)``: core ``triton.language`` has no tanh."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
 
 
 @triton.jit

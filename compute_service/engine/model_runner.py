@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from compute_service.engine.attention_metadata import AttentionMetadata
 from compute_service.engine.scheduler import ScheduledBatch
 from compute_service.engine.sequence import Sequence
 from compute_service.model.causal_lm import CausalLM
+from kernels.metadata import AttentionMetadata
 
 
 class ModelRunner:
@@ -19,7 +19,6 @@ class ModelRunner:
         self.kv_scales = kv_scales  # FP8 pools: one float32 scale per (layer, K/V, block, kv head, offset)
         self.block_size = block_size
         self.device = device
-        self.scale = model.config.head_dim ** -0.5
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
@@ -55,7 +54,6 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             decode_block_tables=_block_tables(decode_seqs).to(dev),
             decode_context_lens=torch.tensor([s.num_computed + 1 for s in decode_seqs], dtype=torch.int32, device=dev),
-            scale=self.scale,
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

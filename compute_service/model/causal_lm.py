@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from compute_service.engine.attention_metadata import AttentionMetadata
 from compute_service.model.config import ModelConfig
 from compute_service.model.rope import RotaryEmbedding, apply_rope
+from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    window: int | None = None  # sliding window in tokens (None: full), set per layer by CausalLM
+    params: AttentionParams  # scale, sliding window (tokens; None: full), logit soft-cap; set per layer by CausalLM
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -56,19 +56,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        cache = LayerCache(kv_cache[0], kv_cache[1], *(() if kv_scales is None else (kv_scales[0], kv_scales[1])))
+        kernels.store_kv(k, v, cache, meta.slot_mapping)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
         if p:
-            out[:p] = kernels.paged_prefill(
-                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
-                meta.prefill_query_start_loc, meta.scale, k_scale, v_scale, window=self.window)
+            out[:p] = kernels.paged_prefill(q[:p], cache, meta, self.params)
         if p < num_tokens:
-            out[p:] = kernels.paged_decode(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.scale,
-                k_scale, v_scale, window=self.window)
+            out[p:] = kernels.paged_decode(q[p:], cache, meta, self.params)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -104,7 +99,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         for layer, window in zip(self.layers, config.layer_windows):
-            layer.self_attn.window = window
+            layer.self_attn.params = AttentionParams(config.head_dim ** -0.5, window)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from compute_service.engine.attention_metadata import AttentionMetadata
 from compute_service.model.rope_config import RopeConfig
+from kernels.metadata import AttentionMetadata
 
 
 def _plain(head_dim: int, theta: float) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> t
 
 def token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
     """``[T]``: each packed token's sequence length after this step (see the layout in
-    attention_metadata.py: prefill chunks first, then one token per decoding sequence)."""
+    kernels/metadata.py: prefill chunks first, then one token per decoding sequence)."""
     q_lens = meta.prefill_query_start_loc.diff().long()
     prefill = torch.repeat_interleave(meta.prefill_context_lens.long(), q_lens)
     out = torch.cat([prefill, meta.decode_context_lens.long()])

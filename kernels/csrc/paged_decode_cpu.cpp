@@ -15,7 +15,10 @@
 // token and KV head, in scale caches laid out like the cache minus head_dim: row element index / d).
 // A sliding window (window > 0) keeps the last `window` tokens of each context: the splits cover only
 // those, and neither the older tokens nor their block-table entries are read (those blocks may be
-// given back already).
+// given back already). A logit soft-cap (Gemma 2) squashes each score into (-cap, cap), cap * tanh(s / cap),
+// before the softmax; in the base-2 units of the scores that is c * tanh(s2 / c) with c = cap * log2(e).
+
+#include "vec16.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,119 +27,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
-#include <type_traits>
 #include <vector>
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-// 16 floats; GCC lowers it to one zmm register with AVX-512 and to narrower registers otherwise.
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-constexpr int W = 16;
 constexpr int CHUNK = 64;     // tokens per softmax update; a widened chunk of K or V is <= 64 * head_dim floats
-constexpr int MAX_NV = 32;
-constexpr int PREFETCH_BYTES = 32768;  // how far ahead of the chunk in hand K and V are prefetched, per stream    // head_dim <= 512
+constexpr int MAX_NV = 32;  // head_dim <= 512
+constexpr int PREFETCH_BYTES = 32768;  // how far ahead of the chunk in hand K and V are prefetched, per stream
 constexpr float LOG2E = 1.4426950408889634f;
-
-struct bf16_t { uint16_t x; };
-struct fp16_t { uint16_t x; };
-struct fp8_t { uint8_t x; };
-
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
-
-inline float hsum(vf v) {
-  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// r[i] = sum of the lanes of v[i], for 16 vectors: a transpose-and-add tree, 45 operations where 16
-// separate horizontal sums would take ~110, and 16 independent chains for the dot products before it.
-inline vf hsum16(const vf* v) {
-  vf c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5]; 2^f by the Cephes exp2f polynomial
-// (relative error ~2e-7, the rounding error of float32 itself).
-inline vf exp2v(vf x) {
-  x = x < splat(-126.f) ? splat(-126.f) : x;
-  vf y = x + 0.5f;
-  vi n = __builtin_convertvector(y, vi);  // truncation; fix it to floor for negative y
-  vf nf = __builtin_convertvector(n, vf);
-  n += (vi)(nf > y);                       // true lanes are -1
-  nf = __builtin_convertvector(n, vf);
-  vf f = x - nf;
-  vf p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  vi bits = (n + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
-// Widen `rows` rows of `d` elements into float rows of stride `dp` (zero padded); FP8 rows are
-// multiplied by their scale `row_scale[r]`.
-template <typename T>
-void widen(const T* src, int rows, int d, int dp, float* dst, const float* row_scale) {
-  for (int r = 0; r < rows; ++r) {
-    const T* s = src + (int64_t)r * d;
-    float* o = dst + (int64_t)r * dp;
-    int i = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      std::memcpy(o, s, sizeof(float) * d);
-      i = d;
-    } else if constexpr (std::is_same_v<T, bf16_t>) {
-      for (; i < d; ++i) {
-        uint32_t bits = (uint32_t)s[i].x << 16;
-        std::memcpy(o + i, &bits, 4);
-      }
-    } else if constexpr (std::is_same_v<T, fp16_t>) {
-#if defined(__F16C__) && defined(__AVX__)
-      for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
-#endif
-      for (; i < d; ++i) o[i] = static_cast<float>(c10::Half(s[i].x, c10::Half::from_bits()));
-    } else {  // float8_e4m3fn: the 7 magnitude bits placed at float bit 20, times 2^(127-7)
-      const float factor = 1.329227995784916e36f * (row_scale ? row_scale[r] : 1.f);  // 2^120 * scale
-      for (; i < d; ++i) {
-        uint32_t bits = (uint32_t)(s[i].x & 0x7F) << 20;
-        float mag;
-        std::memcpy(&mag, &bits, 4);
-        mag *= factor;
-        o[i] = (s[i].x & 0x80) ? -mag : mag;
-      }
-    }
-    for (; i < dp; ++i) o[i] = 0.f;
-  }
-}
 
 struct Item {
   const float* q;   // [G][dp], already times softmax scale * log2(e)
@@ -148,6 +48,7 @@ struct Item {
 struct Geometry {
   int G, d, dp, block_size;
   int64_t block_stride;  // elements between blocks
+  float softcap2;        // logit soft-cap in base-2 units (cap * log2(e)); 0: none
 };
 
 // Prefetch into L2 the `part`-th of `parts` slices of the byte range [p, p + bytes).
@@ -242,6 +143,9 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     const int n16 = (n + W - 1) / W * W;
     for (int h = 0; h < G; ++h) {
       float* sh = s + h * CHUNK;
+      if (g.softcap2 > 0.f) {
+        for (int r = 0; r < n; ++r) sh[r] = g.softcap2 * std::tanh(sh[r] / g.softcap2);
+      }
       for (int r = n; r < n16; ++r) sh[r] = -std::numeric_limits<float>::infinity();
       vf mx = load(sh);
       for (int r = W; r < n16; r += W) {
@@ -315,12 +219,13 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
 template <typename T>
 void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-         const float* ks, const float* vs, int64_t num_splits, int64_t window, at::Tensor& out32) {
+         const float* ks, const float* vs, int64_t num_splits, int64_t window, double softcap,
+         at::Tensor& out32) {
   const int B = q32.size(0), H = q32.size(1), d = q32.size(2);
   const int Hkv = k_cache.size(1);
   const int G = H / Hkv;
   const int dp = (d + W - 1) / W * W;
-  const Geometry geo{G, d, dp, (int)k_cache.size(2), k_cache.stride(0)};
+  const Geometry geo{G, d, dp, (int)k_cache.size(2), k_cache.stride(0), (float)softcap * LOG2E};
   const int64_t head_stride = k_cache.stride(1);
   const int max_blocks = block_tables.size(1);
   const T* k_base = reinterpret_cast<const T*>(k_cache.data_ptr());
@@ -452,7 +357,7 @@ at::Tensor row_scales(const std::optional<at::Tensor>& scale, const at::Tensor& 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                        int64_t num_splits, int64_t window) {
+                        int64_t num_splits, int64_t window, double logit_softcap) {
   // query: [batch, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim]
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [batch, heads, dim], caches 4-D expected");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -466,6 +371,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
               context_lens.numel() == query.size(0), "one block table and context length per sequence");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention), got ", window);
+  TORCH_CHECK(logit_softcap >= 0, "logit_softcap must be >= 0 (0: none), got ", logit_softcap);
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   TORCH_CHECK(k_scale.has_value() == (k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
@@ -476,11 +382,15 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   const float* vsp = vs.defined() ? vs.data_ptr<float>() : nullptr;
   const at::Tensor q32 = query.to(at::kFloat).contiguous();
   at::Tensor out32 = at::empty(q32.sizes(), q32.options());
+  auto run_as = [&](auto element) {  // the cache's element type, by a value of it
+    run<decltype(element)>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, logit_softcap,
+                           out32);
+  };
   switch (k_cache.scalar_type()) {
-    case at::kFloat: run<float>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
-    case at::kBFloat16: run<bf16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
-    case at::kHalf: run<fp16_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
-    case at::kFloat8_e4m3fn: run<fp8_t>(q32, k_cache, v_cache, tables, lens, scale, ksp, vsp, num_splits, window, out32); break;
+    case at::kFloat: run_as(float{}); break;
+    case at::kBFloat16: run_as(bf16_t{}); break;
+    case at::kHalf: run_as(fp16_t{}); break;
+    case at::kFloat8_e4m3fn: run_as(fp8_t{}); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
   return out32.to(query.scalar_type());
@@ -490,7 +400,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 TORCH_LIBRARY_FRAGMENT(kvfleet_kernels, m) {
   m.def("paged_decode_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int num_splits=0, "
-        "int window=0) -> Tensor");
+        "int window=0, float logit_softcap=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_kernels, CPU, m) { m.impl("paged_decode_cpu", &paged_decode); }
