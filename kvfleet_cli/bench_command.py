@@ -21,6 +21,7 @@ from pathlib import Path
 from kvfleet_cli.loadgen.analysis import StopRule
 from kvfleet_cli.loadgen.phases import PHASES, PhasePlan
 from kvfleet_cli.loadgen.workload import Mix, parse_tokens
+from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS
 
 DEFAULT_VOCAB = 256  # against a remote router without --vocab-size: ids every served model knows
 
@@ -67,9 +68,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, with_block_size: bool
     searches the block size instead of taking it)."""
     group = parser.add_argument_group("local cluster")
     group.add_argument("--nodes", type=int, default=1, help="compute nodes (default 1)")
+    block_size, pool = LOCAL_NODE_DEFAULTS["block_size"], LOCAL_NODE_DEFAULTS["kv_cache_memory"]
     if with_block_size:
-        group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    group.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV pool per node")
+        group.add_argument("--block-size", type=int, default=block_size, help=f"tokens per KV block (default {block_size})")
+    group.add_argument("--kv-cache-memory", type=int, default=pool, help=f"bytes of KV pool per node (default {pool})")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16, fp8_e4m3")
     group.add_argument("--start-timeout", type=float, default=600.0,
                        help="seconds the local cluster may take to be ready (default 600: a loaded machine)")

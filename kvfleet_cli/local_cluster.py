@@ -80,8 +80,8 @@ class LocalCluster:
         lease_ttl_s: int = 5,
         node: NodeSettings | None = None,
     ):
-        """Every node takes ``node`` (``kvfleet up``'s), else the local defaults with the engine values
-        given here; ``compute_args`` follow on each node's command line, so they win."""
+        """Every node takes ``node`` (``kvfleet up``'s; else the local defaults) with the engine values
+        given here in place of its own; ``compute_args`` follow on each node's command line and win."""
         self.node = local_node_settings(node, block_size=block_size, kv_cache_memory=kv_cache_memory,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype)
         self.model_dir = str(Path(model_dir).resolve())

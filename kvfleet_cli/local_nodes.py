@@ -16,12 +16,11 @@ LOCAL_NODE_DEFAULTS = {"block_size": 16, "kv_cache_memory": 64 << 20}
 
 
 def local_node_settings(node: NodeSettings | None = None, **engine: object) -> NodeSettings:
-    """Every node's settings in a local cluster: ``node``, or the engine values given (None: not
-    given) over ``LOCAL_NODE_DEFAULTS``; ``ValueError`` for both."""
+    """Every node's settings in a local cluster: ``node`` (else the node defaults with
+    ``LOCAL_NODE_DEFAULTS``), with the engine values given (None: not given) in place of its own."""
+    base = node if node is not None else NodeSettings(engine=EngineConfig(**LOCAL_NODE_DEFAULTS))
     given = {name: value for name, value in engine.items() if value is not None}
-    if node is not None and given:
-        raise ValueError(f"give the nodes' settings as node= or as {', '.join(given)}=, not both")
-    return node if node is not None else NodeSettings(engine=EngineConfig(**{**LOCAL_NODE_DEFAULTS, **given}))
+    return replace(base, engine=replace(base.engine, **given)) if given else base
 
 
 def node_command(node: NodeSettings, model_dir: str, node_id: str, listen: str, etcd: str,

@@ -14,6 +14,7 @@ from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from compute_service.kv.pool import bytes_per_block
 from compute_service.model.config import ModelConfig
 from kvfleet.sampling import SamplingParams
+from kvfleet_cli.local_nodes import local_node_settings
 
 PROMPT = random_prompt(64, 41)                         # 3 reusable blocks
 OTHERS = [random_prompt(160, 50 + i) for i in range(3)]  # each fills most of a 14-block pool
@@ -48,9 +49,9 @@ def test_evicted_prefix_is_promoted_from_host_and_disk_through_the_cluster(start
     per_block = bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK_SIZE, "float32")
     expected = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=16 << 20)).generate(
         [PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].new_token_ids
-    cluster = start_cluster(1, kv_cache_memory=14 * per_block,
-                            compute_args=("--kv-host-memory", str(2 * per_block)),
-                            kv_disk=(tmp_path / "kv", 64 * per_block))
+    tiers = local_node_settings(kv_host_memory=2 * per_block, kv_disk_dir=str(tmp_path / "kv"),
+                                kv_disk_bytes=64 * per_block)
+    cluster = start_cluster(1, kv_cache_memory=14 * per_block, node=tiers)
     first = stream(cluster.router_address, request(tokens=PROMPT, max_tokens=8, ignore_eos=True))
     assert tokens_of(first) == expected
     for other in OTHERS:
