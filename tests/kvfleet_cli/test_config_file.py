@@ -86,3 +86,14 @@ def test_up_refuses_a_bad_file_in_one_line(tmp_path):
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"kvfleet up: {path}: unknown key 'nodez'; known: ")
     assert "block_size" in line.split("known: ")[1].split(", ")
+
+
+def test_the_file_kvfleet_tune_writes_is_one_up_takes(tmp_path):
+    from dataclasses import asdict
+
+    from kvfleet_cli.loadgen.local import ClusterShape
+
+    path = tmp_path / "kvfleet-tuned.yaml"
+    path.write_text(dump_yaml(asdict(ClusterShape("models/x", nodes=2, block_size=128)), "written as kvfleet tune does"))
+    assert load(path, UpSettings) == {"model": "models/x", "nodes": 2, "block_size": 128, "kv_cache_memory": 64 << 20,
+                                      "kv_cache_dtype": "auto"}
