@@ -28,6 +28,7 @@ from typing import Protocol
 import grpc
 from opentelemetry import propagate, trace
 
+from kvfleet.ids import MAX_ATTEMPTS
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from kvfleet.wire import sampling_to_proto
@@ -76,6 +77,8 @@ class PrefixLookup(Protocol):
 class Relay:
     def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4,
                  stall_timeout_s: float = 120.0):
+        if not 1 <= max_attempts <= MAX_ATTEMPTS:  # each attempt's id must fit the id budget
+            raise ValueError(f"max_attempts must be 1..{MAX_ATTEMPTS}, got {max_attempts}")
         self.stall_timeout_s = stall_timeout_s
         self.nodes = nodes
         self.picker = picker

@@ -2,18 +2,17 @@
 
 Every mistake raises ``InvalidRequest`` naming the field (→ INVALID_ARGUMENT); sampling fields are
 converted by ``kvfleet.wire`` (shared with the compute nodes). A client's request id is at most
-``MAX_REQUEST_ID_LEN`` characters: with the suffix that makes it a sequence id it must fit the one
-id limit every service shares (``kvfleet/ids.py``).
+``MAX_REQUEST_ID_LEN`` characters: ``kvfleet/ids.py`` budgets the suffixes of its sequence and
+attempt ids into that, so every id a node sees fits the one limit every service shares.
 """
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfleet.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_HEX
+from kvfleet.ids import MAX_REQUEST_ID_LEN, seq_id_of
 from kvfleet.sampling import SamplingParams
 from kvfleet.wire import InvalidRequest, sampling_from_proto
 from router.chat_template import ChatMessage, ChatTemplate
@@ -93,6 +92,5 @@ def parse_request(req, tokenizer: TextTokenizer, chat: ChatTemplate | None = Non
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
-    seq_id = f"{request_id}-{secrets.token_hex(SEQ_SUFFIX_HEX // 2)}"
     sampling = sampling_from_proto(req.sampling)
-    return ParsedRequest(request_id, seq_id, ids, sampling, frozenset() if sampling.ignore_eos else end_of_turn)
+    return ParsedRequest(request_id, seq_id_of(request_id), ids, sampling, frozenset() if sampling.ignore_eos else end_of_turn)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvfleet import ids
+
 # What a node answers that is the request's own outcome, to pass on to the client as it is: the
 # request is wrong or not allowed, and another node would say the same. (gRPC status names.)
 CLIENT_ANSWERS = frozenset({"INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "UNAUTHENTICATED"})
@@ -41,7 +43,7 @@ class Progress:
 
     def attempt_id(self, seq_id: str) -> str:
         """A fresh id per attempt: the failed node's sequence may still be live in block_service."""
-        return f"{seq_id}.{self.attempts}" if self.attempts else seq_id
+        return ids.attempt_id(seq_id, self.attempts)
 
     def relayed(self, token_ids: Sequence[int], cached_tokens: int | None) -> None:
         if self.cached_tokens is None and cached_tokens is not None:

@@ -18,12 +18,12 @@ from chaos_load import bearer
 from chaos_outcomes import OK, RequestSpec
 from google.protobuf.message import DecodeError
 
+from kvfleet.ids import MAX_REQUEST_ID_LEN
 from kvfleet.v1 import inference_pb2
 
 INVALID = frozenset({"INVALID_ARGUMENT"})
 UNAUTH = frozenset({"UNAUTHENTICATED"})
 MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
-MAX_REQUEST_ID_LEN = 119
 
 
 def _request(tokens=(1, 2, 3, 4, 5), max_tokens=4, **sampling) -> inference_pb2.GenerateRequest:
@@ -97,7 +97,7 @@ EDGE_VALUES = {
     "top_k": (0, 1, 50, 2**32 - 1),
     "seed": (0, 1, 2**64 - 1),
     "stop": ((), ("a",), ("",), ("x" * 257,), tuple(str(i) for i in range(20))),
-    "request_id": ("", "a", "\u00e9\u4e2d", "x" * 119, "x" * 120, "\t"),
+    "request_id": ("", "a", "\u00e9\u4e2d", "x" * MAX_REQUEST_ID_LEN, "x" * (MAX_REQUEST_ID_LEN + 1), "\t"),
 }
 
 

@@ -11,6 +11,7 @@ import grpc
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
 
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.ids import MAX_REQUEST_ID_LEN
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 from tests.compute_service.conftest import late_stop_string
@@ -77,6 +78,18 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
         assert time.monotonic() < deadline, f"block_service still holds {killed}'s pool: {pools[killed]}"
         time.sleep(0.1)
     assert set(pools) == {"node-0", "node-1"} - {killed}
+
+
+def test_a_request_id_of_the_longest_allowed_length_resumes_too(start_cluster):
+    """A request id at the public limit gets the router's and the attempt's suffixes on failover:
+    the node must take the resumed attempt's id (it refused a 130-character one with
+    INVALID_ARGUMENT, and the client got that instead of its tokens)."""
+    cluster = start_cluster(2)
+    request_id = "r" * MAX_REQUEST_ID_LEN
+    run = generate_killing_its_node(
+        cluster, request(tokens=random_prompt(24, seed=13), max_tokens=200, ignore_eos=True, request_id=request_id))
+    assert len(run.tokens) == 200 and run.chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert {c.request_id for c in run.chunks} == {request_id}
 
 
 def test_a_stop_string_after_the_failover_point_cuts_the_text_as_without_a_failure(start_cluster, model_dir):

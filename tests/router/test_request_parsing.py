@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvfleet.ids import MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
+from kvfleet.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_LEN, check_id
 from kvfleet.v1 import inference_pb2
 from kvfleet.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
 from router.request import ModelVocabulary, parse_request
@@ -75,7 +75,7 @@ def test_bad_fields(r, words):
 
 def test_longest_request_id_makes_a_sequence_id_block_service_takes():
     p = parse_request(req(text="x", request_id="a" * MAX_REQUEST_ID_LEN), ByteTokenizer())
-    assert len(p.seq_id) == MAX_ID_LEN and check_id("seq_id", p.seq_id) == p.seq_id
+    assert len(p.seq_id) == MAX_REQUEST_ID_LEN + SEQ_SUFFIX_LEN and check_id("seq_id", p.seq_id) == p.seq_id
 
 
 def test_negative_top_p_is_refused_not_disabled():
