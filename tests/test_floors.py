@@ -45,7 +45,7 @@ PURE = [
     "block_service.lineage", "block_service.lower_tiers", "block_service.replication_log",
     "block_service.standby_acks", "block_service.role",
     "compute_service.engine.scheduler", "compute_service.kv.cache_manager", "compute_service.blocks.allocator_policy",
-    "compute_service.blocks.recent_commits", "compute_service.blocks.early_grants",
+    "compute_service.blocks.recent_commits", "compute_service.blocks.early_grants", "compute_service.engine.stats",
     "compute_service.blocks.write_behind", "compute_service.engine.request_phases", "kvfleet.latency_histogram",
     "compute_service.blocks.link", "compute_service.blocks.sync", "compute_service.model.sliding_window", "kvfleet.backoff",
     "compute_service.model.config", "compute_service.model.rope_config", "compute_service.kv.cache_dtype",

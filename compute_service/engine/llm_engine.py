@@ -24,6 +24,7 @@ from compute_service.engine.request_phases import RequestPhases
 from compute_service.engine.sampler import Sampler
 from compute_service.engine.scheduler import Scheduler, SchedulerConfig
 from compute_service.engine.sequence import Sequence
+from compute_service.engine.stats import EngineStats
 from compute_service.engine.thread_governor import ThreadGovernor, thread_candidates
 from compute_service.engine.thread_probe import ThreadProbe
 from compute_service.kv.cache_dtype import ELEMENT_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
@@ -35,15 +36,13 @@ from compute_service.kv.pool import (
     kv_cache_dtype,
     num_blocks_for,
 )
-from compute_service.kv.tier_index import PrefixLookups, TierCounts
 from compute_service.kv.tier_setup import build_tiers, measure_prefill
 from compute_service.model.config import ModelConfig
 from compute_service.model.cpu_linear import pack_linears
 from compute_service.model.sliding_window import droppable_window
 from compute_service.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.model.weights import load_model, parse_dtype
-from kvfleet.allocator import AllocatorStats, BlockAllocator, Refusal
-from kvfleet.latency_histogram import HistogramSnapshot
+from kvfleet.allocator import BlockAllocator, Refusal
 from kvfleet.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,24 +53,6 @@ def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
     costs in the pool here, beside every dtype it could have been."""
     cost = {name: kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name) for name in ELEMENT_BYTES}
     return f"{cost[chosen]} B/token (" + ", ".join(f"{name} {n}" for name, n in cost.items()) + ")"
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    max_num_seqs_live: int  # the scheduler's live cap on running sequences
-    generated_tokens: int
-    prompt_tokens_computed: int
-    num_preemptions: int
-    busy_seconds: float
-    blocks: AllocatorStats
-    lookups: PrefixLookups = field(default_factory=PrefixLookups)  # admission lookups: hot, host, disk, miss
-    tiers: TierCounts | None = None   # lower tiers' capacity and use (None: no host tier)
-    num_swapped: int = 0              # preemptions swapped out instead of recomputed
-    intra_op_threads: int = 0         # torch's thread count now (thread_governor.py); 0 off CPU
-    queue_time: HistogramSnapshot | None = None    # per request: arrival → first step (request_phases.py)
-    prefill_time: HistogramSnapshot | None = None  # first step → first token
 
 
 @dataclass(slots=True)

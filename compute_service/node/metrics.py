@@ -19,43 +19,31 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
 
-from compute_service.kv.tier_index import PrefixLookups, TierCounts
-from kvfleet.allocator import AllocatorStats
-from kvfleet.latency_histogram import HistogramSnapshot
+from compute_service.engine.stats import EngineStats
 from kvfleet.metric_families import counter, gauge, histogram
 
 
 @dataclass(slots=True, frozen=True)
 class NodeSample:
+    """The node's own few figures around the engine's stats object, read as it is."""
+
     node_id: str
     state: str                    # WARMING / READY / DRAINING
     block_size: int
     num_in_flight: int            # request streams open on the node
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    generated_tokens: int
-    prompt_tokens_computed: int   # prefilled here (prefix-cache hits are not computed)
-    busy_seconds: float           # spent in model steps
-    blocks: AllocatorStats
-    max_num_seqs_live: int = 0    # the live cap on running sequences (the P99 controller's, or the maximum)
-    lookups: PrefixLookups | None = None  # admission lookups by where the block was found (lower KV tiers)
-    tiers: TierCounts | None = None       # lower tiers' capacity and use; None: no host tier
-    num_swapped: int = 0                  # preemptions swapped out instead of recomputed
-    intra_op_threads: int = 0             # the engine's CPU thread count now (0: not on CPU)
-    queue_time: HistogramSnapshot | None = None    # per request: arrival at the node → first step
-    prefill_time: HistogramSnapshot | None = None  # first step → first token
+    engine: EngineStats
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
     node = ("node",)
     key = (s.node_id,)
-    b = s.blocks
-    yield gauge("num_requests_running", "Requests in the engine's running batch", node, [(key, s.num_running)])
+    e = s.engine
+    b = e.blocks
+    yield gauge("num_requests_running", "Requests in the engine's running batch", node, [(key, e.num_running)])
     yield gauge("num_requests_waiting", "Requests waiting in the engine for blocks or a batch slot", node,
-                [(key, s.num_waiting)])
+                [(key, e.num_waiting)])
     yield gauge("max_num_seqs_live", "Live cap on running sequences (below --max-num-seqs while the P99 "
-                "batch controller holds it down)", node, [(key, s.max_num_seqs_live)])
+                "batch controller holds it down)", node, [(key, e.max_num_seqs_live)])
     yield gauge("kv_cache_usage_perc", "Share of the node's KV blocks used by live sequences (0-1)", node,
                 [(key, b.num_used / b.num_blocks if b.num_blocks else 0.0)])
     yield gauge("kv_cache_blocks", "The node's KV blocks by state (used + cached + free = total)", ("node", "state"),
@@ -65,22 +53,22 @@ def families(s: NodeSample) -> Iterator[Metric]:
                   [(key, b.prefix_queries * s.block_size)])
     yield counter("prefix_cache_hits", "Of those, tokens found cached (whole blocks)", node,
                   [(key, b.prefix_hits * s.block_size)])
-    yield counter("num_preemptions", "Running sequences preempted to free blocks", node, [(key, s.num_preemptions)])
+    yield counter("num_preemptions", "Running sequences preempted to free blocks", node, [(key, e.num_preemptions)])
     yield counter("node_generation_tokens", "Tokens the node's engine generated (warm-up included)", node,
-                  [(key, s.generated_tokens)])
+                  [(key, e.generated_tokens)])
     yield counter("node_prompt_tokens_computed", "Prompt tokens the node prefilled (cache hits excluded)", node,
-                  [(key, s.prompt_tokens_computed)])
-    yield counter("node_busy_seconds", "Seconds the engine spent in model steps", node, [(key, s.busy_seconds)])
-    if s.intra_op_threads:
+                  [(key, e.prompt_tokens_computed)])
+    yield counter("node_busy_seconds", "Seconds the engine spent in model steps", node, [(key, e.busy_seconds)])
+    if e.intra_op_threads:
         yield gauge("node_intra_op_threads", "CPU threads the engine computes with now (re-decided by timed probes "
-                    "unless KVFLEET_CPU_THREADS fixes it)", node, [(key, s.intra_op_threads)])
-    if s.queue_time is not None:
+                    "unless KVFLEET_CPU_THREADS fixes it)", node, [(key, e.intra_op_threads)])
+    if e.queue_time is not None:
         yield histogram("node_request_queue_time_seconds", "Per request, from its arrival at the node to the "
                         "first engine step computing it (block allocation and the step in progress included)",
-                        node, [(key, s.queue_time)])
-    if s.prefill_time is not None:
+                        node, [(key, e.queue_time)])
+    if e.prefill_time is not None:
         yield histogram("node_request_prefill_time_seconds", "Per request, from its first engine step to the step "
-                        "that samples its first token", node, [(key, s.prefill_time)])
+                        "that samples its first token", node, [(key, e.prefill_time)])
     yield from _tier_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
@@ -90,17 +78,16 @@ def families(s: NodeSample) -> Iterator[Metric]:
 def _tier_families(s: NodeSample) -> Iterator[Metric]:
     """The lower KV tiers (kv/tier_index.py): where admission found each block it looked up, and what
     host and disk hold."""
-    key = (s.node_id,)
-    if s.lookups is not None:
-        found = s.lookups
-        yield counter("kv_tier_lookups", "Blocks looked up at admission by where they were found: hot (the pool), "
-                      "host or disk (promoted, not recomputed), miss (computed)", ("node", "tier"),
-                      [((s.node_id, tier), n) for tier, n in (("hot", found.hot), ("host", found.host),
-                                                               ("disk", found.disk), ("miss", found.miss))])
+    key, e = (s.node_id,), s.engine
+    found = e.lookups
+    yield counter("kv_tier_lookups", "Blocks looked up at admission by where they were found: hot (the pool), "
+                  "host or disk (promoted, not recomputed), miss (computed)", ("node", "tier"),
+                  [((s.node_id, tier), n) for tier, n in (("hot", found.hot), ("host", found.host),
+                                                           ("disk", found.disk), ("miss", found.miss))])
     yield counter("num_preemptions_swapped", "Preemptions whose KV was swapped to the host tier, not recomputed",
-                  ("node",), [(key, s.num_swapped)])
-    if s.tiers is not None:
-        t = s.tiers
+                  ("node",), [(key, e.num_swapped)])
+    if e.tiers is not None:
+        t = e.tiers
         yield gauge("kv_tier_blocks", "Blocks held in the node's lower KV tiers (swapped: preempted sequences')",
                     ("node", "tier"), [((s.node_id, tier), n) for tier, n in (("host", t.host_used),
                                                                               ("disk", t.disk_used),
@@ -111,12 +98,4 @@ def _tier_families(s: NodeSample) -> Iterator[Metric]:
 
 async def sample(node, status, block_size: int) -> NodeSample:
     """The node's figures now (a ``NodeContext`` and its ``NodeStatus``); run on the node's loop."""
-    stats = await node.engine_stats()
-    return NodeSample(
-        node_id=status.node_id, state=status.state.value, block_size=block_size,
-        num_in_flight=status.num_in_flight, num_running=stats.num_running, num_waiting=stats.num_waiting,
-        max_num_seqs_live=stats.max_num_seqs_live, num_preemptions=stats.num_preemptions, generated_tokens=stats.generated_tokens,
-        prompt_tokens_computed=stats.prompt_tokens_computed, busy_seconds=stats.busy_seconds, blocks=stats.blocks,
-        lookups=stats.lookups, tiers=stats.tiers, num_swapped=stats.num_swapped,
-        intra_op_threads=stats.intra_op_threads, queue_time=stats.queue_time, prefill_time=stats.prefill_time,
-    )
+    return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats())

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from compute_service.engine.stats import EngineStats
 from compute_service.node import metrics
 from kvfleet.allocator import AllocatorStats
 from kvfleet.metric_families import registry_of
 
 
-def _sample(**kw) -> metrics.NodeSample:
-    figures = dict(node_id="node-0", state="READY", block_size=16, num_in_flight=3, num_running=2, num_waiting=1,
-                   num_preemptions=4, generated_tokens=120, prompt_tokens_computed=300, busy_seconds=1.5,
+def _sample(block_size: int = 16, **engine) -> metrics.NodeSample:
+    figures = dict(num_running=2, num_waiting=1, max_num_seqs_live=0, num_preemptions=4, generated_tokens=120,
+                   prompt_tokens_computed=300, busy_seconds=1.5,
                    blocks=AllocatorStats(num_blocks=64, num_free=40, num_cached=8, num_used=16, prefix_queries=10,
                                          prefix_hits=6))
-    return metrics.NodeSample(**{**figures, **kw})
+    return metrics.NodeSample("node-0", "READY", block_size, 3, EngineStats(**{**figures, **engine}))
 
 
 def test_vllm_names_carry_the_engine_figures():
