@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from kvfleet.v1 import inference_pb2
+from kvfleet.wire import sampling_to_proto
 from router.generation import Generations, status_name
 from router.nodes import NodeTable
 from router.openai_requests import ApiError, OpenAICall, parse_call
@@ -71,10 +72,8 @@ def error_response(e: BaseException) -> JSONResponse:
 
 
 def generate_request(call: OpenAICall) -> inference_pb2.GenerateRequest:
-    s = call.sampling
-    req = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-        stop=list(s.stop), ignore_eos=s.ignore_eos))
+    req = inference_pb2.GenerateRequest()
+    sampling_to_proto(call.sampling, req.sampling)
     if call.messages:
         req.chat.messages.extend(inference_pb2.ChatMessage(role=m.role, content=m.content) for m in call.messages)
     elif call.token_ids is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvfleet.sampling import SamplingParams
 from router.chat_template import ROLES, ChatMessage
 
 DEFAULT_MAX_TOKENS = 16        # OpenAI's default for completions
@@ -57,21 +58,10 @@ def bad(param: str, message: str) -> ApiError:
 
 
 @dataclass(slots=True, frozen=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int = 0
-    seed: int = 0                   # 0: none (the public API's convention)
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True, frozen=True)
 class OpenAICall:
     kind: str                                   # "completion" | "chat"
     model: str
-    sampling: Sampling
+    sampling: SamplingParams
     text: str | None = None                     # completion: a prompt string
     token_ids: tuple[int, ...] | None = None    # completion: a prompt of token ids
     messages: tuple[ChatMessage, ...] = field(default_factory=tuple)  # chat
@@ -122,7 +112,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: dict, kind: str) -> Sampling:
+def _sampling(body: dict, kind: str) -> SamplingParams:
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     name = next((n for n in names if body.get(n) is not None), names[-1])
     max_tokens = _integer(body, name, None, 1, MAX_MAX_TOKENS)
@@ -131,9 +121,13 @@ def _sampling(body: dict, kind: str) -> Sampling:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise bad("top_p", "top_p must be greater than 0")
-    return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
-                    top_k=max(_integer(body, "top_k", 0, -1, 1 << 30), 0), seed=_integer(body, "seed", 0, 0, 2**63 - 1),
-                    stop=_stop(body), ignore_eos=_flag(body, "ignore_eos"))
+    try:  # seed 0 is none, as on the public API (proto3 cannot tell it from unset)
+        return SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                              top_p=top_p, top_k=max(_integer(body, "top_k", 0, -1, 1 << 30), 0),
+                              seed=_integer(body, "seed", 0, 0, 2**63 - 1) or None, stop=_stop(body),
+                              ignore_eos=_flag(body, "ignore_eos"))
+    except ValueError as e:  # a limit of the sampling parameters themselves (a stop string's length)
+        raise ApiError(400, str(e)) from None
 
 
 def _check_fields(body: dict, kind: str) -> None:

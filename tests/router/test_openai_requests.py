@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvfleet.sampling import SamplingParams
 from router.chat_template import ChatMessage
-from router.openai_requests import MAX_MAX_TOKENS, ApiError, Sampling, parse_call
+from router.openai_requests import MAX_MAX_TOKENS, ApiError, parse_call
 from router.openai_responses import Answer, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -15,15 +16,15 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 def test_completion_defaults_follow_openai():
     call = parse_call(COMPLETION, "completion")
     assert (call.kind, call.model, call.text, call.token_ids, call.stream) == ("completion", "m", "hi", None, False)
-    assert call.sampling == Sampling(max_tokens=16, temperature=1.0, top_p=1.0)
+    assert call.sampling == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
 
 
 def test_every_supported_parameter_is_mapped():
     call = parse_call({**CHAT, "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
                        "seed": 3, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
                        "top_k": 5, "ignore_eos": True, "n": 1, "user": "u", "logprobs": False}, "chat")
-    assert call.sampling == Sampling(max_tokens=7, temperature=0.0, top_p=0.5, top_k=5, seed=3, stop=("\n",),
-                                     ignore_eos=True)
+    assert call.sampling == SamplingParams(max_tokens=7, temperature=0.0, top_p=0.5, top_k=5, seed=3, stop=("\n",),
+                                           ignore_eos=True)
     assert call.stream and call.include_usage
     assert call.messages == (ChatMessage("user", "hi"),)
     assert parse_call(CHAT, "chat").sampling.max_tokens == MAX_MAX_TOKENS  # until the end of the turn
