@@ -41,9 +41,9 @@ class RouterNode:
     num_in_flight: int = 0
     num_routed: int = 0                # requests sent here since it joined
     failed_at: float | None = None     # last time a call to it failed (cleared by a READY update)
-    _blocks_of: dict[str, int] = field(default_factory=dict)
-    _found_of: dict[str, int] = field(default_factory=dict)  # request → prefix blocks it found cached here
-    _decoding: set[str] = field(default_factory=set)  # requests that have had a token: past their prefill
+    _blocks_of: dict[str, int] = field(default_factory=dict)  # seq id → blocks it counts for here
+    _found_of: dict[str, int] = field(default_factory=dict)   # seq id → prefix blocks it found cached here
+    _decoding: set[str] = field(default_factory=set)  # seq ids that have had a token: past their prefill
 
     @property
     def node_id(self) -> str:
@@ -62,7 +62,7 @@ class RouterNode:
         Counted in full, a shared system prompt or a conversation's history would make the node
         that holds it look busier with every request sent there for it, and push the next one away."""
         self._found_of[seq_id] = cached_blocks
-        self.track(seq_id, len(request.prompt_token_ids))
+        self.hold_seq(seq_id, len(request.prompt_token_ids))
         self.num_in_flight += 1
         self.num_routed += 1
         return self.stream.start(request)
@@ -71,30 +71,31 @@ class RouterNode:
         """The attempt ``request_id`` at ``seq_id`` is over for the router; with ``cancel`` the node
         is told to abort it (the client left, or the node went silent)."""
         self.stream.finish(request_id, cancel=cancel)
-        self.untrack(seq_id)
+        self.drop_seq(seq_id)
         self.num_in_flight -= 1
 
-    def track(self, request_id: str, num_tokens: int, decoding: bool = False) -> None:
-        """Record that ``request_id`` holds ``num_tokens`` tokens of KV on this node; ``decoding``
+    def hold_seq(self, seq_id: str, num_tokens: int, decoding: bool = False) -> None:
+        """Record that sequence ``seq_id`` holds ``num_tokens`` tokens of KV on this node; ``decoding``
         once a token of it came back (its prefill is done: no longer work ahead of a new prompt)."""
-        blocks = max(-(-num_tokens // self.info.block_size) - self._found_of.get(request_id, 0), 0)
-        self._forget(request_id)
-        self._blocks_of[request_id] = blocks
+        blocks = max(-(-num_tokens // self.info.block_size) - self._found_of.get(seq_id, 0), 0)
+        self._forget(seq_id)
+        self._blocks_of[seq_id] = blocks
         self.active_blocks += blocks
         if decoding:
-            self._decoding.add(request_id)
+            self._decoding.add(seq_id)
         else:
             self.prefill_blocks += blocks
 
-    def untrack(self, request_id: str) -> None:
-        self._forget(request_id)
-        self._found_of.pop(request_id, None)
+    def drop_seq(self, seq_id: str) -> None:
+        """Sequence ``seq_id`` holds nothing on this node any more (its attempt here is over)."""
+        self._forget(seq_id)
+        self._found_of.pop(seq_id, None)
 
-    def _forget(self, request_id: str) -> None:
-        blocks = self._blocks_of.pop(request_id, 0)
+    def _forget(self, seq_id: str) -> None:
+        blocks = self._blocks_of.pop(seq_id, 0)
         self.active_blocks -= blocks
-        if request_id in self._decoding:
-            self._decoding.discard(request_id)
+        if seq_id in self._decoding:
+            self._decoding.discard(seq_id)
         else:
             self.prefill_blocks -= blocks
 

@@ -183,7 +183,7 @@ class Relay:
                     continue  # the node's prefill progress: it is alive (heard above), nothing to relay
                 token_ids, reason = end_of_turn(chunk.token_ids, chunk.finish_reason, req.stop_token_ids)
                 progress.relayed(token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
-                node.track(req.seq_id, len(req.prompt_ids) + len(progress.sent), decoding=True)
+                node.hold_seq(req.seq_id, len(req.prompt_ids) + len(progress.sent), decoding=True)
                 if reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                     over = chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED  # else cancelled
                     yield self._last_chunk(req, progress, chunk.text, reason, token_ids, node)

@@ -118,7 +118,7 @@ def test_a_request_counts_only_the_blocks_it_adds_past_the_prefix_it_found_cache
         node.start("s2", compute_pb2.ComputeRequest(request_id="s2-a", prompt_token_ids=prompt), cached_blocks=0)
         assert node.active_blocks == 1 + 6   # s1 found the prefix held there; s2 computes all of it
         assert node.prefill_blocks == 1 + 6  # neither has had a token yet
-        node.track("s1", len(prompt) + 20, decoding=True)  # s1 generated into a seventh block
+        node.hold_seq("s1", len(prompt) + 20, decoding=True)  # s1 generated into a seventh block
         assert node.active_blocks == 2 + 6 and node.prefill_blocks == 6
         table.finish(node, "s2", "s2-a", cancel=False)
         table.finish(node, "s1", "s1-a", cancel=False)
