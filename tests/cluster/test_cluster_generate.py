@@ -1,4 +1,5 @@
-"""The cluster serves the public API: same tokens as the engine in-process, streamed, validated."""
+"""The cluster serves the public API: same tokens as the engine in-process, streamed, validated.
+Tests that only send requests and read answers share the module's clusters (``shared_cluster``)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def reference(model_dir):
     return [o.new_token_ids for o in outs]
 
 
-def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference):
-    cluster = start_cluster(2)
+def test_greedy_through_the_cluster_matches_the_engine(shared_cluster, reference):
+    cluster = shared_cluster(2)
     for prompt, expected in zip(PROMPTS, reference):
         chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=24, ignore_eos=True))
         assert tokens_of(chunks) == expected
@@ -41,8 +42,8 @@ def test_greedy_through_the_cluster_matches_the_engine(start_cluster, reference)
         assert {c.node_id for c in chunks} <= {"node-0", "node-1"}
 
 
-def test_clients_on_the_machine_reach_the_router_over_its_unix_socket(start_cluster, reference):
-    cluster = start_cluster(1)
+def test_clients_on_the_machine_reach_the_router_over_its_unix_socket(shared_cluster, reference):
+    cluster = shared_cluster(1)
     assert cluster.router_unix_address.startswith("unix:")
     chunks = stream(cluster.router_unix_address, request(tokens=PROMPTS[2], max_tokens=24, ignore_eos=True))
     assert tokens_of(chunks) == reference[2] and chunks[-1].usage.completion_tokens == 24
@@ -59,8 +60,8 @@ def test_a_stream_interval_groups_tokens_and_changes_nothing_else(start_cluster,
         assert chunks[-1].usage.completion_tokens == 24
 
 
-def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
-    cluster = start_cluster(1)
+def test_tokens_stream_incrementally_and_errors_are_answers(shared_cluster):
+    cluster = shared_cluster(1)
     chunks = stream(cluster.router_address, request(text="hello streaming world", max_tokens=40, ignore_eos=True))
     # one chunk per step while the router keeps up; a busy machine merges a request's unsent chunks
     # (serve_session.py), so only "more than one" holds whatever the load
@@ -90,13 +91,13 @@ def test_tokens_stream_incrementally_and_errors_are_answers(start_cluster):
     assert tokens_of(stream(cluster.router_address, request(text="still up", max_tokens=3, ignore_eos=True)))
 
 
-def test_health_and_reflection(start_cluster):
+def test_health_and_reflection(shared_cluster):
     """Every kvfleet server answers the gRPC health service and lists its services by reflection
     (what Kubernetes' grpc probes and grpcurl need): the router, the node and block_service."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    cluster = start_cluster(1)
+    cluster = shared_cluster(1)
     [node_id] = cluster.node_states()
     servers = {cluster.router_address: "kvfleet.v1.Inference",
                f"127.0.0.1:{cluster.child(node_id).port}": "kvfleet.v1.Compute",
@@ -114,8 +115,8 @@ def test_health_and_reflection(start_cluster):
             assert found.file_descriptor_response.file_descriptor_proto, service
 
 
-def test_a_cached_prefix_is_routed_to_its_node(start_cluster):
-    cluster = start_cluster(2)
+def test_a_cached_prefix_is_routed_to_its_node(shared_cluster):
+    cluster = shared_cluster(2)
     for seed in range(4):
         prefix = random_prompt(6 * BLOCK_SIZE, seed=100 + seed)
         first = stream(cluster.router_address, request(tokens=prefix + [1, 2, 3], max_tokens=2, ignore_eos=True))
@@ -142,10 +143,10 @@ def test_a_burst_sharing_a_prefix_lands_on_one_node(start_cluster):
         assert len({chunks[-1].node_id for chunks in runs}) == 1
 
 
-def test_a_tenant_over_quota_is_refused_while_others_are_served(start_cluster):
+def test_a_tenant_over_quota_is_refused_while_others_are_served(shared_cluster):
     import threading
 
-    cluster = start_cluster(2)
+    cluster = shared_cluster(2)
     gold: list = []
     worker = threading.Thread(target=lambda: gold.extend(
         stream(cluster.router_address, request(tokens=random_prompt(30, 1), max_tokens=300, ignore_eos=True))))
@@ -162,8 +163,8 @@ def test_a_tenant_over_quota_is_refused_while_others_are_served(start_cluster):
                             api_key="sk-tiny"))
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_cluster):
-    cluster = start_cluster(1)
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(shared_cluster):
+    cluster = shared_cluster(1)
     with grpc.insecure_channel(cluster.router_address) as channel:
         call = inference_pb2_grpc.InferenceStub(channel).Generate(
             request(tokens=random_prompt(50, 4), max_tokens=2000, ignore_eos=True),

@@ -33,8 +33,8 @@ def _answer_to_garbage(address: str, method: str, kind: str, message: str) -> tu
     return "OK", False
 
 
-def test_undecodable_messages_get_invalid_argument_and_no_traceback(start_cluster):
-    cluster = start_cluster(1)
+def test_undecodable_messages_get_invalid_argument_and_no_traceback(shared_cluster):
+    cluster = shared_cluster(1)
     node = cluster.nodes["node-0"]
     calls = [
         (cluster.router, cluster.router_address, "/kvfleet.v1.Inference/Generate", "unary_stream", "GenerateRequest"),
@@ -57,8 +57,8 @@ def test_undecodable_messages_get_invalid_argument_and_no_traceback(start_cluste
 SLOW_READER = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 
-def test_one_api_key_per_call_and_one_running_call_per_request_id(start_cluster):
-    cluster = start_cluster(1)
+def test_one_api_key_per_call_and_one_running_call_per_request_id(shared_cluster):
+    cluster = shared_cluster(1)
     with grpc.insecure_channel(cluster.router_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         for keys in (["sk-nope", "sk-gold"], ["sk-gold", "sk-gold"]):  # not the last one, nor a repeated one
