@@ -1,5 +1,7 @@
-"""``kvfleet make-model``: a seeded, random-initialised Llama-family model directory that any Hugging
-Face tool can read (``config.json``, ``model.safetensors``, a byte-level ``tokenizer.json``).
+"""``kvfleet make-model``: a seeded, random-initialised model directory of any architecture the engine
+serves (``compute_service.model.architectures``) that any Hugging Face tool can read (``config.json``,
+``model.safetensors``, a byte-level ``tokenizer.json``). Its config fields and tensor names come from
+that table: a new architecture needs nothing here.
 
 No download: the tokenizer is 256 byte tokens plus four specials, built with ``tokenizers``. The
 chat template is ChatML with the specials as its markers: ``<s>`` opens a turn (``<|im_start|>``),
@@ -11,6 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from compute_service.model.architectures import ARCHITECTURES
+from compute_service.model.checkpoint_layout import is_norm, model_layout
+from compute_service.model.config import ModelConfig
+from compute_service.model.sliding_window import RULE_OFF
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
@@ -52,12 +59,6 @@ PRESETS: dict[str, dict] = {
 # they are, and a wrong position, a lost block or a mis-scaled FP8 row would not change a token.
 WEIGHT_STD = {"long": 0.25}
 
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-}
-
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
@@ -88,62 +89,48 @@ def build_tokenizer():
 
 
 def model_config(preset: str, architecture: str = "llama", **overrides) -> dict:
+    """config.json of a ``preset`` model of ``architecture`` (a model_type): the table's defaults,
+    biases and sliding windows off, head_dim = hidden / heads unless overridden."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
-    arch_class, model_type = ARCHITECTURES[architecture]
+    arch = ARCHITECTURES[architecture]
     config = dict(
-        architectures=[arch_class], model_type=model_type, vocab_size=VOCAB_SIZE,
-        hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+        architectures=[arch.hf_class], model_type=arch.model_type, vocab_size=VOCAB_SIZE,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         torch_dtype="float32", attention_dropout=0.0, use_cache=True, initializer_range=0.02,
     )
+    config[arch.activation_field] = arch.activations[0]
+    config.update({switch: False for switch in (arch.qkv_bias, arch.o_proj_bias, arch.mlp_bias)
+                   if isinstance(switch, str)})
+    config.update(arch.defaults)
+    config.update(RULE_OFF.get(arch.windows, {}))
     config.update(PRESETS[preset])
-    if architecture == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
-    if architecture == "mistral":
-        config.update(sliding_window=None)
     config.update(overrides)
-    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if "head_dim" not in overrides:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     return config
 
 
 def random_weights(config: dict, seed: int, std: float = 0.05) -> dict:
+    """One random tensor per checkpoint tensor the engine reads for ``config``: norms near their
+    neutral value, the embedding at unit scale, a strong head, everything else ``std``."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config["head_dim"]
-    q_out = config["num_attention_heads"] * head_dim
-    kv_out = config["num_key_value_heads"] * head_dim
-
-    def normal(*shape):
-        return torch.randn(*shape, generator=gen) * std
-
-    def norm_weight():
-        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
-
-    tensors = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen)}
-    with_bias = config["model_type"] == "qwen2"
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = normal(q_out, hidden)
-        tensors[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden)
-        tensors[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden)
-        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_out)
-        if with_bias:
-            tensors[p + "self_attn.q_proj.bias"] = normal(q_out)
-            tensors[p + "self_attn.k_proj.bias"] = normal(kv_out)
-            tensors[p + "self_attn.v_proj.bias"] = normal(kv_out)
-        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
-        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden)
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter)
-        tensors[p + "input_layernorm.weight"] = norm_weight()
-        tensors[p + "post_attention_layernorm.weight"] = norm_weight()
-    tensors["model.norm.weight"] = norm_weight()
-    if not config["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = normal(config["vocab_size"], hidden) * 4
+    mc = ModelConfig.from_dict(config)
+    neutral = 1.0 - mc.architecture.norm_weight_offset  # the stored value that scales by one
+    tensors = {}
+    for param, parts in model_layout(mc).items():
+        for name, shape in parts:
+            if is_norm(name):
+                tensors[name] = neutral + 0.1 * torch.randn(*shape, generator=gen)
+            elif param == "embed_tokens.weight":
+                tensors[name] = torch.randn(*shape, generator=gen)
+            else:
+                tensors[name] = torch.randn(*shape, generator=gen) * (std * 4 if param == "lm_head.weight" else std)
     return {name: t.contiguous() for name, t in tensors.items()}
 
 

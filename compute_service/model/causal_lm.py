@@ -1,11 +1,14 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one small model over a paged KV pool.
+"""Every served architecture (``architectures.ARCHITECTURES``: Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2) as one small decoder over a paged KV pool; what differs comes from ``config.architecture``.
 
 Tokens of all sequences in a step are packed into one ``[T]`` batch; attention reads and writes
 the pool through ``kernels`` (``store_kv``, ``paged_prefill``, ``paged_decode``). q/k/v and
-gate/up projections are fused into single matmuls.
+gate/up projections are fused into single matmuls whether or not the checkpoint fuses them.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,24 +19,35 @@ from compute_service.model.config import ModelConfig
 from compute_service.model.rope import RotaryEmbedding, apply_rope
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """``offset`` 0: ``weight * norm(x)`` in x's dtype (Llama). ``offset`` 1: Gemma stores the weight
+    less one and scales in float32, ``norm(x) * (1 + weight)``, cast back last (each as transformers)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
-class Attention(nn.Module):
-    params: AttentionParams  # scale, sliding window (tokens; None: full), logit soft-cap; set per layer by CausalLM
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
 
-    def __init__(self, config: ModelConfig):
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None):
         super().__init__()
+        # the layer's scale, sliding window (tokens; None: full) and logit soft-cap (None: none), checked once
+        self.params = AttentionParams(config.attention_scale, window, config.attn_logit_softcap)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -41,8 +55,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: RMSNorm over each head's q and k, before RoPE
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        offset = config.architecture.norm_weight_offset
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,23 +88,35 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Pre-norm residual blocks; Gemma 2 also norms each block's output (``LayerNorms.attn_out`` /
+    ``mlp_out``). The norms carry the checkpoint's names, so loading maps them one to one."""
+
+    def __init__(self, config: ModelConfig, window: int | None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        names = config.architecture.norms
+        for name in names.names():
+            self.add_module(name, RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                          config.architecture.norm_weight_offset))
+        # by place, not registered twice (a plain tuple): before/after attention, before/after the MLP
+        self.places = tuple(None if n is None else getattr(self, n)
+                            for n in (names.attn_in, names.attn_out, names.mlp_in, names.mlp_out))
+        self.self_attn = Attention(config, window)
         self.mlp = MLP(config)
 
     def forward(self, x, rope, kv_cache, meta, kv_scales=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, kv_scales)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_in, attn_out, mlp_in, mlp_out = self.places
+        h = self.self_attn(attn_in(x), rope, kv_cache, meta, kv_scales)
+        x = x + (h if attn_out is None else attn_out(h))
+        h = self.mlp(mlp_in(x))
+        return x + (h if mlp_out is None else mlp_out(h))
 
 
 class CausalLM(nn.Module):
@@ -97,15 +124,14 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        for layer, window in zip(self.layers, config.layer_windows):
-            layer.self_attn.params = AttentionParams(config.head_dim ** -0.5, window)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma: embeddings times sqrt(hidden), the factor rounded to the weights' dtype first
+        self.embed_scale = config.hidden_size ** 0.5 if config.architecture.scale_embeddings else None
+        self.layers = nn.ModuleList(DecoderLayer(config, window) for window in config.layer_windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.architecture.norm_weight_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope,
-                                    config.max_position_embeddings)
+        self.rope = rotary_embedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor,
@@ -114,8 +140,15 @@ class CausalLM(nn.Module):
         ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]`` (an FP8
         cache with its per-row scales in ``kv_scales`` ``[layers, 2, num_blocks, kv_heads, block_size]``)."""
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         rope = self.rope.tables(positions, x.dtype, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_cache[i], meta, None if kv_scales is None else kv_scales[i])
         x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return soft_cap(self.lm_head(x), self.config.final_logit_softcap).float()
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+    """The float32 cos/sin tables over the rotated share of each head."""
+    return RotaryEmbedding(config.rotary_dim, config.max_context_len, config.rope, config.max_position_embeddings)

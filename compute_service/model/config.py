@@ -13,27 +13,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from compute_service.model.architectures import ARCHITECTURES, Architecture, UnknownArchitecture, architecture
 from compute_service.model.rope_config import RopeConfig, RopeConfigError, read_rope
-from compute_service.model.sliding_window import WindowConfigError, layer_windows
+from compute_service.model.sliding_window import RULE_FIELDS, WindowConfigError, layer_windows
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
-# read by every supported architecture
+# read by every supported architecture (the rest: its entry in ``architectures``)
 CORE_FIELDS = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-    "hidden_act", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id",
 })
 ROPE_FIELDS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings"})
-# sliding-window attention: read by ``sliding_window.layer_windows``
-WINDOW_FIELDS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
-# what each architecture reads beyond the above (transformers 5.24's modeling files)
-ARCH_FIELDS: dict[str, frozenset[str]] = {
-    "llama": frozenset({"attention_bias", "mlp_bias"}),
-    "mistral": frozenset(),
-    "qwen2": frozenset(),
-    "qwen3": frozenset({"attention_bias"}),
-}
 # harmless at any value: bookkeeping, training-only settings, and fields transformers' model ignores
 IGNORED_FIELDS = frozenset({
     "architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
@@ -51,8 +43,6 @@ IGNORED_FIELDS = frozenset({
     "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
     "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 })
-# transformers' Qwen2 always has q/k/v biases (and no o_proj bias) and reads no attention_bias
-IGNORED_PER_ARCH: dict[str, frozenset[str]] = {"qwen2": frozenset({"attention_bias"})}
 
 
 class ModelLoadError(ValueError):
@@ -61,7 +51,7 @@ class ModelLoadError(ValueError):
 
 @dataclass(slots=True)
 class ModelConfig:
-    model_type: str
+    architecture: Architecture    # what this model type does differently (``architectures``)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,10 +65,13 @@ class ModelConfig:
     qkv_bias: bool                # q/k/v projections carry a bias
     o_proj_bias: bool
     mlp_bias: bool                # gate/up/down projections carry a bias
-    qk_norm: bool                 # per-head RMSNorm on q and k before RoPE (Qwen3)
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    attention_scale: float        # q.k multiplier: head_dim ** -0.5 unless the architecture names a field
+    hidden_act: str = "silu"      # the gated MLP's activation
+    attn_logit_softcap: float | None = None   # attention scores -> cap * tanh(score / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full
 
     def __post_init__(self) -> None:
@@ -90,8 +83,25 @@ class ModelConfig:
             raise ModelLoadError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ModelLoadError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ModelLoadError(f"config.json: RoPE turns {self.rotary_dim} dimensions of each head, "
+                                 "which must be even and positive")
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ModelLoadError(f"config.json: {name} must be positive or null, got {getattr(self, name)}")
+
+    @property
+    def model_type(self) -> str:
+        return self.architecture.model_type
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+        return self.architecture.qk_norm
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope.rotary_dim(self.head_dim)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -119,13 +129,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"{source}: model_type {model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
-        _refuse_unimplemented(raw, model_type, source)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+        try:
+            arch = architecture(raw.get("model_type"))
+        except UnknownArchitecture as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
+        _refuse_unimplemented(raw, arch, source)
+        raw = {**arch.defaults, **raw}
+        act = raw.get(arch.activation_field, arch.activations[0])
+        if act not in arch.activations:
+            raise ModelLoadError(f"{source}: {arch.activation_field} {act!r} is not supported for {arch.model_type} "
+                                 f"models ({', '.join(arch.activations)} only)")
 
         def need(key: str, default: int | None = None) -> int:
             value = raw.get(key) if raw.get(key) is not None else default
@@ -135,47 +148,54 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: field {key!r} must be an integer, got {value!r}")
             return value
 
+        def cap(name: str | None) -> float | None:
+            value = raw.get(name) if name else None
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ModelLoadError(f"{source}: field {name!r} must be a number or null, got {value!r}")
+            return None if value is None else float(value)
+
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         max_pos = need("max_position_embeddings")
         try:
-            rope = read_rope(raw, max_pos)
-        except RopeConfigError as exc:
-            raise ModelLoadError(f"{source}: {exc}") from None
-        try:
+            rope = read_rope(raw, max_pos, arch)
             windows = layer_windows(raw, need("num_hidden_layers"))
-        except WindowConfigError as exc:
+        except (RopeConfigError, WindowConfigError) as exc:
             raise ModelLoadError(f"{source}: {exc}") from None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        attention_bias = bool(raw.get("attention_bias", False))
+        head_dim = need("head_dim", hidden // heads)
+        scale_field = arch.attention_scale_field
         return cls(
-            model_type=model_type,
+            architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=need("num_key_value_heads", heads),
-            head_dim=need("head_dim", hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=max_pos,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=rope,
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
-            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=arch.switch(arch.qkv_bias, raw),
+            o_proj_bias=arch.switch(arch.o_proj_bias, raw),
+            mlp_bias=arch.switch(arch.mlp_bias, raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            hidden_act=act,
+            attention_scale=(need(scale_field) if scale_field else head_dim) ** -0.5,
+            attn_logit_softcap=cap(arch.attn_softcap_field),
+            final_logit_softcap=cap(arch.final_softcap_field),
             layer_windows=windows,
         )
 
 
-def _refuse_unimplemented(raw: dict, model_type: str, source: str) -> None:
-    """A field outside what ``model_type`` implements or ignores must be absent, null, false or empty."""
-    known = (CORE_FIELDS | ROPE_FIELDS | WINDOW_FIELDS | IGNORED_FIELDS | ARCH_FIELDS[model_type]
-             | IGNORED_PER_ARCH.get(model_type, frozenset()))
+def _refuse_unimplemented(raw: dict, arch: Architecture, source: str) -> None:
+    """A field outside what ``arch`` implements or ignores must be absent, null, false or empty."""
+    known = (CORE_FIELDS | ROPE_FIELDS | IGNORED_FIELDS | RULE_FIELDS[arch.windows] | arch.read_fields()
+             | arch.ignored)
     for name, value in raw.items():
         if name not in known and not (value is None or value is False or value == {} or value == []):
-            raise ModelLoadError(f"{source}: field {name}={value!r} is not supported for {model_type} models")
+            raise ModelLoadError(f"{source}: field {name}={value!r} is not supported for {arch.model_type} models")
 

@@ -97,7 +97,8 @@ def token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
 
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables ``[max_positions, head_dim]``; dynamic NTK recomputes the rows of
-    tokens whose sequence outgrew ``max_position_embeddings``."""
+    tokens whose sequence outgrew ``max_position_embeddings``. ``head_dim`` is the rotated width
+    (``ModelConfig.rotary_dim``: less than a head under partial rotation, as transformers computes it)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, max_position_embeddings: int):
         super().__init__()
@@ -125,8 +126,16 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q: [T, H, D], k: [T, KV, D], cos/sin: [T, 1, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    # q: [T, H, D], k: [T, KV, D], cos/sin: [T, 1, R] with R <= D (partial rotation: the first R turn)
+    return _turn(q, cos, sin), _turn(k, cos, sin)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat([turned * cos + _rotate_half(turned) * sin, kept], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

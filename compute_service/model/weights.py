@@ -1,5 +1,6 @@
-"""Load ``*.safetensors`` weights in Hugging Face naming into ``CausalLM``, fusing q/k/v and
-gate/up. Every problem is a ``ModelLoadError`` naming the file and the tensor."""
+"""Load ``*.safetensors`` weights in Hugging Face naming into ``CausalLM`` as ``checkpoint_layout``
+maps them (q/k/v and gate/up fused). Every problem is a ``ModelLoadError`` naming the file and the
+tensor."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from compute_service.model.causal_lm import CausalLM
+from compute_service.model.causal_lm import CausalLM, rotary_embedding
+from compute_service.model.checkpoint_layout import Part, model_layout
 from compute_service.model.config import ModelConfig, ModelLoadError
-from compute_service.model.rope import RotaryEmbedding
 
 MAX_NAMED = 6  # tensors named in a refusal; the rest are counted
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,8 +66,10 @@ class _Checkpoint:
         if t is not None and t.shape == same_as.shape and torch.equal(t, same_as):
             del self.left[name]
 
-    def cat(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        return torch.cat([self.take(n, s) for n, s in zip(names, shapes)])
+    def cat(self, parts: list[Part]) -> torch.Tensor:
+        """The named tensors joined along their first dimension (one part: itself)."""
+        tensors = [self.take(name, shape) for name, shape in parts]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     def done(self) -> None:
         if self.missing:
@@ -77,50 +80,15 @@ class _Checkpoint:
                                  f"not use (an unsupported feature?): {_names(list(self.left))}")
 
 
-def _layer_state(ckpt: _Checkpoint, c: ModelConfig, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i`` in the engine's naming, q/k/v and gate/up fused (weights and biases alike)."""
-    src, dst = f"model.layers.{i}.", f"layers.{i}."
-    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-    attn, mlp = src + "self_attn.", src + "mlp."
-    qkv = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
-    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
-    state = {
-        dst + "self_attn.qkv_proj.weight": ckpt.cat([n + ".weight" for n in qkv], [(q, h), (kv, h), (kv, h)]),
-        dst + "self_attn.o_proj.weight": ckpt.take(attn + "o_proj.weight", (h, q)),
-        dst + "mlp.gate_up_proj.weight": ckpt.cat([n + ".weight" for n in gate_up], [(inter, h), (inter, h)]),
-        dst + "mlp.down_proj.weight": ckpt.take(mlp + "down_proj.weight", (h, inter)),
-        dst + "input_layernorm.weight": ckpt.take(src + "input_layernorm.weight", (h,)),
-        dst + "post_attention_layernorm.weight": ckpt.take(src + "post_attention_layernorm.weight", (h,)),
-    }
-    if c.qkv_bias:
-        state[dst + "self_attn.qkv_proj.bias"] = ckpt.cat([n + ".bias" for n in qkv], [(q,), (kv,), (kv,)])
-    if c.o_proj_bias:
-        state[dst + "self_attn.o_proj.bias"] = ckpt.take(attn + "o_proj.bias", (h,))
-    if c.mlp_bias:
-        state[dst + "mlp.gate_up_proj.bias"] = ckpt.cat([n + ".bias" for n in gate_up], [(inter,), (inter,)])
-        state[dst + "mlp.down_proj.bias"] = ckpt.take(mlp + "down_proj.bias", (h,))
-    if c.qk_norm:
-        state[dst + "self_attn.q_norm.weight"] = ckpt.take(attn + "q_norm.weight", (c.head_dim,))
-        state[dst + "self_attn.k_norm.weight"] = ckpt.take(attn + "k_norm.weight", (c.head_dim,))
-    return state
-
-
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CausalLM:
     """The model with every parameter filled from the checkpoint and every checkpoint tensor used."""
     model_dir = Path(model_dir)
     ckpt = _Checkpoint(model_dir, read_safetensors(model_dir))
     c = config
-    state: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": ckpt.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
-        "norm.weight": ckpt.take("model.norm.weight", (c.hidden_size,)),
-    }
-    if not c.tie_word_embeddings:
-        state["lm_head.weight"] = ckpt.take("lm_head.weight", (c.vocab_size, c.hidden_size))
-    else:  # some tied checkpoints store the head anyway: a copy of the embedding is used up, else left over
+    state = {name: ckpt.cat(parts) for name, parts in model_layout(c).items()}
+    if c.tie_word_embeddings:  # some tied checkpoints store the head anyway: a copy of the embedding is used up
         ckpt.take_copy("lm_head.weight", state["embed_tokens.weight"])
-    for i in range(c.num_layers):
-        state.update(_layer_state(ckpt, c, i))
     ckpt.done()
 
     with torch.device(device):
@@ -132,5 +100,5 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     model = model.to(dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype (they are cast per use)
     with torch.device(device):
-        model.rope = RotaryEmbedding(c.head_dim, c.max_context_len, c.rope, c.max_position_embeddings)
+        model.rope = rotary_embedding(c)
     return model.eval()

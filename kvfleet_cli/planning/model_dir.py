@@ -1,7 +1,8 @@
 """A ``ModelShape`` from a Hugging Face model directory's ``config.json``. No torch.
 
-GQA models go through the engine's own parser (``ModelConfig.from_dir``), so the plan refuses what
-the engine refuses and reads the same shapes; MLA configs (``kv_lora_rank``: DeepSeek-V2/V3), which
+GQA models go through the engine's own parser (``ModelConfig.from_dir``, which reads each
+architecture's entry in ``compute_service.model.architectures``: defaults, biases, head_dim), so the
+plan refuses what the engine refuses and reads the same shapes; MLA configs (``kv_lora_rank``: DeepSeek-V2/V3), which
 the engine does not serve, are read here field by field.
 """
 
@@ -73,8 +74,7 @@ def shape_from_dir(model_dir: str | Path) -> ModelShape:
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     dtype, weight_bytes = _dtype(raw)
     return ModelShape(
-        name, config.num_layers, config.hidden_size, config.intermediate_size,
-        _int(raw, "num_attention_heads"), config.num_kv_heads, config.head_dim, config.vocab_size,
-        _int(raw, "max_position_embeddings"), tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
+        name, config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
+        config.num_kv_heads, config.head_dim, config.vocab_size, config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.qkv_bias,
         weight_bytes=weight_bytes, dtype=dtype)

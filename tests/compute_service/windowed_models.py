@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from compute_service.model.architectures import ARCHITECTURES
+from compute_service.model.sliding_window import RULE_OFF
 from kvfleet_cli.model_maker import EOS_ID, PAD_ID, make_model
 
 SMALL = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -36,7 +38,7 @@ def make_windowed_model(out: Path, name: str, seed: int = 0, windowed: bool = Tr
     model_type, fields = WINDOWED[name]
     fields = dict(fields)
     if not windowed:
-        fields.update(sliding_window=None) if model_type == "mistral" else fields.update(use_sliding_window=False)
+        fields.update(RULE_OFF[ARCHITECTURES[model_type].windows])
     make_model(out, "tiny", architecture=model_type)  # tokenizer files; config and weights replaced below
     config = transformers.AutoConfig.for_model(model_type, **SMALL, **fields)
     torch.manual_seed(seed)

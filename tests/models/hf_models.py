@@ -1,5 +1,6 @@
-"""Tiny random models built and saved by transformers itself, one per config feature, and its
-greedy tokens as the reference.
+"""Tiny random models built and saved by transformers itself, one per config feature and at least one
+per architecture of ``compute_service.model.architectures`` (its test row), and its greedy tokens as
+the reference.
 
 Weights are made strong (std 0.25 instead of 0.02, random biases and norm weights instead of
 zeros and ones) so that a wrong rotation or a missing bias changes the greedy tokens;
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from compute_service.model.architectures import ARCHITECTURES
 from kvfleet_cli.model_maker import build_tokenizer
 
 BASE = dict(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -32,30 +34,45 @@ ROPES = {
                    original_max_position_embeddings=ORIGINAL),
 }
 ODD = dict(num_attention_heads=5, num_key_value_heads=1, head_dim=40, vocab_size=301)
-# name → (transformers config class, config fields)
+WINDOW = 40  # the 100-token prompts cross it
+# Phi-3: fused qkv/gate_up checkpoints, RoPE over a share of each head
+PHI3_ROPE = dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+# Gemma 2: head_dim != hidden/heads, its own attention scale, soft-caps low enough to bite these weights
+# (attention scores reach ~20, logits ~5), even layers sliding (a window of 40 changes no token here)
+GEMMA2 = dict(head_dim=24, query_pre_attn_scalar=20, attn_logit_softcapping=10.0, final_logit_softcapping=5.0,
+              sliding_window=24, num_hidden_layers=3)
+# name → (model_type, config fields)
 CASES: dict[str, tuple[str, dict]] = {
-    **{f"rope_{name}": ("LlamaConfig", dict(rope_parameters={"rope_theta": 5000.0, **rope},
-                                             **(dict(max_position_embeddings=64) if name == "dynamic" else {})))
+    **{f"rope_{name}": ("llama", dict(rope_parameters={"rope_theta": 5000.0, **rope},
+                                      **(dict(max_position_embeddings=64) if name == "dynamic" else {})))
        for name, rope in ROPES.items()},
-    "attention_bias": ("LlamaConfig", dict(attention_bias=True)),
-    "mlp_bias": ("LlamaConfig", dict(mlp_bias=True)),
-    "qwen3": ("Qwen3Config", dict(head_dim=24)),
+    "attention_bias": ("llama", dict(attention_bias=True)),
+    "mlp_bias": ("llama", dict(mlp_bias=True)),
+    "qwen3": ("qwen3", dict(head_dim=24)),
     # odd shapes: 5 query heads per KV head, head_dim 40 != hidden/heads, a vocabulary above the tokenizer's
-    "qwen2_odd": ("Qwen2Config", dict(ODD, tie_word_embeddings=True)),
-    "qwen3_odd": ("Qwen3Config", dict(ODD, attention_bias=True, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2_odd": ("qwen2", dict(ODD, tie_word_embeddings=True)),
+    "qwen3_odd": ("qwen3", dict(ODD, attention_bias=True, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=None)),
+    "phi3": ("phi3", PHI3_ROPE),
+    "phi3_window": ("phi3", dict(PHI3_ROPE, sliding_window=WINDOW, tie_word_embeddings=True)),
+    "gemma2": ("gemma2", GEMMA2),
+    # 8 query heads over one KV head (Gemma 2 needs hidden % heads == 0), biases, a tied head (its default)
+    "gemma2_odd": ("gemma2", dict(GEMMA2, num_attention_heads=8, num_key_value_heads=1, head_dim=40, vocab_size=301,
+                                  attention_bias=True)),
 }
 
 
-def build(out: Path, case: str, legacy: bool = False, seed: int = 0, rope_theta_times: float = 1.0) -> Path:
-    """Save ``case`` to ``out`` (config.json, model.safetensors, tokenizer.json) and return it."""
+def build(out: Path, case: str, legacy: bool = False, seed: int = 0, rope_theta_times: float = 1.0,
+          **changes) -> Path:
+    """Save ``case`` (its fields updated by ``changes``) to ``out`` (config.json, model.safetensors,
+    tokenizer.json) and return it."""
     import transformers
 
-    class_name, fields = CASES[case]
-    config = getattr(transformers, class_name)(**{**BASE, **fields}, initializer_range=0.25)
+    model_type, fields = CASES[case]
+    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields, **changes}, initializer_range=0.25)
     config.rope_parameters["rope_theta"] *= rope_theta_times
     torch.manual_seed(seed)
-    model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -64,6 +81,7 @@ def build(out: Path, case: str, legacy: bool = False, seed: int = 0, rope_theta_
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == [ARCHITECTURES[model_type].hf_class]
     build_tokenizer().save(str(out / "tokenizer.json"))
     if legacy:
         to_legacy(out / "config.json")

@@ -63,3 +63,20 @@ def test_a_missing_tensor_is_refused_by_name(tmp_path, saved):
     tensors = {k: v for k, v in saved[2].items() if k != "model.layers.1.self_attn.o_proj.bias"}
     with pytest.raises(ModelLoadError, match="lacks 1 tensor.*'model.layers.1.self_attn.o_proj.bias'"):
         load(write(tmp_path, saved, tensors))
+
+
+def test_a_fused_checkpoint_loads_and_an_unfused_one_is_refused(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused: taken whole; the same tensors split the Llama way are
+    not what a Phi-3 config describes, and are named."""
+    model_dir = build(tmp_path / "phi3", "phi3")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    model = load(model_dir)
+    torch.testing.assert_close(model.layers[0].self_attn.qkv_proj.weight.data,
+                               tensors["model.layers.0.self_attn.qkv_proj.weight"])
+    split = dict(tensors)
+    q, k, v = split.pop("model.layers.0.self_attn.qkv_proj.weight").split([64, 32, 32])
+    split.update({"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+                  "model.layers.0.self_attn.v_proj.weight": v})
+    save_file(split, str(model_dir / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lacks 1 tensor.*'model.layers.0.self_attn.qkv_proj.weight'"):
+        load(model_dir)

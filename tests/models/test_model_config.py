@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from compute_service.model.architectures import ARCHITECTURES
 from compute_service.model.config import ModelConfig, ModelLoadError
 from compute_service.model.rope_config import RopeConfig, read_rope
 
@@ -18,13 +19,30 @@ def config(**fields) -> ModelConfig:
     return ModelConfig.from_dict({k: v for k, v in raw.items() if v is not ...})
 
 
-@pytest.mark.parametrize("class_name", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"])
-def test_every_field_transformers_writes_is_known(class_name):
-    """The full default config (every field the architecture has in transformers 5.24) loads."""
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_every_field_transformers_writes_is_known(model_type):
+    """The full default config (every field the architecture has in transformers 5.24) loads, and
+    reads as transformers reads it where the architectures differ."""
     import transformers
 
-    raw = {**getattr(transformers, class_name)().to_dict(), "sliding_window": None}  # Mistral's default slides
-    assert ModelConfig.from_dict(raw).model_type == raw["model_type"]
+    hf = transformers.AutoConfig.for_model(model_type)
+    config = ModelConfig.from_dict(hf.to_dict())
+    assert config.model_type == model_type
+    assert config.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (config.rms_norm_eps, config.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_omitted_fields_take_transformers_defaults(model_type):
+    """A config.json that omits a field (transformers 4 wrote only what differs from the defaults) is
+    read with transformers' default for that architecture, not a family-wide one."""
+    import transformers
+
+    hf = transformers.AutoConfig.for_model(model_type)
+    sizes = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "bos_token_id", "eos_token_id")
+    full, bare = ModelConfig.from_dict(hf.to_dict()), ModelConfig.from_dict({k: getattr(hf, k) for k in sizes})
+    assert bare == full
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -36,6 +54,17 @@ def test_every_field_transformers_writes_is_known(class_name):
     (dict(model_type="qwen3", mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(model_type="gemma"), "model_type 'gemma'"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                                "long_factor": [2.0] * 8}), "rope type 'longrope' is not supported"),
+    (dict(model_type="phi3", rope_parameters=..., rope_scaling={"type": "su", "factor": 2.0}), "rope type 'longrope'"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    (dict(model_type="phi3", attention_bias=True), "attention_bias=True"),
+    (dict(model_type="phi3", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}), "RoPE turns 1"),
+    (dict(model_type="gemma2", hidden_activation="silu"), "hidden_activation 'silu'"),
+    (dict(model_type="gemma2", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (dict(model_type="gemma2", attn_logit_softcapping=-1.0), "attn_logit_softcap must be positive"),
+    (dict(model_type="gemma2", query_pre_attn_scalar=None), "query_pre_attn_scalar"),
+    (dict(model_type="gemma2", layer_types=["sliding_attention"] * 2, sliding_window=None), "no window"),
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type 'longrope'"),
     (dict(rope_parameters=..., rope_scaling={"type": "su", "factor": 2.0}), "rope type 'su'"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
@@ -71,6 +100,20 @@ def test_sliding_windows_are_read_per_layer():
     assert config(model_type="qwen2", use_sliding_window=True, sliding_window=64,
                   max_window_layers=1).layer_windows == (None, 64)
     assert config(model_type="qwen2", use_sliding_window=False, sliding_window=64).layer_windows == (None, None)
+
+
+def test_phi3_and_gemma2_read_what_they_add():
+    phi3 = config(model_type="phi3", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                  sliding_window=64)
+    assert (phi3.rotary_dim, phi3.head_dim, phi3.layer_windows, phi3.qkv_bias) == (8, 16, (64, 64), False)
+    legacy = config(model_type="phi3", rope_parameters=..., rope_theta=1e4, partial_rotary_factor=0.5)
+    assert legacy.rotary_dim == 8
+    gemma2 = config(model_type="gemma2", head_dim=24, query_pre_attn_scalar=20, num_hidden_layers=3)
+    assert gemma2.attention_scale == 20 ** -0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    assert gemma2.layer_windows == (4096, None, 4096) and gemma2.tie_word_embeddings
+    uncapped = config(model_type="gemma2", attn_logit_softcapping=None, final_logit_softcapping=None)
+    assert (uncapped.attn_logit_softcap, uncapped.final_logit_softcap) == (None, None)
 
 
 def test_biases_and_norms_follow_the_architecture():

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.sampling import SamplingParams
+from tests.compute_service.test_engine_matches_transformers import capture_first_logits
 from tests.models.hf_models import CASES, ROPES, build, prompt, reference_tokens
 
 MAX_NEW = 8
@@ -43,3 +45,35 @@ def test_models_are_sensitive(tmp_path, case):
     same = reference_tokens(build(tmp_path / "a", case), PROMPTS, MAX_NEW)
     other = reference_tokens(build(tmp_path / "b", case, rope_theta_times=1.5), PROMPTS, MAX_NEW)
     assert all(a != b for a, b in zip(same[1:], other[1:]))
+
+
+@pytest.mark.parametrize("case, changes", [
+    ("phi3", dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0})),  # RoPE over all of each head
+    ("phi3_window", dict(sliding_window=None)),
+    ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(query_pre_attn_scalar=24)),  # head_dim's scale instead of Gemma 2's own
+    ("gemma2", dict(layer_types=["full_attention"] * 3)),
+])
+def test_new_architectures_are_sensitive(tmp_path, case, changes):
+    """What Phi-3 and Gemma 2 add changes transformers' own tokens on these models: partial rotation,
+    the attention soft-cap, the attention scale, the sliding layers."""
+    same = reference_tokens(build(tmp_path / "a", case), PROMPTS, MAX_NEW)
+    other = reference_tokens(build(tmp_path / "b", case, **changes), PROMPTS, MAX_NEW)
+    assert same[1:] != other[1:]
+
+
+@torch.inference_mode()
+def test_gemma2_logits_are_soft_capped_as_transformers_caps_them(tmp_path):
+    """The final soft-cap changes no greedy token (tanh keeps the order), so its logits are compared."""
+    import transformers
+
+    model_dir = build(tmp_path / "gemma2", "gemma2")
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=16 << 20))
+    seen = capture_first_logits(engine)
+    engine.generate(PROMPTS, SamplingParams(max_tokens=1))
+    got = {int(seq_id.rsplit("-", 1)[1]): logits for seq_id, logits in seen.items()}  # generate's ids end in -i
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, p in enumerate(PROMPTS):
+        want = reference(torch.tensor([p])).logits[0, -1]
+        assert want.abs().max() < 5.0 < 2 * want.abs().max()  # the cap (5) bites
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
