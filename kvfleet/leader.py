@@ -10,7 +10,6 @@ key is absent while no replica leads (between a leader's lease lapsing and the n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import aetcd
 
-from kvfleet.backoff import LogThrottle, error_line
+from kvfleet.etcd_watch import Change, follow_prefix
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +66,16 @@ async def leader_address(etcd_url: str, timeout_s: float = 5.0) -> str | None:
 async def watch_leader(client: aetcd.Client, key: str = LEADER_KEY, retry_s: float = 1.0
                        ) -> AsyncIterator[Leader | None]:
     """The leader named now, then each change (None while nobody leads), forever; a broken watch
-    (etcd restarted) reads the key again, so no change is missed for long."""
+    (etcd restarted) reads the key again (``kvfleet.etcd_watch``), so no change is missed for long."""
     last: object = object()
-    throttle = LogThrottle()
-    while True:
-        try:
-            async for leader in _leaders(client, key):
-                if leader != last:
-                    last = leader
-                    yield leader
-        except Exception as e:  # etcd restarted or unreachable: read the key again
-            if throttle.due():
-                log.warning("watch of the block_service leader in etcd broke (%s); reading it again every %.1fs",
-                            error_line(e), retry_s)
-        await asyncio.sleep(retry_s)
-
-
-async def _leaders(client: aetcd.Client, key: str) -> AsyncIterator[Leader | None]:
-    """The key's value now, then after each event on it, until the watch breaks."""
-    leader, revision = await read_leader(client, key)
-    yield leader
-    watch = await client.watch(key.encode(), start_revision=revision + 1)
-    try:
-        async for event in watch:
-            yield None if event.kind == aetcd.EventKind.DELETE else _parse(event.kv.value)
-    finally:  # bounded: a watch whose stream is not up yet may never answer its cancel
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(watch.cancel(), 2.0)
+    leader: Leader | None = None
+    async for change in follow_prefix(client, key, "the block_service leader", retry_s):
+        if isinstance(change, Change):
+            if change.key != "":
+                continue  # a longer key that shares the prefix
+            leader = _parse(change.value) if change.value is not None else None
+            if change.listed:
+                continue  # yielded once the listing is complete
+        if leader != last:
+            last = leader
+            yield leader

@@ -19,7 +19,6 @@ requests; route nothing new). The only etcd client is ``aetcd`` (see issue 5: cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +30,7 @@ from enum import Enum
 import aetcd
 
 from kvfleet.backoff import LogThrottle, error_line
+from kvfleet.etcd_watch import Listed, follow_prefix
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +191,18 @@ async def list_nodes(client: aetcd.Client, prefix: str = NODES_PREFIX) -> tuple[
     nodes: dict[str, NodeInfo] = {}
     for kv in result:
         node_id = kv.key.decode()[len(prefix):]
-        try:
-            nodes[node_id] = NodeInfo.from_json(node_id, kv.value)
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring malformed membership value for %s: %s", node_id, e)
+        info = _parse(node_id, kv.value)
+        if info is not None:
+            nodes[node_id] = info
     return nodes, result.header.revision
+
+
+def _parse(node_id: str, value: bytes) -> NodeInfo | None:
+    try:
+        return NodeInfo.from_json(node_id, value)
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring malformed membership value for %s: %s", node_id, e)
+        return None
 
 
 async def watch_nodes(
@@ -204,41 +211,15 @@ async def watch_nodes(
     """Every node listed now, then every change, forever.
 
     If the watch breaks (etcd restarted, history compacted), the listing is read again and the
-    difference is yielded, so the consumer's view converges without gaps.
+    difference is yielded (``kvfleet.etcd_watch``), so the consumer's view converges without gaps.
+    A value that does not parse is logged: listed, its node is not listed; in an event, passed over.
     """
-    known: dict[str, NodeInfo] = {}
-    throttle = LogThrottle()  # etcd down: one line every few seconds, not one per retry
-    while True:
-        try:
-            nodes, revision = await list_nodes(client, prefix)
-            for node_id in [n for n in known if n not in nodes]:
-                del known[node_id]
-                yield MembershipChange(node_id, None, listed=True)
-            for node_id, info in nodes.items():
-                if known.get(node_id) != info:
-                    known[node_id] = info
-                    yield MembershipChange(node_id, info, listed=True)
-            watch = await client.watch_prefix(prefix.encode(), start_revision=revision + 1)
-            try:
-                async for event in watch:
-                    node_id = event.kv.key.decode()[len(prefix):]
-                    if event.kind == aetcd.EventKind.DELETE:
-                        if known.pop(node_id, None) is not None:
-                            yield MembershipChange(node_id, None)
-                        continue
-                    try:
-                        info = NodeInfo.from_json(node_id, event.kv.value)
-                    except (ValueError, KeyError, TypeError) as e:
-                        log.warning("ignoring malformed membership value for %s: %s", node_id, e)
-                        continue
-                    known[node_id] = info
-                    yield MembershipChange(node_id, info)
-            finally:
-                with contextlib.suppress(Exception):
-                    await watch.cancel()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            if throttle.due():
-                log.warning("membership watch on %s broke (%s); re-listing every %.1fs", prefix, error_line(e), retry_s)
-        await asyncio.sleep(retry_s)
+    async for change in follow_prefix(client, prefix, f"membership {prefix}", retry_s):
+        if isinstance(change, Listed):
+            continue
+        if change.value is None:
+            yield MembershipChange(change.key, None, change.listed)
+            continue
+        info = _parse(change.key, change.value)
+        if info is not None or change.listed:
+            yield MembershipChange(change.key, info, change.listed)
