@@ -26,7 +26,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from block_service.durable import numbered
+from block_service.recovery import numbered
 from block_service.snapshot import SnapshotError, read_snapshot, write_atomically
 from block_service.wal import HEADER, MAGIC, frame, log_name, scan_log
 

@@ -1,11 +1,11 @@
-"""One node's pool of KV blocks: free list, LRU of cached blocks, its part of the prefix index,
-reference counts.
+"""One node's pool of KV blocks: free list, cached blocks in its eviction policy's order, its part of
+the prefix index, reference counts.
 
 Every block is in exactly one of three states (DESIGN.md invariant 1)::
 
     state    ref   hash[b]   held in
     free     0     None      _free     stack; holds nothing
-    cached   0     h         _lru      least recently used first; the index maps (h, this node) to b
+    cached   0     h         _policy   the next victim first (``eviction``); the index maps (h, this node) to b
     used     > 0   h / None  the block tables of live sequences (kept by the page table)
 
 A used block may carry a hash without being indexed when another block of the node already holds
@@ -16,8 +16,8 @@ charged for each used block (its owner), which the ledger needs back when the bl
 Sized for a fleet (issue 19: 1,000 nodes x 100,000 blocks in one process): per block, a reference
 count (a list slot, 8 bytes: read on every path, and the counts are small shared ints), an owner
 code (uint16, into the pool's short list of tenant names), a slot in the hash list (8 bytes; the
-hash object only once committed), the LRU's position (int32; plus a queue entry or two per cached
-block, ``BlockLru``), an "indexed" flag (1 byte) and, when free, a uint32 in the free stack — ~27
+hash object only once committed), the eviction policy's own (LRU: a position, int32, plus a queue
+entry or two per cached block, ``BlockLru``), an "indexed" flag (1 byte) and, when free, a uint32 in the free stack — ~27
 bytes instead of ~64 for lists of Python objects; and the
 prefix index is the page table's one ``PrefixIndex`` for every node (this pool is ``slot`` there),
 not a dict per pool.
@@ -33,38 +33,31 @@ from operator import itemgetter
 
 import numpy as np
 
-from block_service.block_lru import BlockLru
+from block_service.eviction import DEFAULT_POLICY, EvictionPolicy, policy_class
+from block_service.eviction.facts import BlockFacts
 from block_service.prefix_index import PrefixIndex
 from kvfleet.block_hash import HASH_BYTES
+from kvfleet.block_size import check_block_size
 from kvfleet.errors import FailedPrecondition, InvalidArgument
 
-MIN_BLOCK_SIZE = 16
-MAX_BLOCK_SIZE = 2048
 MAX_NUM_BLOCKS = 1 << 24
 MAX_OWNERS = 0xFFFF  # tenants a pool can tell apart (codes are uint16; 0 is nobody)
 
 
 def validate_shape(num_blocks: int, block_size: int, bytes_per_block: int) -> None:
-    """DESIGN.md: ``block_size`` a multiple of 16 in 16..2048; counts positive and sane."""
+    """``block_size`` by the fleet's rule (``kvfleet.block_size``); counts positive and sane."""
     if not (isinstance(num_blocks, int) and 0 < num_blocks <= MAX_NUM_BLOCKS):
         raise InvalidArgument(f"num_blocks must be in 1..{MAX_NUM_BLOCKS}, got {num_blocks!r}")
-    if not (
-        isinstance(block_size, int)
-        and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
-        and block_size % 16 == 0
-    ):
-        raise InvalidArgument(
-            f"block_size must be a multiple of 16 in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, got {block_size!r}"
-        )
+    check_block_size(block_size)
     if not (isinstance(bytes_per_block, int) and 0 < bytes_per_block < 1 << 40):
         raise InvalidArgument(f"bytes_per_block must be positive, got {bytes_per_block!r}")
-
 
 
 @dataclass(slots=True)
 class PoolState:
     """A pool's whole state as flat arrays, for snapshots (``pool_codec``). ``unindexed``: the
-    blocks that carry a hash the node indexes at another block."""
+    blocks that carry a hash the node indexes at another block; ``eviction``: the policy's own
+    state (``EvictionPolicy.to_state``); ``facts``: what the pool keeps for it, if it asks."""
 
     shape: tuple[int, int, int]
     ref: array | list      # per block (uint32 in a snapshot)
@@ -73,18 +66,20 @@ class PoolState:
     hashed: np.ndarray     # uint32, the blocks holding a hash, ascending
     hashes: bytes          # their hashes, HASH_BYTES each, in that order
     free: array            # uint32, the stack (the next block handed out last)
-    lru: np.ndarray        # int32, the cached blocks, least recently used first
     unindexed: list[int]
+    eviction: dict         # the policy's state, keyed by its ``state_keys``
+    facts: dict | None = None
 
 
 class BlockPool:
     __slots__ = (
         "num_blocks", "block_size", "bytes_per_block", "slot",
-        "ref", "hash", "_owner", "_owners", "_codes", "_free", "_lru", "_index", "_indexed",
+        "ref", "hash", "_owner", "_owners", "_codes", "_free", "_policy", "_facts", "_index",
+        "_indexed",
     )
 
     def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int,
-                 index: PrefixIndex | None = None, slot: int = 0) -> None:
+                 index: PrefixIndex | None = None, slot: int = 0, eviction: str = DEFAULT_POLICY) -> None:
         validate_shape(num_blocks, block_size, bytes_per_block)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -96,7 +91,9 @@ class BlockPool:
         self._owners: list[str | None] = [None]             # code → tenant
         self._codes: dict[str, int] = {}                    # tenant → code
         self._free = array("I", range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._lru = BlockLru(num_blocks)
+        policy = policy_class(eviction)
+        self._policy: EvictionPolicy = policy.empty(num_blocks)
+        self._facts = BlockFacts(num_blocks) if policy.needs_facts else None
         self._index = index if index is not None else PrefixIndex()
         self._indexed = bytearray(num_blocks)  # 1 where the index names this block for its hash
 
@@ -108,15 +105,28 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return self._lru.size
+        return len(self._policy)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - self._lru.size
+        return self.num_blocks - len(self._free) - len(self._policy)
 
     def num_available(self) -> int:
         """Blocks a fresh allocation could take: free plus evictable cached."""
-        return len(self._free) + self._lru.size
+        return len(self._free) + len(self._policy)
+
+    @property
+    def eviction(self) -> str:
+        """The name of the pool's eviction policy."""
+        return self._policy.name
+
+    def next_victims(self, n: int) -> list[int]:
+        """The cached blocks the next ``take`` past the free list would evict, in order."""
+        return self._policy.victims(n)
+
+    def set_shares(self, shares: dict[str, int]) -> None:
+        """Each limited tenant's quota here in blocks, for the policy (``EvictionPolicy.set_shares``)."""
+        self._policy.set_shares(shares)
 
     def owner(self, block: int) -> str | None:
         """The tenant charged for ``block`` (None unless it is used)."""
@@ -161,18 +171,20 @@ class BlockPool:
         revived = [b for b in blocks if ref[b] == 0]  # distinct blocks: one per hash
         if revived:
             code = self._code(owner)  # (before any change: it may refuse)
-            self._lru.remove_many(revived)
+            self._policy.revived(revived)
             for b in revived:
                 owners[b] = code
         for b in blocks:
             ref[b] += 1
+        if self._facts is not None:
+            self._facts.hit(blocks)
         return len(revived)
 
     def take(self, n: int, owner: str) -> list[int]:
-        """``n`` fresh blocks: free ones first, then the least recently used cached ones (evicted)."""
+        """``n`` fresh blocks: free ones first, then cached ones, evicted in the policy's order."""
         free, ref, owners = self._free, self.ref, self._owner
         num_free = len(free)
-        assert n <= num_free + self._lru.size, "caller must check num_available()"
+        assert n <= num_free + len(self._policy), "caller must check num_available()"
         if n <= 0:
             return []
         code = self._codes.get(owner) or self._code(owner)
@@ -189,9 +201,9 @@ class BlockPool:
                 taken = free.tolist()
                 taken.reverse()
                 del free[:]
-            lru, index, hashes, indexed, slot = self._lru, self._index, self.hash, self._indexed, self.slot
-            for _ in range(n - num_free):  # evict, least recently used first
-                b = lru.pop_oldest()
+            evict, index, hashes, indexed, slot = self._policy.evict, self._index, self.hash, self._indexed, self.slot
+            for _ in range(n - num_free):
+                b = evict()
                 index.remove(hashes[b], slot)
                 hashes[b] = None
                 indexed[b] = 0
@@ -199,15 +211,18 @@ class BlockPool:
         for b in taken:
             ref[b] = 1
             owners[b] = code
+        if self._facts is not None:
+            self._facts.renew(taken)
         return taken
 
-    def release(self, blocks: Sequence[int], uncharged: dict[str, int]) -> None:
-        """Unreference ``blocks`` in the order given; blocks reaching zero go to the cache's
-        most-recently-used end if indexed, else to the free list. Adds, per tenant, the blocks
-        that stopped being charged to ``uncharged``."""
-        ref, hashes, owners, indexed, free, names = (
-            self.ref, self.hash, self._owner, self._indexed, self._free, self._owners,
+    def release(self, blocks: Sequence[int], uncharged: dict[str, int], depth: int = 0) -> None:
+        """Unreference ``blocks`` (a table's, deepest first, the first at position ``depth - 1``);
+        those reaching zero go to the policy in that order if indexed, else to the free list. Adds,
+        per tenant, the blocks that stopped being charged to ``uncharged``."""
+        ref, hashes, owners, indexed, free, names, facts = (
+            self.ref, self.hash, self._owner, self._indexed, self._free, self._owners, self._facts,
         )
+        tenants = [names[owners[b]] for b in blocks] if facts is not None else ()
         cached = []
         for b in blocks:
             r = ref[b] - 1
@@ -223,7 +238,9 @@ class BlockPool:
             t = names[owners[b]]
             owners[b] = 0
             uncharged[t] = uncharged.get(t, 0) + 1
-        self._lru.extend(cached)
+        if cached:
+            self._policy.cached(cached, facts.cached(cached, blocks, tenants, depth, self.block_size)
+                                if facts is not None else None)
 
     def claim(self, tables: Sequence[tuple[Sequence[int], str]]) -> dict[str, int]:
         """Reference the blocks a node says its sequences hold (``PageTable.sync_node``), each
@@ -231,7 +248,7 @@ class BlockPool:
         a cached one loses its hash, since nobody knows what the node wrote in it since — and a used
         one (shared with another of the node's sequences) gains a reference. Returns, per owner, the
         blocks that came into use. One pass over the free list for all the tables."""
-        ref, owners, lru, hashes = self.ref, self._owner, self._lru, self.hash
+        ref, owners, policy, hashes = self.ref, self._owner, self._policy, self.hash
         taken_free: set[int] = set()
         charged: dict[str, int] = {}
         codes = [self._code(owner) for _, owner in tables]  # before any change: it may refuse
@@ -239,7 +256,7 @@ class BlockPool:
             for b in blocks:
                 if ref[b] == 0:
                     if hashes[b] is not None:  # unreferenced with a hash: cached
-                        lru.remove(b)
+                        policy.discard(b)
                         self._index.remove(hashes[b], self.slot)
                         hashes[b] = None
                         self._indexed[b] = 0
@@ -247,6 +264,8 @@ class BlockPool:
                         taken_free.add(b)
                     owners[b] = code
                     charged[owner] = charged.get(owner, 0) + 1
+                    if self._facts is not None:
+                        self._facts.renew((b,))
                 ref[b] += 1
         if taken_free:
             self._free = array("I", [b for b in self._free if b not in taken_free])
@@ -289,11 +308,13 @@ class BlockPool:
         hashes = b"".join(itemgetter(*hashed.tolist())(self.hash)) if len(hashed) > 1 else (
             self.hash[int(hashed[0])] if len(hashed) else b"")
         return PoolState((self.num_blocks, self.block_size, self.bytes_per_block), self.ref, self._owner,
-                         self._owners[1:], hashed, hashes, self._free, self._lru.order(), unindexed)
+                         self._owners[1:], hashed, hashes, self._free, unindexed, self._policy.to_state(),
+                         self._facts.to_state() if self._facts is not None else None)
 
     @classmethod
-    def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
-        """The pool ``state()`` described, its hashes (all but ``unindexed``) staged in ``index``
+    def from_state(cls, s: PoolState, index: PrefixIndex | None = None, slot: int = 0,
+                   eviction: str = DEFAULT_POLICY) -> BlockPool:
+        """The pool ``state()`` described under the policy ``eviction``, its hashes (all but ``unindexed``) staged in ``index``
         (``PrefixIndex.settle`` indexes them: once for all the pools of a page table).
         Raises ValueError when the arrays do not fit together (a block outside the pool, hashes
         and their blocks differing in number)."""
@@ -313,7 +334,11 @@ class BlockPool:
         pool.ref, pool._owner, pool._free = list(s.ref), s.owner, s.free
         pool._owners = [None, *s.owners]
         pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
-        pool._lru = BlockLru.from_order(n, s.lru)
+        policy = policy_class(eviction)
+        pool._policy = policy.from_state(n, s.eviction)
+        pool._facts = None
+        if policy.needs_facts:
+            pool._facts = BlockFacts.from_state(n, s.facts) if s.facts is not None else BlockFacts(n)
         chunks = np.frombuffer(s.hashes, dtype=f"V{HASH_BYTES}").tolist()  # bytes objects, made in C
         column = np.empty(n, dtype=object)  # None everywhere
         column[hashed] = chunks
@@ -334,10 +359,11 @@ class BlockPool:
     def check(self) -> int:
         """Invariant 1 and the pool's own bookkeeping; AssertionError names what broke. Returns
         how many hashes the pool indexes (the page table checks the index holds no others)."""
-        free, cached = set(self._free), set(self._lru)
+        free, cached = set(self._free), set(self._policy)
         used = {b for b in range(self.num_blocks) if self.ref[b] > 0}
         assert len(free) == len(self._free), "a block is twice in the free list"
-        assert len(cached) == len(self._lru), "the LRU's size is not its length"
+        assert len(cached) == len(self._policy), "the eviction policy's size is not its length"
+        assert all(b in self._policy for b in cached), "the eviction policy misses a block it lists"
         assert not free & cached and not free & used and not cached & used, "a block in two states"
         assert len(free) + len(cached) + len(used) == self.num_blocks, (
             f"free {len(free)} + cached {len(cached)} + used {len(used)} != {self.num_blocks}"

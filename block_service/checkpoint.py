@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from block_service import wal_records
 from block_service.backup import BackupError, check_file, read_manifest
-from block_service.durable import RecoveryError, recover
+from block_service.recovery import RecoveryError, recover
 from block_service.restore import restore
 from block_service.snapshot import MAGIC_PREFIX as SNAPSHOT_MAGIC
 from block_service.snapshot import SnapshotError, read_snapshot

@@ -10,11 +10,7 @@ directory holds::
     wal-<lsn>.log.bad     a log that stopped recovery early, kept for inspection
     snapshot-<lsn>.snap.bad  a corrupt snapshot that recovery replaced, kept for inspection
 
-Recovery loads the newest snapshot that verifies, replays the logs that follow it in order, and stops
-at the first torn or corrupt record: the state is then exactly the state after the last good record.
-When records are missing instead (a corrupt newest snapshot whose records no log holds, a log that
-does not follow on), it refuses to start, saying which file and which records (``RecoveryError``):
-never from a stale state.
+``recovery`` rebuilds the page table from it when block_service starts.
 """
 
 from __future__ import annotations
@@ -23,127 +19,28 @@ import asyncio
 import glob
 import logging
 import os
-import re
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, TierBatch, apply_bookkeeping
+from block_service.eviction import DEFAULT_POLICY
 from block_service.lineage import clear_reset, mark_reset
 from block_service.lower_tiers import TierOutcome, validate_tier_change
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
-from block_service.snapshot import SnapshotError, read_snapshot, write_snapshot
-from block_service.wal import LogWriter, frame, log_name, scan_log
+from block_service.recovery import RecoveryError, RecoveryReport, numbered, recover
+from block_service.snapshot import write_snapshot
+from block_service.wal import LogWriter, frame, log_name
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.errors import Unavailable
 from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-_LSN = re.compile(r"-(\d{20})\.(snap|log)$")
 KEEP_SNAPSHOTS = 2
-
-
-def numbered(state_dir: str, pattern: str, only: Collection[str] | None = None) -> list[tuple[int, str]]:
-    """``(lsn, path)`` of the files matching ``pattern`` (and named in ``only``), oldest first."""
-    found = []
-    for path in glob.glob(os.path.join(state_dir, pattern)):
-        m = _LSN.search(path)
-        if m and (only is None or os.path.basename(path) in only):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-class RecoveryError(Exception):
-    """The state directory cannot be brought to its last good record: the message (one line) names
-    the corrupt or missing file and the records that are gone. block_service refuses to start."""
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    snapshot_path: str | None = None
-    snapshot_lsn: int = 0
-    records_applied: int = 0
-    lsn: int = 0                    # records in the recovered state since the first start
-    stop_path: str | None = None    # where replay stopped early, if it did
-    stop_offset: int | None = None
-    stop_reason: str | None = None
-    corrupt_snapshots: list[str] = field(default_factory=list)  # newer than the one used, not used
-    skipped: list[str] = field(default_factory=list)  # files not used, with why
-
-    def summary(self) -> str:
-        text = (f"recovered {self.lsn} records: snapshot {self.snapshot_path or '(none)'} at {self.snapshot_lsn}, "
-                f"{self.records_applied} log records applied")
-        if self.stop_reason:
-            text += f"; stopped at {self.stop_path} offset {self.stop_offset}: {self.stop_reason}"
-        return text + "".join(f"; skipped {s}" for s in self.skipped)
-
-
-def recover(state_dir: str, only: Collection[str] | None = None) -> tuple[PageTable, RecoveryReport]:
-    """Rebuild the page table from ``state_dir`` without writing anything (from the files named in
-    ``only`` when given: a backup's manifest).
-
-    The newest snapshot that verifies is the base; the logs from its record on are replayed. A
-    corrupt newer snapshot is skipped only if the logs reach past it (they are kept from the older
-    snapshot on for that reason). Raises ``RecoveryError`` when records are missing: a log that
-    starts later than the state before it ends, or a corrupt snapshot whose records no log holds.
-    """
-    report = RecoveryReport()
-    table = PageTable()
-    corrupt: list[tuple[int, str, str]] = []  # (lsn, path, why), newest first
-    for lsn, path in reversed(numbered(state_dir, "snapshot-*.snap", only)):
-        try:
-            report.snapshot_lsn, state = read_snapshot(path)
-            table = PageTable.from_dict(state)
-            report.snapshot_path = path
-            break
-        except SnapshotError as err:
-            corrupt.append((lsn, path, str(err).removeprefix(f"{path}: ")))
-            report.corrupt_snapshots.append(path)
-            report.skipped.append(str(err))
-    expected = report.snapshot_lsn
-    for start, path in numbered(state_dir, "wal-*.log", only):
-        if start < report.snapshot_lsn:
-            continue
-        if report.stop_reason:
-            report.skipped.append(f"{path}: after the stop")
-            continue
-        scan, records = scan_log(path)
-        first = scan.start_lsn if scan.start_lsn != -1 else start
-        if first != expected:
-            raise RecoveryError(_missing(report, corrupt, expected, first,
-                                         f"{path} starts at record {first}, the state from "
-                                         f"{os.path.basename(report.snapshot_path or 'no snapshot')} "
-                                         f"and the logs before it ends at record {expected}"))
-        for offset, payload in records:
-            try:
-                rec.apply(table, payload)
-            except Exception as err:  # CRC-valid but inapplicable: a bug or a foreign file
-                scan.error = f"record at offset {offset} does not apply: {err}"
-                scan.end_offset = offset
-                break
-            expected += 1
-            report.records_applied += 1
-        if scan.error:
-            report.stop_path, report.stop_offset, report.stop_reason = path, scan.end_offset, scan.error
-    report.lsn = expected
-    table.mark_recovered()
-    if corrupt and corrupt[0][0] > expected:
-        where = f"{report.stop_path}: {report.stop_reason}" if report.stop_reason else "no later log"
-        raise RecoveryError(_missing(report, corrupt, expected, corrupt[0][0], f"the logs end there ({where})"))
-    return table, report
-
-
-def _missing(report: RecoveryReport, corrupt: list[tuple[int, str, str]], first: int, end: int, why: str) -> str:
-    """One line for a person: which file is bad, which records are gone, and what to do."""
-    text = f"records {first}..{end - 1} are missing: {why}"
-    if corrupt:
-        lsn, path, reason = corrupt[0]
-        text = (f"the newest snapshot {path} is corrupt ({reason}) and records {first}..{max(end, lsn) - 1} "
-                f"are missing to rebuild it from {report.snapshot_path or 'an empty state'}: {why}")
-    return text + "; restore the state directory from a backup, or move it aside to start empty"
+# what a caller opening a state directory meets: ``open`` raises RecoveryError, tools call recover
+__all__ = ["DurablePageTable", "RecoveryError", "RecoveryReport", "recover"]
 
 
 class DurablePageTable:
@@ -169,11 +66,13 @@ class DurablePageTable:
         self.on_durable: Callable[[int, bytes], None] | None = None
 
     @classmethod
-    def open(cls, state_dir: str, fsync: bool = True) -> tuple[DurablePageTable, RecoveryReport]:
+    def open(cls, state_dir: str, fsync: bool = True,
+             eviction: str = DEFAULT_POLICY) -> tuple[DurablePageTable, RecoveryReport]:
         """Recover from ``state_dir`` (created if missing), then start a clean snapshot and log.
-        Raises ``RecoveryError`` (having written nothing) when the state cannot be recovered."""
+        Raises ``RecoveryError`` (having written nothing) when the state cannot be recovered, or
+        was written under another eviction policy than ``eviction``."""
         os.makedirs(state_dir, exist_ok=True)
-        table, report = recover(state_dir)
+        table, report = recover(state_dir, eviction=eviction)
         store = cls(table, state_dir, report.lsn, fsync)
         for path in report.corrupt_snapshots:  # kept for inspection, never read again
             os.replace(path, path + ".bad")

@@ -1,5 +1,6 @@
 """What the page table keeps per node: its pool, its quota ledger, its live sequences, its counters,
 and the one decision that needs all of them: may a tenant be charged ``n`` more blocks here now?
+(Not ``kvfleet.membership.NodeState``, a node's lifecycle: this is a node's pool and its books.)
 
 A full pool or quota is an answer (``Refusal``), counted per node and tenant; a full pool is also
 logged, at most once per ``WARN_INTERVAL_S`` per node, with the tenants holding the most blocks, so
@@ -12,13 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from block_service.block_pool import BlockPool
+from block_service.pool_codec import pool_from_dict, pool_to_dict
+from block_service.prefix_index import PrefixIndex
+from block_service.sequence import SeqState
 from block_service.stats import Counters
 from block_service.tenants import QuotaLedger
-from kvfleet.allocator import Refusal
+from kvfleet.allocator import DROPPED, Refusal
+from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ TOP_HOLDERS = 3
 
 
 @dataclass(slots=True)
-class NodeState:
+class NodePool:
     pool: BlockPool
     ledger: QuotaLedger
     seq_ids: dict[str, None] = field(default_factory=dict)  # insertion order: deterministic
@@ -36,6 +41,44 @@ class NodeState:
     last_warning: float = float("-inf")
     suppressed_warnings: int = 0  # pool refusals not logged since the last line (the interval)
 
+    def configure(self, tenants: Iterable[Tenant]) -> None:
+        """The tenants' quotas and reserved shares in this pool's blocks, for the ledger and the
+        eviction policy."""
+        self.ledger.configure(tenants)
+        self.pool.set_shares(self.ledger.allowed)
+
+    def to_dict(self) -> dict:
+        """The pool and its ledger (not the counters), for a snapshot; ``from_dict`` restores them."""
+        return {"pool": pool_to_dict(self.pool), "ledger": self.ledger.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict, index: PrefixIndex, slot: int, tenants: Iterable[Tenant], eviction: str) -> NodePool:
+        """The node ``to_dict`` described, its hashes staged in ``index`` (``PrefixIndex.settle``)."""
+        pool = pool_from_dict(d["pool"], index, slot, eviction)
+        ledger = QuotaLedger(pool.bytes_per_block)
+        ledger.restore(d["ledger"], tenants)
+        pool.set_shares(ledger.allowed)
+        return cls(pool, ledger)
+
+    def check(self, node_id: str, seqs: Iterable[SeqState]) -> int:
+        """Invariants 1-3 on this node, ``seqs`` being its live sequences; returns how many hashes
+        its pool indexes (``BlockPool.check``)."""
+        pool = self.pool
+        indexed = pool.check()
+        refs = [0] * pool.num_blocks
+        for seq in seqs:
+            assert seq.node_id == node_id
+            held = seq.held
+            assert len(set(held)) == len(held), f"{seq.seq_id} holds a block twice"
+            assert len(seq.block_ids) == -(-seq.num_tokens // pool.block_size), f"{seq.seq_id} table size"
+            assert seq.block_ids[:seq.num_dropped] == [DROPPED] * seq.num_dropped, f"{seq.seq_id}: drops not a prefix"
+            assert seq.num_dropped * pool.block_size <= seq.num_tokens, f"{seq.seq_id}: dropped a block not full"
+            for b in held:
+                refs[b] += 1
+        assert refs == list(pool.ref), f"node {node_id}: reference counts differ from the block tables"
+        self.ledger.check(pool.charged())
+        return indexed
+
     def tenant_counter(self, tenant: str) -> Counters:
         c = self.tenant_counters.get(tenant)
         if c is None:
@@ -43,7 +86,7 @@ class NodeState:
         return c
 
     def refusal(self, node_id: str, tenant: str, n: int,
-                seqs_per_tenant: Callable[[NodeState], dict[str, int]]) -> Refusal | None:
+                seqs_per_tenant: Callable[[NodePool], dict[str, int]]) -> Refusal | None:
         """None if ``tenant`` may be charged ``n`` more blocks here now, else why not.
         ``seqs_per_tenant`` counts the node's live sequences per tenant, for the warning only."""
         ledger, pool = self.ledger, self.pool

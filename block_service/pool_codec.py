@@ -6,7 +6,9 @@ binary blobs beside its JSON (``snapshot``, format 2).
      "owner": u16[] their tenants (1 + an index into "owners"), "owners": [tenant, ...],
      "free": u32[] the free stack  or  "free_runs": u32[first, length, ...] the same stack as runs
              first, first - 1, ..., first - length + 1 (whichever is smaller),
-     "lru": i32[] cached blocks, least recently used first,
+     the eviction policy's own fields (``EvictionPolicy.to_state``; the LRU's:
+     "lru": i32[] cached blocks, least recently used first),
+     "facts": {"hits": u32[] per block, "tick": n}  only for a policy that asks for facts,
      "hashed": a bitmap of the blocks holding a hash (bit b of byte b // 8, numpy's little order),
      "hashes": their hashes, concatenated in ascending block order,
      "unindexed": u32[] blocks whose hash the node indexes at another block}
@@ -17,8 +19,10 @@ Python statement per block — zlib alone took ~10 ms per pool, base64 and the J
 (issue 19: snapshot and recovery of 1,000 such pools in under a minute). The free stack is nearly
 always a few descending runs (blocks are handed out from its end), so it is usually a few bytes.
 
-Pools of the earlier forms still load: ``"v": 2`` (the same arrays, zlib and base64 in JSON
-strings) and the first form (one JSON value per block and field).
+The policy's fields sit beside the pool's (not under a key of their own), so that a pool under the
+LRU policy is written exactly as before policies could be chosen. Pools of the earlier forms still
+load, all of them LRU: ``"v": 2`` (the same arrays, zlib and base64 in JSON strings) and the first
+form (one JSON value per block and field).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from array import array
 import numpy as np
 
 from block_service.block_pool import BlockPool, PoolState
+from block_service.eviction import DEFAULT_POLICY, policy_class
 from block_service.prefix_index import PrefixIndex
 
 U32, I32, U16 = np.dtype("<u4"), np.dtype("<i4"), np.dtype("<u2")
@@ -85,23 +90,35 @@ def pool_to_dict(pool: BlockPool) -> dict:
     d = {
         "shape": list(s.shape), "v": VERSION, "used": used.tobytes(), "ref": ref[used].astype(U32).tobytes(),
         "owner": owner[used].astype(U16).tobytes(), "owners": list(s.owners),
-        "lru": s.lru.astype(I32).tobytes(), "hashed": np.packbits(bits, bitorder="little").tobytes(),
+        "hashed": np.packbits(bits, bitorder="little").tobytes(),
         "hashes": s.hashes, "unindexed": np.asarray(s.unindexed, dtype=U32).tobytes(),
     }
     if len(runs) < len(free):
         d["free_runs"] = runs.astype(U32).tobytes()
     else:
         d["free"] = free.astype(U32).tobytes()
+    assert not d.keys() & s.eviction.keys(), "an eviction policy's field shadows one of the pool's"
+    d.update(s.eviction)
+    if s.facts is not None:
+        d["facts"] = s.facts
     return d
 
 
-def pool_from_dict(d: dict, index: PrefixIndex | None = None, slot: int = 0) -> BlockPool:
+def pool_from_dict(d: dict, index: PrefixIndex | None = None, slot: int = 0,
+                   eviction: str = DEFAULT_POLICY) -> BlockPool:
     v = d.get("v")
-    state = _state_v3(d) if v == VERSION else _state_v2(d) if v == 2 else _state_v1(d)
-    return BlockPool.from_state(state, index, slot)
+    if v == VERSION:
+        keys = policy_class(eviction).state_keys
+        missing = [k for k in keys if k not in d]
+        if missing:
+            raise ValueError(f"a pool's eviction state ({eviction}) lacks {', '.join(missing)}")
+        state = _state_v3(d, {k: d[k] for k in keys})
+    else:
+        state = _state_v2(d) if v == 2 else _state_v1(d)
+    return BlockPool.from_state(state, index, slot, eviction)
 
 
-def _state_v3(d: dict) -> PoolState:
+def _state_v3(d: dict, eviction: dict) -> PoolState:
     n = d["shape"][0]
     bits = np.frombuffer(d["hashed"], dtype=np.uint8)
     if len(bits) != (n + 7) // 8:
@@ -118,7 +135,7 @@ def _state_v3(d: dict) -> PoolState:
         raise ValueError(f"a free block is outside the pool of {n} blocks")
     return PoolState(tuple(d["shape"]), array("I", ref.tobytes()), array("H", owner.tobytes()), list(d["owners"]),
                      hashed, bytes(d["hashes"]), array("I", free.astype(np.uint32).tobytes()),
-                     _values(d["lru"], I32).astype(np.int32), _values(d["unindexed"], U32).tolist())
+                     _values(d["unindexed"], U32).tolist(), eviction, d.get("facts"))
 
 
 def _state_v2(d: dict) -> PoolState:
@@ -131,7 +148,7 @@ def _state_v2(d: dict) -> PoolState:
     ref[used], owner[used] = _values(unb64(d["ref"]), U32), _values(unb64(d["owner"]), U16)
     return PoolState(tuple(d["shape"]), array("I", ref.tobytes()), array("H", owner.tobytes()), list(d["owners"]),
                      hashed, unb64(d["hashes"]), _array("I", zlib.decompress(unb64(d["free"])), U32),
-                     _values(zlib.decompress(unb64(d["lru"])), I32), list(d["unindexed"]))
+                     list(d["unindexed"]), {"lru": zlib.decompress(unb64(d["lru"]))})
 
 
 def _state_v1(d: dict) -> PoolState:
@@ -143,5 +160,5 @@ def _state_v1(d: dict) -> PoolState:
     hashed = [b for b, h in enumerate(hashes) if h is not None]
     return PoolState(tuple(d["shape"]), array("I", d["ref"]), array("H", [code.get(t, 0) for t in d["owner"]]),
                      owners, np.array(hashed, dtype=np.uint32), b"".join(hashes[b] for b in hashed),
-                     array("I", d["free"]), np.array(d["cached"], dtype=np.int32),
-                     [b for b in hashed if b not in indexed])
+                     array("I", d["free"]), [b for b in hashed if b not in indexed],
+                     {"lru": np.array(d["cached"], dtype=I32).tobytes()})

@@ -18,7 +18,7 @@ import asyncio
 from collections import deque
 from collections.abc import Iterator
 
-from block_service.durable import numbered
+from block_service.recovery import numbered
 from block_service.wal import FRAME, frame, frame_crc, scan_log
 
 MAX_BYTES = 64 << 20

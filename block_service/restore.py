@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 from block_service.backup import MANIFEST, BackupError, Manifest, check_file, read_manifest
-from block_service.durable import RecoveryError, recover
 from block_service.page_table import PageTable
+from block_service.recovery import RecoveryError, recover
 from block_service.snapshot import write_snapshot
 from block_service.wal import fsync_dir
 

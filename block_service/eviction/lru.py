@@ -1,4 +1,5 @@
-"""One pool's cached blocks, least recently used first, as a queue with lazy deletion.
+"""The default eviction policy: one pool's cached blocks, least recently used first, as a queue
+with lazy deletion.
 
 ``queue`` holds block ids in the order they became cached; ``pos[b]`` is the index in ``queue`` of
 ``b``'s live entry, or -1 when ``b`` is not cached. Removing a block from the middle (a prefix hit
@@ -12,24 +13,29 @@ When the queue holds more than twice the live entries (plus a little), it is com
 (live entries kept in order, positions renumbered): amortised O(1) per operation, and memory is
 ``pos`` (4 bytes per block of the pool) plus at most ``2 * cached + 64`` int32 queue entries, where
 the linked list took 8 bytes per block. The order is exactly the linked list's: append at the most
-recently used end, remove from anywhere, pop the least recently used.
+recently used end, remove from anywhere, pop the least recently used. In a snapshot the policy's
+state is that order (``lru``: int32 block ids, least recently used first).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import repeat
 
 import numpy as np
+
+from block_service.eviction.policy import CachedFacts, EvictionPolicy
 
 NONE = -1
 SLACK = 64  # stale entries tolerated beyond the live ones before a compaction
 
 
-class BlockLru:
+class BlockLru(EvictionPolicy):
     __slots__ = ("pos", "queue", "head", "size")
+    name = "lru"
+    state_keys = ("lru",)
 
     def __init__(self, num_blocks: int) -> None:
         self.pos = array("i", [NONE]) * num_blocks
@@ -53,6 +59,20 @@ class BlockLru:
             lru.queue = array("i", o.tobytes())
             lru.size = len(o)
         return lru
+
+    @classmethod
+    def empty(cls, num_blocks: int) -> BlockLru:
+        return cls(num_blocks)
+
+    @classmethod
+    def from_state(cls, num_blocks: int, state: Mapping[str, bytes]) -> BlockLru:
+        raw = state["lru"]
+        if len(raw) % 4:
+            raise ValueError(f"a pool's LRU order has {len(raw)} bytes, not whole int32 block ids")
+        return cls.from_order(num_blocks, np.frombuffer(raw, dtype="<i4").astype(np.int32))
+
+    def to_state(self) -> dict[str, bytes]:
+        return {"lru": self.order().astype("<i4").tobytes()}
 
     def order(self) -> np.ndarray:
         """The blocks, least recently used first (int32)."""
@@ -126,3 +146,15 @@ class BlockLru:
         if len(q) > 2 * self.size + SLACK:
             self._compact()
         return b
+
+    # ---- the policy's words for the operations above (aliases: no extra call per block) ---------
+
+    def cached(self, blocks: list[int], facts: CachedFacts | None) -> None:
+        self.extend(blocks)
+
+    revived = remove_many
+    discard = remove
+    evict = pop_oldest
+
+    def victims(self, n: int) -> list[int]:
+        return self.order()[:n].tolist()

@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
 from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
+from block_service.recovery import recover
 from block_service.server import BlockManagerServicer
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal

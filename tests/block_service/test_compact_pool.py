@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.block_lru import BlockLru
+from block_service.eviction.lru import BlockLru
 from block_service.page_table import PageTable
 from block_service.prefix_index import PrefixIndex, slots_of
 from block_service.snapshot import decode_snapshot, encode_snapshot

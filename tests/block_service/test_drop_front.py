@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
 from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
+from block_service.recovery import recover
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation
 from kvfleet.errors import FailedPrecondition, InvalidArgument
 

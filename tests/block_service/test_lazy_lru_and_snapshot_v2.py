@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_service.block_lru import SLACK, BlockLru
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
+from block_service.eviction.lru import SLACK, BlockLru
 from block_service.page_table import PageTable
 from block_service.pool_codec import runs_stack, stack_runs
+from block_service.recovery import recover
 from block_service.snapshot import (
     MAGIC_V1,
     SnapshotError,

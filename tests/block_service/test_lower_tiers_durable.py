@@ -10,7 +10,8 @@ import pytest
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import TIER, TierBatch
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
+from block_service.recovery import recover
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
 from kvfleet.errors import InvalidArgument
 from kvfleet.tenants import MIB, Tenant

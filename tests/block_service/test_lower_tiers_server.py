@@ -5,7 +5,8 @@ Stats' per-tier counts and per-tenant charges, a sync replacing a node's index, 
 from __future__ import annotations
 
 from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
+from block_service.recovery import recover
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
 from kvfleet.block_hash import block_hashes
 from kvfleet.tenants import MIB, Tenant

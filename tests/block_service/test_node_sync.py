@@ -7,9 +7,10 @@ import logging
 
 import pytest
 
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
 from block_service.node_sync import LiveSequence as Live
 from block_service.page_table import PageTable
+from block_service.recovery import recover
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import InvalidArgument
 from kvfleet.tenants import Tenant

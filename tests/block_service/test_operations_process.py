@@ -23,9 +23,9 @@ import yaml
 
 from block_service.backup import read_manifest
 from block_service.client import BlockManagerClient
-from block_service.durable import recover
-from block_service.node_state import WARN_INTERVAL_S
+from block_service.node_pool import WARN_INTERVAL_S
 from block_service.page_table import PageTable
+from block_service.recovery import recover
 from block_service.trace import Trace, drive, drive_async
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.tenants import parse_tenants

@@ -19,8 +19,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
 from block_service.node_sync import LiveSequence
+from block_service.recovery import recover
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvfleet.tenants import Tenant

@@ -12,7 +12,8 @@ import pytest
 
 from block_service.checkpoint import main as checkpoint_main
 from block_service.checkpoint import verify
-from block_service.durable import DurablePageTable, recover
+from block_service.durable import DurablePageTable
+from block_service.recovery import recover
 from block_service.trace import Trace, drive
 from block_service.wal import HEADER, scan_log
 from kvfleet.tenants import Tenant

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from block_service.checkpoint import main as checkpoint_main
-from block_service.durable import DurablePageTable, RecoveryError, recover
+from block_service.durable import DurablePageTable
+from block_service.recovery import RecoveryError, recover
 from block_service.trace import Trace, drive
 
 

@@ -1,0 +1,29 @@
+"""Which cached block a full pool gives up: a policy behind a small pure interface
+(``policy.EvictionPolicy``), chosen by name from the one table below.
+
+    lru   the least recently used cached block first; a release caches a table deepest block
+          first, so the deepest block of the least recently released prefix goes first (``lru``)
+
+A page table uses one policy for all its pools (``PageTable(eviction=...)``); the name is part of
+its durable state, and a state directory written under one policy is refused by a block_service
+configured with another (``recovery``), since the same log would evict other blocks.
+"""
+
+from __future__ import annotations
+
+from block_service.eviction.lru import BlockLru
+from block_service.eviction.policy import CachedFacts, EvictionPolicy
+from kvfleet.errors import InvalidArgument
+
+DEFAULT_POLICY = BlockLru.name
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (BlockLru,)}
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "CachedFacts", "EvictionPolicy", "policy_class"]
+
+
+def policy_class(name: str) -> type[EvictionPolicy]:
+    """The policy called ``name``; ``InvalidArgument`` naming the known ones for any other."""
+    cls = POLICIES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise InvalidArgument(f"unknown eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    return cls
