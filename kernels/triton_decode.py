@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache, is_fp8
-from kernels.triton_tiles import load_kv_tile, online_softmax_update, soft_cap, tile_scores
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
 LOG2E = 1.4426950408889634
 
@@ -75,9 +75,7 @@ def _decode_split_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + b * stride_bt,
                             t, t_mask, head_base, d, d_mask, stride_cb, stride_co, kv_head * stride_sh, stride_sb,
                             BLOCK_SIZE, IS_FP8, USE_FP32)
-        s = tile_scores(q, k, USE_FP32)  # [BLOCK_G, BLOCK_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap)
+        s = tile_scores(q, k, softcap, USE_FP32, SOFTCAP)  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
@@ -134,17 +132,23 @@ def default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int)
     return splits
 
 
-def _launch_decode(query, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams, num_splits: int):
-    # query: [batch, num_heads, head_dim], rows contiguous
+def tile_layout(query: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor) -> tuple[int, bool]:
+    """What both attention launchers need of their inputs' layout, and derive from it: the GQA group
+    size, and whether tiles take exact fp32 dots (fp32 caches, and the CPU interpreter, whose bf16
+    arithmetic is wrong)."""
+    # query: [rows, num_heads, head_dim], rows contiguous
     # cache.k, cache.v: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous, same strides
-    # block_tables: [batch, max_blocks] int32, contiguous; context_lens: [batch] int32 (AttentionMetadata)
+    # block_tables: [batch, max_blocks] int32, rows contiguous (AttentionMetadata checked the rest)
+    assert query.stride(2) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    return query.shape[1] // cache.num_kv_heads, cache.k.dtype == torch.float32 or interpreting()
+
+
+def _launch_decode(query, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams, num_splits: int):
+    # query: [batch, num_heads, head_dim]; decode_context_lens: [batch] int32
     batch, num_heads, head_dim = query.shape
     k_cache, v_cache, block_tables = cache.k, cache.v, meta.decode_block_tables
-    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    assert query.stride(2) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    # fp32 caches (and the CPU interpreter, whose bf16 arithmetic is wrong) take exact fp32 dots
-    fp32 = k_cache.dtype == torch.float32 or interpreting()
+    num_kv_heads, block_size = cache.num_kv_heads, cache.block_size
+    group, fp32 = tile_layout(query, cache, block_tables)
 
     # tokens_per_split: a multiple of BLOCK_N so that only the last tile of a split is ragged
     block_n = 64 if head_dim <= 128 else 32

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache, is_fp8
-from kernels.triton_decode import LOG2E, interpreting, scale_pointers
-from kernels.triton_tiles import load_kv_tile, online_softmax_update, soft_cap, tile_scores
+from kernels.triton_decode import LOG2E, scale_pointers, tile_layout
+from kernels.triton_tiles import load_kv_tile, online_softmax_update, tile_scores
 
 
 @triton.jit
@@ -75,9 +75,7 @@ def _prefill_kernel(
         causal = t_mask[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
             causal = causal & (t[None, :] > pos[:, None] - window)
-        s = tile_scores(q, k, USE_FP32)  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap)
+        s = tile_scores(q, k, softcap, USE_FP32, SOFTCAP)  # [BLOCK_M, BLOCK_N]
         s = tl.where(causal, s, float("-inf"))
         m, l, acc = online_softmax_update(s, v, m, l, acc, USE_FP32)
 
@@ -87,16 +85,12 @@ def _prefill_kernel(
 
 
 def _launch_prefill(query, cache: LayerCache, meta: AttentionMetadata, params: AttentionParams, max_q_len: int):
-    # query: [total_new_tokens, num_heads, head_dim], rows contiguous
-    # cache.k, cache.v: [num_blocks, num_kv_heads, block_size, head_dim], rows contiguous, same strides
-    # prefill_block_tables [batch, max_blocks], prefill_context_lens [batch], prefill_query_start_loc
-    # [batch + 1]: int32, contiguous (AttentionMetadata)
+    # query: [total_new_tokens, num_heads, head_dim]; prefill_context_lens [batch], prefill_query_start_loc
+    # [batch + 1]: int32
     total, num_heads, head_dim = query.shape
     k_cache, v_cache, block_tables = cache.k, cache.v, meta.prefill_block_tables
-    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    assert query.stride(2) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    fp32 = k_cache.dtype == torch.float32 or interpreting()  # exact fp32 dots, as in triton_decode
+    num_kv_heads, block_size = cache.num_kv_heads, cache.block_size
+    group, fp32 = tile_layout(query, cache, block_tables)
     out = torch.empty_like(query)
     if total == 0:
         return out

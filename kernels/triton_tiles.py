@@ -35,20 +35,17 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row_p
 
 
 @triton.jit
-def tile_scores(q, k, USE_FP32: tl.constexpr):
-    """``q @ k.T``: [rows, BLOCK_N]; float32 (the interpreter, float32 caches) or tensor cores."""
+def tile_scores(q, k, softcap, USE_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+    """``q @ k.T``: [rows, BLOCK_N]; float32 (the interpreter, float32 caches) or tensor cores. With
+    ``SOFTCAP``, Gemma 2's logit soft-cap ``softcap * tanh(s / softcap)`` (``softcap`` in the scores'
+    base-2 units), as ``softcap * (2 sigmoid(2 s / softcap) - 1)``: core ``triton.language`` has no tanh."""
     if USE_FP32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q.to(k.dtype), tl.trans(k))
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     return s
-
-
-@triton.jit
-def soft_cap(s, cap):
-    """``cap * tanh(s / cap)`` (Gemma 2's logit soft-cap; ``cap`` in the scores' base-2 units), as
-    ``cap * (2 sigmoid(2 s / cap) - 1)``: core ``triton.language`` has no tanh."""
-    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
 
 
 @triton.jit

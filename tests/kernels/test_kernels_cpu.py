@@ -167,11 +167,11 @@ def test_fp8_kernel_refuses_per_head_scales():
 
 # Soft-caps that bend the scores of these cases (scale·q·k ~ N(0, 1)) hard, with and without a window.
 SOFTCAPS = [(0.5, None), (2.0, None), (2.0, 40)]
+SOFTCAP_DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)]
 
 
 @pytest.mark.parametrize("logit_softcap,window", SOFTCAPS)
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                               (torch.float32, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("dtype,cache_dtype", SOFTCAP_DTYPES)
 def test_logit_softcap_decode(logit_softcap, window, dtype, cache_dtype):
     case = make_case([1, 17, 255, 1030], dtype=dtype, cache_dtype=cache_dtype, head_dim=64, window=window,
                      logit_softcap=logit_softcap)
@@ -181,8 +181,7 @@ def test_logit_softcap_decode(logit_softcap, window, dtype, cache_dtype):
 
 
 @pytest.mark.parametrize("logit_softcap,window", SOFTCAPS)
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                               (torch.float32, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("dtype,cache_dtype", SOFTCAP_DTYPES)
 def test_logit_softcap_prefill(logit_softcap, window, dtype, cache_dtype, monkeypatch):
     # whole prompts (which take torch's fused kernel when uncapped), chunks after a prefix, row chunks
     monkeypatch.setattr(cpu_prefill, "SCORE_BUDGET", 1)  # 16 rows per chunk
