@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from compute_service.engine.config import EngineConfig
 from compute_service.model.config import ModelConfig, ModelLoadError
 from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS
 
 BENCH_KEY = "sk-bench"
 BENCH_TENANTS = f"""\
@@ -31,15 +33,16 @@ class ClusterShape:
 
     model: str
     nodes: int = 1
-    block_size: int = 16
-    kv_cache_memory: int = 64 << 20
+    block_size: int = LOCAL_NODE_DEFAULTS["block_size"]
+    kv_cache_memory: int = LOCAL_NODE_DEFAULTS["kv_cache_memory"]
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.nodes < 1:
             raise ValueError(f"--nodes must be at least 1, got {self.nodes}")
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"--kv-cache-memory must be positive bytes, got {self.kv_cache_memory}")
+        # the node settings' own rules, in their words (SettingError is a ValueError)
+        EngineConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                     kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass(slots=True, frozen=True)
