@@ -1,4 +1,4 @@
-"""New architectures and config features through a real 1-node cluster (etcd, block_service, a
+"""Architectures and config features through a real 1-node cluster (etcd, block_service, a
 compute node, the router): the same greedy tokens as transformers."""
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ def serve(model_dir, work_dir, prompts):
 
 
 @pytest.mark.cluster
-def test_the_cluster_serves_what_transformers_computes(tmp_path):
-    """A Qwen3 with attention biases, tied embeddings, odd head shapes and a vocabulary (301) larger
-    than its tokenizer's (260): ids the model embeds are valid prompt tokens for the router. A prompt
-    longer than the context (256) is refused before block_service is asked for blocks it lacks."""
-    model_dir = build(tmp_path / "qwen3_odd", "qwen3_odd")
-    prompts = [prompt(3, seed=1), prompt(100, seed=2) + [265, 300]]
+@pytest.mark.parametrize("case", ["qwen3_odd", "phi3_window", "gemma2_odd"])
+def test_the_cluster_serves_what_transformers_computes(tmp_path, case):
+    """One row per architecture feature set, each with tied embeddings: Qwen3 with attention biases,
+    odd head shapes and a vocabulary (301) larger than its tokenizer's (260), so ids the model embeds
+    are valid prompt tokens for the router; Phi-3 with fused checkpoints, partial RoPE and a sliding
+    window; Gemma 2 with its sandwich norms, soft-caps, attention scale and alternating windows. A
+    prompt longer than the context (256) is refused before block_service is asked for blocks it lacks."""
+    model_dir = build(tmp_path / case, case)
+    last_id = ModelConfig.from_dir(model_dir).vocab_size - 1
+    prompts = [prompt(3, seed=1), prompt(100, seed=2) + [last_id]]
     got, refused, pools = serve(model_dir, tmp_path / "cluster", prompts)
     assert got == reference_tokens(model_dir, prompts, MAX_NEW)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len is 256" in refused.details()

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from compute_service.model.architectures import ARCHITECTURES
 from kvfleet.sampling import SamplingParams
+from kvfleet_cli.model_maker import make_model
 from tests.compute_service.test_engine_matches_transformers import capture_first_logits
 from tests.models.hf_models import CASES, ROPES, build, prompt, reference_tokens
 
@@ -77,3 +79,11 @@ def test_gemma2_logits_are_soft_capped_as_transformers_caps_them(tmp_path):
         want = reference(torch.tensor([p])).logits[0, -1]
         assert want.abs().max() < 5.0 < 2 * want.abs().max()  # the cap (5) bites
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_the_model_maker_writes_every_architecture(tmp_path, model_type):
+    """``kvfleet make-model --architecture`` takes every entry of the table and writes a directory
+    transformers reads as that architecture and computes the engine's tokens from."""
+    model_dir = make_model(tmp_path / model_type, "tiny", architecture=model_type, seed=5)
+    assert engine_tokens(model_dir, PROMPTS) == reference_tokens(model_dir, PROMPTS, MAX_NEW)
