@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 # the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:
 # the engine then falls back to the torch reference with a warning
-$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp)
+$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 	$(PY) -c "from kernels import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load_extension() else 'unavailable, using the reference')"
 	touch $(KERNELS)
 
