@@ -55,17 +55,11 @@ class RemoteBlockAllocator:
         self._sender = BlockSender(client, loop, node_id, (num_blocks, block_size, bytes_per_block), self._policy,
                                    self._lock, self._tiers, trace_context_of or (lambda seq_id: None))
         self._sender.on_refused = on_refused
+        self.link: BlockLink = self._sender.link      # the sender's, read by the node (never replaced)
+        self.syncs: BlockSync = self._sender.syncs
         self._stats = AllocatorStats(num_blocks, num_blocks, 0, 0, 0, 0)  # the last figures block_service gave
 
     # -- what the node reads and sets -------------------------------------------------------------
-
-    @property
-    def link(self) -> BlockLink:
-        return self._sender.link
-
-    @property
-    def syncs(self) -> BlockSync:
-        return self._sender.syncs
 
     @property
     def num_rpcs(self) -> int:

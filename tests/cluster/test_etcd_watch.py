@@ -1,26 +1,14 @@
 """The one list/watch/relist loop (kvfleet.etcd_watch) against a real etcd: what membership and the
-block_service leader follow."""
+block_service leader follow (the ``etcd`` fixture: conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-import pytest
-
 from kvfleet.etcd_watch import Change, Listed, follow_prefix
 from kvfleet.leader import Leader, watch_leader
 from kvfleet.membership import etcd_client, watch_nodes
-from kvfleet_cli.etcd_server import EtcdServer
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    server = EtcdServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def _next(events, timeout=10.0):
