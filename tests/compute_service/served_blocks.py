@@ -8,6 +8,9 @@ block_service holds is read through its own client.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import faulthandler
+import sys
 import threading
 
 import grpc
@@ -62,8 +65,31 @@ class Served:
         self.server = self.on_loop(self._start())
         self.up = True
 
-    def on_loop(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+    def on_loop(self, coro, timeout_s: float = 30.0):
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._dump_where_it_waits(coro)
+            raise
+
+    def _dump_where_it_waits(self, coro) -> None:
+        """A call that never ends on the loop leaves its evidence: every task's stack on the loop and
+        every thread's, so that a timeout seen once in a long run can be read afterwards."""
+        out = sys.stderr
+        out.write(f"\n=== on_loop({getattr(coro, '__qualname__', coro)!r}) still waiting: the loop's tasks ===\n")
+        dumped = threading.Event()
+
+        def dump_tasks() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                out.write(f"--- {task!r}\n")
+                task.print_stack(file=out)
+            dumped.set()
+
+        self.loop.call_soon_threadsafe(dump_tasks)
+        dumped.wait(2)
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.flush()
 
     def stop(self) -> None:
         """block_service goes away (its state with it)."""
