@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 
 from block_service.durable import DurablePageTable
 from block_service.node_sync import LiveSequence
+from block_service.page_table import PageTable
 from block_service.recovery import recover
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -37,10 +38,12 @@ def family_hash(family: int, i: int) -> bytes:
 
 
 class PageTableMachine(RuleBasedStateMachine):
+    eviction = "lru"  # the pools' eviction policy (``test_eviction_stateful`` runs every one)
+
     @initialize()
     def setup(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvfleet-stateful-")
-        self.store, _ = DurablePageTable.open(self.dir, fsync=False)
+        self.store, _ = DurablePageTable.open(self.dir, fsync=False, eviction=self.eviction)
         self.table = self.store.table
         for node, (n, bs) in NODES.items():
             self.store.register_node(node, n, bs, BPB)
@@ -51,11 +54,16 @@ class PageTableMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "dir"):
-            self.store.sync()
-            replayed, report = recover(self.dir)
-            assert report.stop_reason is None, report.summary()
-            assert replayed.to_dict() == self.table.to_dict()
+            self.replayed()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def replayed(self) -> PageTable:
+        """The table the log rebuilds, checked equal to the live one."""
+        self.store.sync()
+        replayed, report = recover(self.dir, eviction=self.eviction)
+        assert report.stop_reason is None, report.summary()
+        assert replayed.to_dict() == self.table.to_dict()
+        return replayed
 
     def _unchanged_on_refusal(self, call, is_refusal) -> object:
         before = self.table.to_dict()
