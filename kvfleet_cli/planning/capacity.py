@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compute_service.kv.cache_dtype import ELEMENT_BYTES, KV_CACHE_DTYPES, SCALE_BYTES
+from kvfleet.block_size import check_block_size
 from kvfleet_cli.planning.devices import Device
 from kvfleet_cli.planning.shapes import ModelShape
 
@@ -43,8 +44,7 @@ class CapacityRequest:
     def __post_init__(self) -> None:
         if self.context < 1:
             raise ValueError(f"--context must be at least 1 token, got {self.context}")
-        if self.block_size < 1 or self.block_size % 16:
-            raise ValueError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
+        check_block_size(self.block_size, "--block-size")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel < 1:
