@@ -1,7 +1,8 @@
 """Test tiers, set from the fixtures a test uses, so that ``make test-fast`` can leave out whatever
 starts real processes without anyone keeping a list of paths up to date.
 
-- ``process``: starts a real process or server (etcd, a kvfleet service or command in a subprocess);
+- ``process``: starts a real process or server (etcd, a kvfleet service or command, any Python
+  interpreter in a subprocess);
 - ``cluster``: starts a whole cluster (``LocalCluster``, ``kvfleet up``: several services at once);
 - ``chaos``: kills or restarts processes on purpose.
 

@@ -260,6 +260,7 @@ def test_a_compose_node_asks_for_the_device_of_its_image_variant():
         assert _flag(service["command"], "--device") == service["build"]["args"]["VARIANT"] == "cpu", name
 
 
+@pytest.mark.process
 def test_yamllint_accepts_the_deploy_files():
     linted = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"), str(DEPLOY)],
                             capture_output=True, text=True, timeout=120)
@@ -309,6 +310,7 @@ def test_the_image_variants_install_their_own_torch():
     assert re.search(r"^ARG VARIANT=cpu$", dockerfile(), re.MULTILINE)
 
 
+@pytest.mark.process
 def test_the_image_build_fails_when_the_kernels_do_not_build(tmp_path):
     """The Dockerfile's own kernel step, run here with a target no compiler knows: it must exit non-zero
     (no ``|| true``), and the image must hold the compiler and ninja it needs."""

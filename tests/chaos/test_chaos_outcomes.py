@@ -107,6 +107,7 @@ def test_the_tally_counts_per_kind_and_status():
     assert tally.table().splitlines()[-1].split() == ["all", "1", "2"]
 
 
+@pytest.mark.process
 def test_the_judge_imports_neither_grpc_nor_torch():
     here = Path(__file__).parent
     code = "import sys, chaos_outcomes; bad = {'grpc', 'torch'} & set(sys.modules); assert not bad, bad"

@@ -8,11 +8,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from kernels import cpu_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.process
 def test_a_cached_library_loads_past_a_dead_builders_lock(tmp_path):
     assert cpu_kernels.load_extension(), "the native kernels build on this machine (make setup builds them)"
     name, flags = cpu_kernels.build_variants()[0]

@@ -14,6 +14,7 @@ import pytest
 CASES = Path(__file__).with_name("triton_cases.py")
 
 
+@pytest.mark.process
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "KVFLEET_TRITON_DEVICE": "cpu"}
