@@ -1,5 +1,5 @@
 """The page table at fleet scale: a simulated fleet in one block_service, sized as a user sizing a
-fleet would measure it (issue 19).
+fleet would measure it.
 
 ``--nodes`` pools (default 1,000) of ``--blocks`` blocks (default 100,000) of 16 tokens. Every node
 caches the 32 shared system prompts (64 blocks each) and private suffixes until ~20% of its pool is

@@ -1,5 +1,5 @@
 """KV tiers: prefix hits and TTFT with a host and a disk tier below the pool, and swap against
-recompute preemption (issue 15).
+recompute preemption.
 
 Multi-turn chat over shared system prompts, in process (``LLMEngine`` with its local page table)
 on ``models/bench-small`` in float32: each conversation's turn is its whole history (system prompt,

@@ -1,7 +1,7 @@
 """One node's pool of KV blocks: free list, cached blocks in its eviction policy's order, its part of
 the prefix index, reference counts.
 
-Every block is in exactly one of three states (DESIGN.md invariant 1)::
+Every block is in exactly one of three states (docs/design.md invariant 1)::
 
     state    ref   hash[b]   held in
     free     0     None      _free     stack; holds nothing
@@ -13,7 +13,7 @@ that content; such a block goes back to the free list when released, since no lo
 Every operation is O(1) per block. The pool knows nothing of sequences or quotas except the tenant
 charged for each used block (its owner), which the ledger needs back when the block stops being used.
 
-Sized for a fleet (issue 19: 1,000 nodes x 100,000 blocks in one process): per block, a reference
+Sized for a fleet (1,000 nodes x 100,000 blocks in one process): per block, a reference
 count (a list slot, 8 bytes: read on every path, and the counts are small shared ints), an owner
 code (uint16, into the pool's short list of tenant names), a slot in the hash list (8 bytes; the
 hash object only once committed), the eviction policy's own (LRU: a position, int32, plus a queue

@@ -4,12 +4,12 @@ A compute node sends what its engine did since the last step in one batch (``App
 growth, commits, drops (a sliding-window sequence's blocks outside its window), releases. One item
 the page table cannot accept — a commit of a block that is not full, a release of a sequence already
 gone — must not cost the others: a rejected batch would lose its releases and leak their blocks
-until the node re-registers (issue 11). So each item is applied on its own; a bad one is refused
+until the node re-registers. So each item is applied on its own; a bad one is refused
 alone and reported (``ItemError``: which part, which index, the status code and the message), and
 the rest is applied in the same order as a whole batch would be. The applied items are returned
 too, so that the log records exactly what changed (``DurablePageTable.apply``).
 
-Last come the node's lower-tier moves (issue 15, ``TierBatch``): each is validated alone, the valid
+Last come the node's lower-tier moves (``TierBatch``): each is validated alone, the valid
 ones applied in order; a demotion past the tenant's lower-tier cap is an answer, not an error
 (``ApplyResult.tier_refused``: the node drops its copy).
 

@@ -6,7 +6,7 @@
 
 A compute node or the router keeps one client for its life; when the leader changes, the client's
 next calls go to the new one. What happens to the calls in between is the caller's existing outage
-path (issue 11): they fail UNAVAILABLE and the node resyncs; ``on_change`` lets it resync at once
+path: they fail UNAVAILABLE and the node resyncs; ``on_change`` lets it resync at once
 instead of at its next backoff step. Without an election key (one block_service, no ``--etcd``)
 the fixed address is kept.
 """

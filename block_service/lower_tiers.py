@@ -1,4 +1,4 @@
-"""Which committed blocks each node keeps below its device pool (issue 15), and for which tenant.
+"""Which committed blocks each node keeps below its device pool, and for which tenant.
 
 A node demotes a committed block block_service evicted from its pool into host memory instead of
 dropping it, may move it on to disk, and promotes it back on a prefix hit; it tells block_service
@@ -6,7 +6,7 @@ each move (``kvfleet.allocator.TierChange``). This index keeps, per node, ``hash
 so that a prefix lookup can say how far past its hot run a node could serve a prompt without
 prefill, and so that each tenant's lower-tier cap is charged. It is apart from the hot
 ``PrefixIndex`` on purpose: the hot lookup stays exactly as fast (it is what routing asks first,
-issue 19), and lower-tier entries never change a pool's block state.
+and must hold at fleet scale), and lower-tier entries never change a pool's block state.
 
 Layout, for the fleet-wide question (``match``) and the per-node accounts:
 

@@ -379,7 +379,7 @@ class PageTable:
         return table
 
     def check(self) -> None:
-        """Assert DESIGN.md invariants 1-3 on every node."""
+        """Assert docs/design.md invariants 1-3 on every node."""
         indexed = sum(node.check(node_id, self._seqs_of(node)) for node_id, node in self._nodes.items())
         assert sum(len(n.seq_ids) for n in self._nodes.values()) == len(self._seqs)
         self._fleet.check(indexed)

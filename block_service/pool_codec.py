@@ -16,7 +16,7 @@ binary blobs beside its JSON (``snapshot``, format 2).
 Only what is not the default is written, and nothing is compressed: at 100,000 blocks 20% cached a
 pool is ~0.45 MB, and it is encoded and decoded by numpy (``frombuffer``, fancy indexing), never a
 Python statement per block — zlib alone took ~10 ms per pool, base64 and the JSON strings more
-(issue 19: snapshot and recovery of 1,000 such pools in under a minute). The free stack is nearly
+(snapshot and recovery of 1,000 such pools in under a minute). The free stack is nearly
 always a few descending runs (blocks are handed out from its end), so it is usually a few bytes.
 
 The policy's fields sit beside the pool's (not under a key of their own), so that a pool under the

@@ -8,7 +8,7 @@
 The JSON is ``PageTable.to_dict()``; in format 2 every ``bytes`` value in it (a pool's arrays,
 ``pool_codec``) is written as ``{"$b": i}`` and its bytes as blob ``i`` after the JSON, so a
 fleet's arrays go to disk and back as they are in memory: no base64, no JSON strings of hundreds
-of MB (issue 19). Reading gives those values back as ``memoryview``s of the file's bytes. A file
+of MB. Reading gives those values back as ``memoryview``s of the file's bytes. A file
 of another format is refused with one line naming it. A snapshot is written to a temporary file,
 fsynced and renamed, so a crash leaves either the old snapshot or the new one, never half of one.
 """

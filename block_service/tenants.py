@@ -5,7 +5,7 @@ The tenant itself is ``kvfleet.tenants.Tenant`` (one type, one validation, share
 block_service keeps it without its API key. A quota is configured in MiB and becomes
 ``quota_bytes // bytes_per_block`` blocks on each node. A block is charged to the tenant that
 brought it into use (fresh, or revived from the cache) for as long as any sequence holds it, so a
-shared prefix block is charged once (DESIGN.md invariant 3). A reserved share is guaranteed: other
+shared prefix block is charged once (docs/design.md invariant 3). A reserved share is guaranteed: other
 tenants may not take the blocks a tenant has reserved and not yet used. A tenant without a
 configured quota is unlimited (the engine's in-process tenant).
 """

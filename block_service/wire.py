@@ -27,7 +27,7 @@ def split_hashes(data: bytes) -> list[bytes]:
     return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
 
 
-# ---- lower tiers (issue 15) ---------------------------------------------------------------------
+# ---- lower tiers ---------------------------------------------------------------------
 
 _WIRE_TIERS = (TIER_NONE, TIER_HOST, TIER_DISK)  # a move's tier code on the wire is its index here
 _TIER_CODES = {t: i for i, t in enumerate(_WIRE_TIERS)}

@@ -101,7 +101,7 @@ class AllocatorStats:
     prefix_hits: int       # of those, found committed
 
 
-# Lower tiers of a node's KV cache (issue 15): the device pool is hot; below it a host-memory pool and
+# Lower tiers of a node's KV cache: the device pool is hot; below it a host-memory pool and
 # a disk directory hold committed blocks demoted instead of evicted.
 TIER_HOST = "host"
 TIER_DISK = "disk"

@@ -12,7 +12,7 @@ its P99 batch controller holds it down); routers without ``--capacity`` admit th
 nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
 
 States: WARMING (registered, not yet serving), READY (route to it), DRAINING (finishing its running
-requests; route nothing new). The only etcd client is ``aetcd`` (see issue 5: clients clash on
+requests; route nothing new). The only etcd client is ``aetcd`` (two etcd client libraries clash on
 ``kv.proto``, so only one per process).
 """
 

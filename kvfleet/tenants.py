@@ -58,7 +58,7 @@ class Tenant:
     max_concurrent: int = 0         # >= 0; 0 = no limit (enforced by the router's queue)
     reserved_mib: float = 0.0       # 0 <= reserved_mib <= quota_mib: kept free for this tenant
     # > 0; None: unlimited. A cap of its own for the node's lower tiers (host memory, disk): the
-    # quota above charges only blocks in the device pool (issue 15).
+    # quota above charges only blocks in the device pool.
     lower_tier_quota_mib: float | None = None
 
     def __post_init__(self) -> None:

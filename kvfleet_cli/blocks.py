@@ -6,7 +6,7 @@ Without ``--block-service`` it asks the local cluster ``kvfleet up`` runs (its s
 replicas, the leader its etcd names), else 127.0.0.1:50051.
 
 Per node: used / cached / free by tier (device; host and disk: the committed blocks the node keeps
-below its pool, issue 15), the sequences (requests) holding the most blocks with their tenant and
+below its pool), the sequences (requests) holding the most blocks with their tenant and
 age, the internal waste of partly filled last blocks; per tenant: blocks charged against the quota,
 lower-tier blocks charged against the lower-tier cap, and refusals of each. It asks block_service
 directly rather than the router: block_service holds

@@ -3,7 +3,7 @@
 The prompt's full blocks are hashed exactly as the nodes hash them (``kvfleet.block_hash``, with
 the tenant as the first block's extra key), once per block size in use, and block_service's prefix
 index answers per node how many leading blocks are committed there (hot), and how many more the
-node keeps below its pool, in host memory or on disk (issue 15: valued less than hot). When a node's lease expires the
+node keeps below its pool, in host memory or on disk (valued less than hot). When a node's lease expires the
 router tells block_service to drop the node's pool, so its blocks stop being charged to tenants.
 
 block_service being down is no reason to stop routing: a lookup that fails counts as "nothing

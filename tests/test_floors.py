@@ -70,6 +70,9 @@ PURE = [
     "kvfleet_cli.loadgen.workload", "kvfleet_cli.loadgen.records", "kvfleet_cli.loadgen.analysis",
     "kvfleet_cli.loadgen.search", "kvfleet_cli.loadgen.server_side", "kvfleet_cli.loadgen.plots",
     "kvfleet_cli.loadgen.progress", "kvfleet_cli.config_file",
+    "kvfleet.settings", "compute_service.engine.config", "compute_service.kv.block_size",
+    "compute_service.node.settings", "router.settings", "block_service.settings", "kvfleet_cli.local_nodes",
+    "kvfleet_cli.demo_tenants",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 

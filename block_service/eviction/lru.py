@@ -7,7 +7,7 @@ revives it) only sets ``pos[b] = -1``: its entry goes stale in place, and the ev
 stale entries (an entry at ``i`` is live only while ``pos[queue[i]] == i``). So a release appends
 its blocks with one C loop, a prefix hit clears one slot per block and an eviction reads forward;
 the doubly linked list this replaces relinked two neighbours per block in Python on every hit and
-release (issue 19: in-process block operations 0.85-0.96x of the ``OrderedDict`` before it).
+release (in-process block operations 0.85-0.96x of the ``OrderedDict`` before it).
 
 When the queue holds more than twice the live entries (plus a little), it is compacted with numpy
 (live entries kept in order, positions renumbered): amortised O(1) per operation, and memory is

@@ -1,4 +1,4 @@
-"""The remote allocator's side of a node's lower tiers (issue 15): moves waiting to be sent, the hashes
+"""The remote allocator's side of a node's lower tiers: moves waiting to be sent, the hashes
 block_service refused, and where the node's whole lower-tier index is read at a sync.
 
     engine thread: record_tiers ─▶ queued ─(end_step)─▶ loop: ApplyMany's tier moves ─▶ refused ─▶ take_tier_refusals

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.stats import EngineStats
 from compute_service.engine.request_output import RequestOutput
+from compute_service.engine.stats import EngineStats
 from kvfleet.membership import NodeState
 from kvfleet.sampling import SamplingParams
 

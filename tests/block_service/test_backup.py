@@ -1,4 +1,4 @@
-"""Disaster recovery (issue 16 item 5): the log shipped to a backup directory, the state directory
+"""Disaster recovery: the log shipped to a backup directory, the state directory
 lost, a state restored from the backup equal to the state at the last shipped record; a corrupt
 segment refused naming it (or, with --partial, restored up to its last good record). Real files."""
 

@@ -249,7 +249,7 @@ def test_apply_many_is_growth_commit_release_in_that_order(tmp_path) -> None:
 
 
 def test_apply_many_refuses_a_bad_item_alone(tmp_path) -> None:
-    """Issue 11 item 2: one commit of a block the sequence does not hold (the node's view ran ahead) used to
+    """One commit of a block the sequence does not hold (the node's view ran ahead) used to
     reject the whole bookkeeping batch, so its releases were lost. Now that item alone is refused,
     reported by kind and index, and everything else is applied and logged."""
     store, _ = DurablePageTable.open(str(tmp_path), fsync=False)

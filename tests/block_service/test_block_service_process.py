@@ -148,7 +148,7 @@ def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
 
 
 def test_refuses_to_start_from_a_stale_state_in_one_line(service: Service) -> None:
-    """Issue 11 item 6: a corrupt newest snapshot whose records no log holds any more. The service
+    """A corrupt newest snapshot whose records no log holds any more. The service
     must not start from the older snapshot (nodes and sequences long gone would come back)."""
     store, _ = DurablePageTable.open(str(service.state_dir), fsync=False)
     store.register_node("n0", 64, 16, 1 << 16)

@@ -1,4 +1,4 @@
-"""The compact storage behind the page table (issue 19): the LRU threaded through two arrays, the
+"""The compact storage behind the page table: the LRU threaded through two arrays, the
 shared prefix index with its bitsets, and the snapshot form of a pool, old and new."""
 
 from __future__ import annotations

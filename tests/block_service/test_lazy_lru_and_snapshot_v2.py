@@ -1,4 +1,4 @@
-"""The lazy LRU against the ``OrderedDict`` it stands for, and the binary snapshot format (issue 19):
+"""The lazy LRU against the ``OrderedDict`` it stands for, and the binary snapshot format:
 round trips, the pool arrays' encodings, corrupt or foreign files refused with one line."""
 
 from __future__ import annotations

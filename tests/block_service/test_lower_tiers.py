@@ -1,4 +1,4 @@
-"""The per-node lower-tier index (issue 15): which committed blocks each node keeps in host memory or
+"""The per-node lower-tier index: which committed blocks each node keeps in host memory or
 on disk, for which tenant; its caps, refused per item; and prefix lookups that see past the hot run.
 
 The state machine runs ``LowerTiers`` (beside a hot ``PrefixIndex``) against a plain dict model under

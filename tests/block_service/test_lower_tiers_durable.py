@@ -1,4 +1,4 @@
-"""Lower-tier records (issue 15) in the write-ahead log and snapshots: a restart of block_service
+"""Lower-tier records in the write-ahead log and snapshots: a restart of block_service
 recovers which blocks each node holds in host memory or on disk, and each tenant's charge against its
 lower-tier cap; bookkeeping applies tier moves item by item."""
 

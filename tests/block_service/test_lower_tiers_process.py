@@ -1,4 +1,4 @@
-"""Lower tiers (issue 15) end to end with ``kvfleet block-service`` as a real process: a node's remote
+"""Lower tiers end to end with ``kvfleet block-service`` as a real process: a node's remote
 allocator sends its tier moves, the tenant's cap (from the tenants file) refuses one back, a SIGKILL
 and restart recover the index from the log, ``kvfleet blocks`` shows it, and a sync re-sends the
 node's whole index."""

@@ -1,4 +1,4 @@
-"""Lower tiers (issue 15) through the real gRPC server: tier moves in ApplyMany with a bad one refused
+"""Lower tiers through the real gRPC server: tier moves in ApplyMany with a bad one refused
 alone and one past the tenant's cap refused back to the node, MatchPrefix's hot and lower-tier runs,
 Stats' per-tier counts and per-tenant charges, a sync replacing a node's index, and a restart."""
 

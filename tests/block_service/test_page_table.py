@@ -125,7 +125,7 @@ def test_commit_rules(table: PageTable) -> None:
 
 
 def test_a_commit_declares_its_block_full(table: PageTable) -> None:
-    """Issue 11 (soak: ~9 refused commits a minute under a small-tenant flood): a sequence whose
+    """In a soak (~9 refused commits a minute under a small-tenant flood), a sequence whose
     reserve top-up was refused keeps the prompt's length here, inside its last block; when the
     engine has filled that block, its commit used to be refused as "not a full block" (the prefix
     hit lost). The commit now grows the length to the block's end: no new block, no quota."""

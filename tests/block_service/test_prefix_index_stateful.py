@@ -1,4 +1,4 @@
-"""The fleet-wide prefix index against the scan it replaced (issue 19).
+"""The fleet-wide prefix index against the scan it replaced.
 
 ``match_prefix`` used to walk each node's own hash → block dict; it now asks one index shared by all
 nodes. This machine drives a page table through commits, evictions (small pools), releases,

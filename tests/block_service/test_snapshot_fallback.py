@@ -1,4 +1,4 @@
-"""A corrupt newest snapshot (issue 11 item 6): block_service recovers to the last good record from
+"""A corrupt newest snapshot: block_service recovers to the last good record from
 the older snapshot and the logs after it, or refuses to start saying which file is corrupt and which
 records are missing — never silently from a stale state. Real files, real damage."""
 

@@ -30,7 +30,7 @@ SMALL_QUOTA_TOKENS = 512
 DOWN_S = 1.5  # how long a killed process stays dead before it is started again
 
 # A request is never lost to a dead block_service: the KV lives on the node and only the
-# bookkeeping waits (DESIGN.md "Staying alive": retry with backoff, hold what cannot proceed).
+# bookkeeping waits (docs/design.md "Staying alive": retry with backoff, hold what cannot proceed).
 # A request arriving while no node can take work may hear UNAVAILABLE "no READY compute node",
 # the documented answer, before its first token; a stream already flowing must not break.
 BLOCK_SERVICE_DOWN = FaultPolicy(

@@ -1,6 +1,6 @@
 """Requests a careless or hostile client sends, each with the answers the contract allows it:
 
-    bad_field_cases()     one field wrong at a time → INVALID_ARGUMENT (DESIGN.md "Errors are answers")
+    bad_field_cases()     one field wrong at a time → INVALID_ARGUMENT (docs/design.md "Errors are answers")
     auth_cases()          missing, wrong, malformed or doubled credentials → UNAUTHENTICATED
     same_id_cases()       one request_id twice at once → one runs, the other ALREADY_EXISTS
     mutated_cases(rng)    a valid request with random fields set to edge values → OK or INVALID_ARGUMENT
@@ -84,7 +84,7 @@ def auth_cases() -> list[tuple]:
         _case("unknown key", req, UNAUTH, bearer("sk-nobody")),
         _case("empty bearer", req, UNAUTH, [("authorization", "Bearer ")]),
         _case("not a bearer", req, UNAUTH, [("authorization", "Basic sk-gold")]),
-        # issue 11 item 9: the last header must not silently win; ambiguous credentials are refused
+        # the last header must not silently win; ambiguous credentials are refused
         _case("two authorization headers", req, UNAUTH | INVALID,
               [("authorization", "Bearer sk-free"), ("authorization", "Bearer sk-gold")]),
     ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 OK = "OK"
 CANCELLED = "CANCELLED"
-# Every status a client of the public API may see (DESIGN.md "Errors are answers", the README's
+# Every status a client of the public API may see (docs/design.md "Errors are answers", the README's
 # cluster section, inference.proto: ALREADY_EXISTS for a request_id whose call still runs).
 # Anything else (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED, ...) is a bug wherever seen.
 DOCUMENTED = frozenset({OK, CANCELLED, "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",

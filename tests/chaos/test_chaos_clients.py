@@ -73,7 +73,7 @@ def _cancelling(cluster, checker, cancels: list[RequestSpec], limit: int, min_ca
 
 def test_early_cancellations_leak_nothing(cluster, checker):
     """Cancelled 5-80 ms after sending: while the router queues it, the node allocates its first
-    blocks, or its prefill runs. Issue 11 item 3: those early blocks leaked."""
+    blocks, or its prefill runs. Those early blocks used to leak."""
     cancels = [RequestSpec("early-cancel", key, f"p{i}", 160, cancel_after_s=ms / 1000)
                for key in ("sk-gold", "sk-small") for i in range(4) for ms in (5, 12, 20, 35, 50, 65, 80)]
     problems = _cancelling(cluster, checker, cancels, limit=84, min_cancelled=40)
@@ -82,8 +82,8 @@ def test_early_cancellations_leak_nothing(cluster, checker):
 
 def test_a_start_and_its_cancel_in_one_message_leak_nothing(cluster, checker):
     """The router writes the commands queued while it was writing in one ``NodeCommands``: a client
-    that leaves as its request is dispatched puts the start and the cancel in one message (issue
-    11: the soak's leaks of a prompt's early blocks). Here they are written to each node's Serve
+    that leaves as its request is dispatched puts the start and the cancel in one message
+    (the soak's leaks of a prompt's early blocks). Here they are written to each node's Serve
     stream directly, eight such pairs, then one request that runs to its end: its early allocation
     was asked after theirs, so once it finished, theirs were answered too."""
     prompt = checker.book.prompts["p1"]  # 40 tokens: two full blocks, shared by every pair
@@ -165,7 +165,7 @@ def test_fuzzed_fields_and_credentials_get_their_status(cluster, checker):
 
 
 def test_undecodable_bytes_get_invalid_argument(cluster, checker):
-    """Issue 11 item 7: grpcio's default deserializer answered UNKNOWN, with a traceback in the
+    """grpcio's default deserializer answered UNKNOWN, with a traceback in the
     router's log for each; a valid request sent the same raw way is the control."""
     payloads = undecodable(random.Random(5), 60)
     tracebacks = _router_tracebacks(cluster)

@@ -74,7 +74,7 @@ def test_etcd_stopped_longer_than_the_lease_then_started(cluster, checker):
 
 
 def test_etcd_frozen_past_the_lease(cluster, checker):
-    """Every node's lease lapses while the nodes live on (issue 11 item 5: the router dropped their
+    """Every node's lease lapses while the nodes live on (the router dropped their
     pools in block_service, and the nodes died on "unknown node")."""
     problems = asyncio.run(_under_load(cluster, checker, freeze_etcd(cluster), ETCD_DOWN, frozenset()))
     assert not problems, report(problems)

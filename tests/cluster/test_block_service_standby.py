@@ -1,4 +1,4 @@
-"""block_service with a standby (issue 19): the leader SIGKILLed under load, the standby takes over
+"""block_service with a standby: the leader SIGKILLed under load, the standby takes over
 through etcd, the nodes and the router find it there and every stream finishes token-exact. Real
 etcd, two block_service replicas, nodes and router (LocalCluster), a shortened lease."""
 

@@ -1,4 +1,4 @@
-"""A compute node never dies of a peer's trouble (issue 11): block_service SIGKILLed under load and
+"""A compute node never dies of a peer's trouble: block_service SIGKILLed under load and
 restarted, etcd down for longer than the lease TTL, a leaked sequence in block_service, a node
 started while block_service is down. Real etcd, block_service, nodes and router (LocalCluster).
 """

@@ -222,7 +222,7 @@ def extend_as_the_bridge_does(policy: AllocatorPolicy, short, block_service: Quo
 
 
 def test_an_extend_never_asks_to_shrink_what_a_topup_just_granted():
-    """Issue 11: a tenant near its quota killed nodes with "holds 512 tokens; extend cannot shrink
+    """A tenant near its quota killed nodes with "holds 512 tokens; extend cannot shrink
     it to 497". The engine crossed into block 32 while the reserve's top-up (to 512 tokens) was
     still queued; the bridge sent the queue first (granted), then asked one block ahead (refused:
     the quota), then exactly 497 tokens: less than block_service had just granted."""
@@ -238,7 +238,7 @@ def test_an_extend_never_asks_to_shrink_what_a_topup_just_granted():
 
 @pytest.mark.parametrize("moment", ["queued", "in flight", "answered", "claimed"])
 def test_a_request_ended_at_any_moment_leaves_block_service_holding_nothing(moment):
-    """Issue 11: requests cancelled in their first ~100 ms kept their early allocation: the
+    """Requests cancelled in their first ~100 ms kept their early allocation: the
     request's release came while its ask was still queued or in flight, found nothing granted yet,
     and the answer landed afterwards for nobody to claim. ``holds`` is what block_service holds."""
     policy = AllocatorPolicy(BS)

@@ -1,4 +1,4 @@
-"""A node rides out block_service's trouble (issue 11): while block_service is unreachable the
+"""A node rides out block_service's trouble: while block_service is unreachable the
 engine's calls get a transient refusal at once and bookkeeping waits; when it is back, with its
 state or without, one sync makes its view of the node equal to the node's live sequences.
 

@@ -1,5 +1,5 @@
 """oneDNN linear layers: same results as ``nn.Linear`` for any row count, and a heap that does not
-grow with the number of different row counts served (issue 11's soak: a node grew ~1 MiB a minute
+grow with the number of different row counts served (the soak: a node grew ~1 MiB a minute
 because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
 
 import pytest

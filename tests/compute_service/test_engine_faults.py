@@ -1,4 +1,4 @@
-"""A fault in an engine step fails the requests of that step, not the engine (issue 11).
+"""A fault in an engine step fails the requests of that step, not the engine.
 
 The fault is real code raising inside a real step: the engine's model runner is replaced by one
 that raises on its first call and runs the model after that.

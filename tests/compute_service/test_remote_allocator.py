@@ -144,7 +144,7 @@ def test_releases_and_prompt_commits_are_sent_at_the_end_of_their_step(node):
 
 
 def test_a_tenant_at_its_quota_crossing_blocks_while_its_topups_are_queued(node):
-    """Issue 11: the exact extend after a refused one-block-ahead ask asked block_service to shrink
+    """The exact extend after a refused one-block-ahead ask asked block_service to shrink
     sequences whose queued top-ups the same call had just had granted; block_service refused with
     an error, which killed the node's step thread. Tenant q may hold 4 blocks."""
     allocator, on_loop, client = node
@@ -170,7 +170,7 @@ def holds_nothing(allocator, on_loop, client) -> None:
 
 @pytest.mark.parametrize("moment", ["queued", "in flight", "answered"])
 def test_a_request_ended_before_the_engine_claimed_it_leaves_nothing(node, moment):
-    """Issue 11: 19 of 80 requests cancelled 12-76 ms after sending kept their early allocation.
+    """19 of 80 requests cancelled 12-76 ms after sending kept their early allocation.
     The request's stream ends (the allocator's release, on the loop) while its early allocation is
     queued behind a flush in flight, is itself in flight, or has been answered."""
     allocator, on_loop, client = node
@@ -216,7 +216,7 @@ def test_a_request_ended_after_the_engine_claimed_it_is_released_by_the_engine(n
 
 
 def test_a_stream_closing_during_preallocation_cancels_its_waiters_and_leaks_nothing(node):
-    """Issue 11: ``InvalidStateError: invalid state`` at ``done.set_result(None)`` when a Serve
+    """``InvalidStateError: invalid state`` at ``done.set_result(None)`` when a Serve
     stream closed during preallocation: the answer came for a waiter already cancelled, and the
     other requests of that batch never got theirs."""
     allocator, on_loop, client = node

@@ -1,4 +1,4 @@
-"""The remote allocator's lower-tier moves (issue 15) against a real BlockManager server: sent with the
+"""The remote allocator's lower-tier moves against a real BlockManager server: sent with the
 step's bookkeeping, refusals (cap, bad move) handed back to the node, the node's whole index re-sent
 by a sync after block_service lost its state, and moves recorded while it was away not lost.
 

@@ -33,7 +33,7 @@ def node_context(node, llama_dir):
 
 
 def test_a_request_cancelled_in_its_starts_command_batch_leaves_no_blocks(node, node_context):
-    """Issue 11 (the soak's leaks): the router batches the commands queued while it writes, so a
+    """The soak's leaks: the router batches the commands queued while it writes, so a
     request's start and its cancel (the client left at once) can arrive in one ``NodeCommands``.
     The start's task had not run when the cancel ended the request (releasing nothing: nothing was
     asked yet); it then asked for the prompt's blocks all the same, and nobody released them."""

@@ -31,7 +31,7 @@ def test_the_fleets_own_channels_are_allowed(monkeypatch):
 
 def test_the_settings_that_sent_goaway_are_caught():
     """The router pinged its nodes every 20 s; the node's server meant to allow one every 10 s
-    but misspelt the option's name, so gRPC kept its five-minute default (issue 11, item 8)."""
+    but misspelt the option's name, so gRPC kept its five-minute default."""
     router_channel = [("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 20_000),
                       ("grpc.keepalive_timeout_ms", 10_000)]
     compute_server = [("grpc.max_receive_message_length", 64 << 20),

@@ -263,7 +263,7 @@ class TieredLookup:
 
 
 def test_a_node_holding_the_prompt_in_a_lower_tier_wins_over_a_miss():
-    """Issue 15: ``cold`` is a little busier, but holds the prompt's 3 blocks in host memory (worth
+    """``cold`` is a little busier, but holds the prompt's 3 blocks in host memory (worth
     half a hot hit each): 1 + 0.5 * 3 against 3 blocks to prefill on ``miss``."""
     nodes = table({"cold": [([5], LENGTH)], "miss": [([6], LENGTH)]})
     nodes.nodes["cold"].active_blocks = 1

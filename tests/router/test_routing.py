@@ -103,7 +103,7 @@ def test_a_decision_narrowed_by_the_warm_up_ramp_says_so():
 
 
 def test_hot_beats_lower_tier_beats_miss_at_equal_load():
-    """Issue 15: a block the node keeps in host memory or on disk saves the prefill but costs a copy
+    """A block the node keeps in host memory or on disk saves the prefill but costs a copy
     back; the picker ranks the three nodes hot, then lower tier, then nothing."""
     hot, cold, miss = node("hot", cached=8), NodeLoad("cold", 0, 0, OLD, 8), node("miss")
     p = picker()

@@ -38,7 +38,7 @@ def test_load_good_file(tmp_path):
 
 
 def test_the_lower_tier_cap_is_its_own_field():
-    """Issue 15: the quota charges device-pool blocks; ``lower_tier_quota_mib`` caps host + disk."""
+    """The quota charges device-pool blocks; ``lower_tier_quota_mib`` caps host + disk."""
     [t] = parse_tenants({"tenants": [entry(lower_tier_quota_mib=2.5)]})
     assert t.lower_tier_quota_mib == 2.5 and t.quota_mib == 1
     assert t.lower_tier_quota_blocks(bytes_per_block=2**19) == 5
