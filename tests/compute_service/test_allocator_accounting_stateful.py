@@ -16,8 +16,6 @@ the queue; the loop never waits.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
 from inspect import GEN_CREATED, getgeneratorstate
 
 from hypothesis import settings
@@ -29,43 +27,9 @@ from block_service.page_table import PageTable
 from compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.allocator import LiveSequence as ListedSequence
-from kvfleet.block_hash import reusable_blocks
 from kvfleet.errors import AlreadyExists
 from kvfleet.tenants import Tenant
-
-NODE, NUM_BLOCKS, BS, BPB = "n0", 24, 16, 1 << 18   # four blocks per MiB
-TENANTS = {"gold": None, "small": 1.5}               # quota in MiB: "small" gets six blocks
-PROMPTS = [40, 40, 20, 33]                            # tokens; the 40s share their two full blocks
-FATES = ["ok"] * 6 + ["lost", "unapplied"]            # an RPC's answer; lost: applied, answer never came
-
-
-class Lost(Exception):
-    """The answer of an RPC made inside the engine's ``_call`` never came: its ``wait_for`` timed
-    out and cancelled the coroutine where it stood."""
-
-
-def block_hash(seq_id: str, prompt: int, i: int) -> bytes:
-    """A prompt's full blocks are shared by every prompt of its length; generated blocks are not."""
-    key = f"prompt{prompt}/{i}" if (i + 1) * BS <= prompt else f"{seq_id}/{i}"
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
-
-
-@dataclass(slots=True)
-class Request:
-    """One request as its stream and the engine see it."""
-
-    seq_id: str
-    tenant: str
-    prompt: int
-    stage: str = "started"      # started (its task not run yet) → asking (preallocate awaits) → woken → submitted → gone
-    ended: bool = False         # the stream ended (release_unclaimed done)
-    in_engine: bool = False     # the engine holds the request (added, not finished or aborted)
-    block_table: list[int] = field(default_factory=list)  # what the engine was handed
-    length: int = 0             # tokens the engine allocated for
-    committed: int = 0          # blocks the engine committed (or got as prefix hits)
-
-    def hashes(self, num_tokens: int) -> list[bytes]:
-        return [block_hash(self.seq_id, self.prompt, i) for i in range(reusable_blocks(num_tokens, BS))]
+from tests.compute_service.accounting_world import BPB, BS, FATES, NODE, NUM_BLOCKS, PROMPTS, TENANTS, Lost, Request, block_hash
 
 
 class AccountingMachine(RuleBasedStateMachine):
