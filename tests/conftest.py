@@ -29,6 +29,10 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# a cluster is processes; what kills processes started them (a marker written by hand implies these too)
+IMPLY: dict[str, tuple[str, ...]] = {"process": (), "cluster": ("process",), "chaos": ("process",)}
+
+
 def tiers_of(fixturenames) -> set[str]:
     """The markers a test using ``fixturenames`` (its whole closure) gets."""
     return {tier for name in fixturenames for tier in FIXTURE_TIERS.get(name, ())}
@@ -38,5 +42,7 @@ def tiers_of(fixturenames) -> set[str]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         have = {mark.name for mark in item.iter_markers()}
-        for tier in sorted(tiers_of(getattr(item, "fixturenames", ())) - have):
+        tiers = tiers_of(getattr(item, "fixturenames", ())) | (have & IMPLY.keys())
+        tiers |= {implied for tier in tiers for implied in IMPLY[tier]}
+        for tier in sorted(tiers - have):
             item.add_marker(tier)

@@ -53,6 +53,8 @@ def test_known_tests_get_the_tiers_of_their_fixtures():
     assert all(m == {"process", "cluster", "chaos"} for m in by_file["test_chaos_restarts.py"])
     assert all(m == set() for m in by_file["test_page_table.py"])                          # pure
     assert all(m == {"process"} for m in by_file["test_parent_death.py"])                  # marked by hand
+    smollm2 = collect("tests/cluster/test_smollm2_token_exact.py")
+    assert sorted(smollm2.values(), key=len) == [set(), {"process", "cluster"}]  # by hand: cluster is processes
 
 
 def test_the_fast_selection_sees_the_markers():
