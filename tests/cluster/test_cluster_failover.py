@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import pytest
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
 
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
@@ -15,6 +16,8 @@ from kvfleet.ids import MAX_REQUEST_ID_LEN
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 from tests.compute_service.conftest import late_stop_string
+
+pytestmark = pytest.mark.chaos  # each test kills or drains a node on purpose
 
 MAX_TOKENS = 1200
 LEASE_TTL = 3

@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from cluster_helpers import random_prompt, request, stream
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,6 +70,7 @@ def test_higher_paid_level_is_served_first_under_contention(start_cluster):
     assert finished == ["gold1", "gold2", "free1", "free2"], ended
 
 
+@pytest.mark.chaos  # it kills and restarts the router
 def test_a_node_that_joins_gets_a_cold_start_share(start_cluster):
     """A node that turns READY while the router runs gets a small share of the traffic at first; a
     router that finds it READY when it starts treats it as warm and splits traffic evenly. (How the

@@ -10,6 +10,7 @@ import asyncio
 import signal
 
 import cluster_helpers
+import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
 from block_service.client import BlockManagerClient
@@ -40,6 +41,7 @@ def drain(cluster) -> None:
     assert cluster.child("node-0").process.wait(timeout=60) == 0
 
 
+@pytest.mark.chaos
 def test_a_node_restarts_warm_from_its_snapshot_and_refuses_another_block_size(start_cluster, tmp_path):
     snapshots = tmp_path / "snapshots"
     cluster = start_cluster(num_nodes=1, compute_args=("--kv-snapshot-dir", str(snapshots)))
