@@ -147,6 +147,8 @@ def exported_names() -> set[str]:
     from block_service import metrics as block_metrics
     from block_service.durable import DurablePageTable
     from block_service.page_table import PageTable
+    from compute_service.engine.stats import EngineStats
+    from compute_service.kv.tier_index import TierCounts
     from compute_service.node import metrics as node_metrics
     from kvfleet.allocator import AllocatorStats
     from kvfleet.latency_histogram import LatencyHistogram
@@ -159,10 +161,11 @@ def exported_names() -> set[str]:
         generate_latest(registry_of(block_metrics.families(block_metrics.sample(DurablePageTable(table, "x"))))),
         generate_latest(block_metrics.BlockServiceMetrics().registry),
         generate_latest(registry_of(node_metrics.families(node_metrics.NodeSample(
-            node_id="n0", state="READY", block_size=16, num_in_flight=0, num_running=0, num_waiting=0,
-            num_preemptions=0, generated_tokens=0, prompt_tokens_computed=0, busy_seconds=0.0,
-            blocks=AllocatorStats(8, 8, 0, 0, 0, 0), queue_time=LatencyHistogram().snapshot(),
-            prefill_time=LatencyHistogram().snapshot())))),
+            node_id="n0", state="READY", block_size=16, num_in_flight=0, engine=EngineStats(
+                num_running=0, num_waiting=0, max_num_seqs_live=4, generated_tokens=0, prompt_tokens_computed=0,
+                num_preemptions=0, busy_seconds=0.0, blocks=AllocatorStats(8, 8, 0, 0, 0, 0),
+                tiers=TierCounts(0, 0, 0, 0, 0), queue_time=LatencyHistogram().snapshot(),
+                prefill_time=LatencyHistogram().snapshot()))))),
         generate_latest(registry_of(router_metrics.families(router_metrics.RouterSample([], {}, 0)))),
         generate_latest(router_metrics.RequestMetrics().registry),
     ]
