@@ -47,10 +47,11 @@ test: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=25
 
-# pure and in-process tests only: nothing that starts a process, a cluster or kills one (tests/conftest.py)
+# pure and in-process tests only: nothing that starts a process, a cluster or kills one (tests/conftest.py);
+# one pytest worker per CPU, and a fifth of the property tests' examples (tests/examples.py)
 test-fast: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25 -m "not process and not cluster and not chaos"
+	KVFLEET_TESTS=fast $(PY) -m pytest -q -n auto --durations=10 -m "not process and not cluster and not chaos"
 
 bench: setup protos
 	$(PY) bench/engine_vs_transformers.py --quick

@@ -27,6 +27,7 @@ from block_service.recovery import RecoveryError, recover
 from block_service.snapshot import decode_snapshot, encode_snapshot
 from kvfleet.allocator import AllocateRequest, Allocation
 from tests.block_service.test_page_table_stateful import BPB, NODES, TENANTS, PageTableMachine, family_hash
+from tests.examples import examples
 
 
 class Cheapest(EvictionPolicy):
@@ -170,7 +171,7 @@ class EvictionMachine(PageTableMachine):
 @pytest.mark.parametrize("policy", sorted(POLICIES) + [Cheapest.name])
 def test_every_policy_keeps_the_invariants_and_replays_alike(policy: str) -> None:
     machine = type(f"EvictionMachine_{policy}", (EvictionMachine,), {"eviction": policy})
-    run_state_machine_as_test(machine, settings=settings(max_examples=60, stateful_step_count=50, deadline=None))
+    run_state_machine_as_test(machine, settings=settings(max_examples=examples(60), stateful_step_count=50, deadline=None))
 
 
 def test_a_state_written_under_one_policy_is_refused_under_another(tmp_path) -> None:

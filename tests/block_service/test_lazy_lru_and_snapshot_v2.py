@@ -27,6 +27,7 @@ from block_service.snapshot import (
     read_snapshot,
 )
 from kvfleet.allocator import AllocateRequest
+from tests.examples import examples
 
 N = 40
 
@@ -70,7 +71,7 @@ def _drive(lru: BlockLru, model: Model, rng: random.Random, steps: int) -> None:
         assert len(lru.queue) <= 2 * len(lru) + SLACK + 1, "stale entries are never compacted away"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 400))
 def test_lazy_lru_keeps_the_ordered_dicts_order(seed: int, steps: int) -> None:
     """Appends, revivals from the middle, evictions: the same order, pops and membership as the

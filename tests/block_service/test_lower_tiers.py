@@ -22,6 +22,7 @@ from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, BlockAllocator, T
 from kvfleet.block_hash import block_hashes
 from kvfleet.errors import InvalidArgument, NotFound
 from kvfleet.tenants import MIB, Tenant
+from tests.examples import examples
 
 
 def h(i: int) -> bytes:
@@ -211,4 +212,4 @@ class TiersMachine(RuleBasedStateMachine):
 
 
 TestTiersMachine = TiersMachine.TestCase
-TestTiersMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestTiersMachine.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)

@@ -26,6 +26,7 @@ from block_service.recovery import recover
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal
 from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvfleet.tenants import Tenant
+from tests.examples import examples
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)
 TENANTS = ["a", "b", "c"]
@@ -218,5 +219,5 @@ class PageTableMachine(RuleBasedStateMachine):
                 assert s.num_free + s.num_cached + s.num_used == s.num_blocks
 
 
-PageTableMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+PageTableMachine.TestCase.settings = settings(max_examples=examples(100), stateful_step_count=50, deadline=None)
 TestPageTableMachine = PageTableMachine.TestCase

@@ -21,6 +21,7 @@ from block_service.node_sync import LiveSequence
 from block_service.page_table import PageTable
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation
 from kvfleet.errors import FailedPrecondition
+from tests.examples import examples
 
 NODES = {"n0": 8, "n1": 10, "n2": 12, "n3": 9}  # node -> num_blocks (small: evictions are frequent)
 BS, BPB = 16, 1 << 18
@@ -245,5 +246,5 @@ class PrefixIndexMachine(RuleBasedStateMachine):
             self.table.check()
 
 
-PrefixIndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+PrefixIndexMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=50, deadline=None)
 TestPrefixIndexAgainstScan = PrefixIndexMachine.TestCase

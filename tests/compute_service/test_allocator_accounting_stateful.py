@@ -30,6 +30,7 @@ from kvfleet.allocator import LiveSequence as ListedSequence
 from kvfleet.errors import AlreadyExists
 from kvfleet.tenants import Tenant
 from tests.compute_service.accounting_world import BPB, BS, FATES, NODE, NUM_BLOCKS, PROMPTS, TENANTS, Lost, Request, block_hash
+from tests.examples import examples
 
 
 class AccountingMachine(RuleBasedStateMachine):
@@ -369,5 +370,5 @@ class AccountingMachine(RuleBasedStateMachine):
             self.settle()
 
 
-AccountingMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+AccountingMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=60, deadline=None)
 TestAccountingMachine = AccountingMachine.TestCase
