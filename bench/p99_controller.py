@@ -13,7 +13,7 @@ engine runs ``--max-num-seqs`` (64) sequences at most; requests above its cap wa
 Each step carries at most ``--max-num-batched-tokens`` (default 128: two per sequence, each running
 sequence's token and as many prompt tokens again, as this 1:1 workload needs); the live cap scales
 that budget in proportion (``Scheduler.set_num_seqs_cap``). With a budget of 2048 a step can prefill
-a whole burst of admissions at once, and those steps are the tail (BENCHMARKS.md).
+a whole burst of admissions at once, and those steps are the tail (docs/benchmarks-history.md, "P99 batch controller").
 
 Order: a batch-1 probe (one client), then four runs on the same engine, uncontrolled, controlled,
 controlled, uncontrolled (the machine's drift hits both sides alike; each controlled run starts a

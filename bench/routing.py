@@ -55,7 +55,7 @@ SHORT_CHAT = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, 
 SHAPES = {"long": FULL, "short": SHORT_CHAT}
 BLOCK_SIZE = 16
 # the nodes' --long-prefill-token-threshold: a question that arrives while a document is prefilled
-# goes first and waits one short step, not the document's whole prefill (BENCHMARKS "Routing")
+# goes first and waits one short step, not the document's whole prefill (docs/benchmarks-history.md, "Routing")
 LONG_PREFILL_TOKEN_THRESHOLD = 128
 API_KEY = "sk-gold"
 VOCAB = 256

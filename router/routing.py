@@ -15,7 +15,7 @@ A request's first token is on a node's clock behind the prefill already queued t
 prefill costs about a step per budget of tokens, while a sequence past its prefill adds one token
 per step: so the blocks of requests still prefilling count in full and those of decoding requests
 at ``d`` (``decode_block_weight``, default 0.1; 1 counts every active block alike: Dynamo's cost).
-Measured (BENCHMARKS.md, "Routing"): counted in full, a node serving sixteen conversations' decodes
+Measured (docs/benchmarks-history.md, "Routing"): counted in full, a node serving sixteen conversations' decodes
 looked hundreds of blocks busier than its neighbour for a few dozen blocks of imbalance, and a
 conversation's 12-block history lost to that noise on most second turns.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a

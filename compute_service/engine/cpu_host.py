@@ -5,7 +5,7 @@ Threads. torch's default is one OpenMP thread per usable CPU. Every matmul and a
 then a parallel region that ends in a barrier, so one step waits for its slowest thread: when
 another process (a neighbour on a shared host, this engine's own gRPC and scheduling threads)
 holds one of the CPUs, the barrier waits out the scheduler's time slice. On a 2-CPU host under load
-that made the engine 4-5x slower than with one thread (BENCHMARKS.md, "Engine vs vLLM-CPU").
+that made the engine 4-5x slower than with one thread (docs/benchmarks-history.md, "Engine vs vLLM-CPU").
 vLLM's CPU backend reserves one CPU per worker for its scheduler and binds its OpenMP threads to
 the rest; the engine starts the same way (usable CPUs - 1, at least 1), and
 ``thread_governor.py`` moves it to all CPUs while they measure clearly faster.

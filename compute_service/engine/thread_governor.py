@@ -3,7 +3,7 @@ works. Pure (no torch): ``thread_probe.py`` times the candidates and applies the
 
 One thread per usable CPU is fastest on a host whose CPUs are free: a 2-vCPU host measured ~1.9x
 one thread's speed on the model's matmuls, and end to end 1.38x vLLM-CPU's tokens/s in bfloat16
-instead of 0.88x (BENCHMARKS.md, "Engine vs vLLM-CPU"). It is the slowest where another process
+instead of 0.88x (docs/benchmarks-history.md, "Engine vs vLLM-CPU"). It is the slowest where another process
 holds one of the CPUs: every matmul is a parallel region ending in a barrier, so a step waits out
 the neighbour's time slice whenever one of its threads is descheduled (4-5x slower than one thread
 under load). No fixed count serves both, and a shared host moves between them, so the engine keeps
