@@ -42,16 +42,20 @@ model: $(REAL_MODEL)/config.json
 demo: setup protos $(REAL_MODEL)/config.json
 	$(PY) -m kvfleet_cli demo --model $(REAL_MODEL)
 
-# everything, with the 25 slowest tests named (CI runs this through .ci/run)
+# the tiers (tests/conftest.py): pure and in-process tests start nothing, so they run one worker per CPU;
+# tests that start processes, clusters or kill them run one at a time (their timing is theirs)
+IN_PROCESS := not process and not cluster and not chaos
+
+# everything, with the slowest tests named (CI runs this through .ci/run)
 test: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n auto --durations=10 -m "$(IN_PROCESS)"
+	$(PY) -m pytest -q --durations=25 -m "not ($(IN_PROCESS))"
 
-# pure and in-process tests only: nothing that starts a process, a cluster or kills one (tests/conftest.py);
-# one pytest worker per CPU, and a fifth of the property tests' examples (tests/examples.py)
+# the inner loop: the in-process tier only, with a fifth of the property tests' examples (tests/examples.py)
 test-fast: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
-	KVFLEET_TESTS=fast $(PY) -m pytest -q -n auto --durations=10 -m "not process and not cluster and not chaos"
+	KVFLEET_TESTS=fast $(PY) -m pytest -q -n auto --durations=10 -m "$(IN_PROCESS)"
 
 bench: setup protos
 	$(PY) bench/engine_vs_transformers.py --quick
