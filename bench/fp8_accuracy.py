@@ -132,7 +132,7 @@ def forward_all_positions(model, pool: tuple, prompts: list[list[int]], position
     over the paged pool ``(kv_cache, kv_scales)``; sequence i owns blocks ``i * n .. (i + 1) * n - 1``."""
     import torch
 
-    from kernels.metadata import AttentionMetadata
+    from kernels.metadata import AttentionMetadata, layer_caches
 
     kv_cache, kv_scales = pool
     n = len(prompts)
@@ -145,7 +145,7 @@ def forward_all_positions(model, pool: tuple, prompts: list[list[int]], position
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.arange(positions).repeat(n)
     with torch.inference_mode():
-        logits = model(ids, pos, kv_cache, meta, torch.arange(n * positions), kv_scales)
+        logits = model(ids, pos, layer_caches(kv_cache, kv_scales), meta, torch.arange(n * positions))
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -102,6 +102,15 @@ class LayerCache:
         return self.k.shape[3]
 
 
+def layer_caches(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> list[LayerCache]:
+    """A pool's layers as ``LayerCache`` views, checked once when the pool is made, not per step:
+    ``kv_cache`` ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``, FP8 scales
+    ``[layers, 2, num_blocks, kv_heads, block_size]``."""
+    if kv_scales is None:
+        return [LayerCache(layer[0], layer[1]) for layer in kv_cache]
+    return [LayerCache(layer[0], layer[1], scales[0], scales[1]) for layer, scales in zip(kv_cache, kv_scales)]
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where each packed token of a step is written and what each sequence reads; ``P`` prefilling

@@ -8,7 +8,7 @@ import torch
 from compute_service.engine.scheduler import ScheduledBatch
 from compute_service.engine.sequence import Sequence
 from compute_service.model.causal_lm import CausalLM
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, layer_caches
 
 
 class ModelRunner:
@@ -17,6 +17,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales  # FP8 pools: one float32 scale per (layer, K/V, block, kv head, offset)
+        # per layer, views of the pool (FP8: and its float32 scale per row), checked once here, not per step
+        self.caches = layer_caches(kv_cache, kv_scales)
         self.block_size = block_size
         self.device = device
 
@@ -57,8 +59,8 @@ class ModelRunner:
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=dev), self.kv_scales)
+            torch.tensor(positions, dtype=torch.int64, device=dev), self.caches, meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev))
         return logits, sampled
 
     def _slots(self, seq: Sequence, start: int, n: int) -> torch.Tensor:

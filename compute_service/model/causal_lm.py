@@ -8,6 +8,7 @@ gate/up projections are fused into single matmuls whether or not the checkpoint 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -59,10 +60,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, hidden]; kv_cache: [2, num_blocks, kv_heads, block_size, head_dim]
-        # kv_scales (FP8 caches only): [2, num_blocks, kv_heads, block_size]
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]; cache: this layer's pages (and FP8 scales), views of the pool
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -71,7 +71,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
-        cache = LayerCache(kv_cache[0], kv_cache[1], *(() if kv_scales is None else (kv_scales[0], kv_scales[1])))
         kernels.store_kv(k, v, cache, meta.slot_mapping)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
@@ -111,9 +110,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, window)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, kv_cache, meta, kv_scales=None):
+    def forward(self, x, rope, cache, meta):
         attn_in, attn_out, mlp_in, mlp_out = self.places
-        h = self.self_attn(attn_in(x), rope, kv_cache, meta, kv_scales)
+        h = self.self_attn(attn_in(x), rope, cache, meta)
         x = x + (h if attn_out is None else attn_out(h))
         h = self.mlp(mlp_in(x))
         return x + (h if mlp_out is None else mlp_out(h))
@@ -133,18 +132,17 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = rotary_embedding(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: Sequence[LayerCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (float32) for the packed tokens picked by
-        ``logits_indices``; every token's K/V is written to ``kv_cache`` ``[layers, 2, ...]`` (an FP8
-        cache with its per-row scales in ``kv_scales`` ``[layers, 2, num_blocks, kv_heads, block_size]``)."""
+        ``logits_indices``; every token's K/V is written to its layer's pages in ``caches``
+        (``kernels.metadata.layer_caches`` of the pool, made once)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         rope = self.rope.tables(positions, x.dtype, meta)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta, None if kv_scales is None else kv_scales[i])
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, rope, cache, meta)
         x = self.norm(x[logits_indices])
         return soft_cap(self.lm_head(x), self.config.final_logit_softcap).float()
 
