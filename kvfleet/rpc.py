@@ -10,14 +10,17 @@ to a thin wrapper around the method, and that wrapper answers INVALID_ARGUMENT i
 at DEBUG only). Streamed requests are checked as the servicer iterates over them, so a stream
 handler must read its requests through the request iterator, not ``context.read()``.
 
+Internal servers (``server(internal=True)``, bound with ``bind_internal``) and the channels to
+them (``channel(target, peer=IDENTITY)``) speak mutual TLS with this process's credentials
+(``kvfleet.tls``) and check every call's caller against ``kvfleet.access`` (``AccessGuard``); the
+public doors (the router's) are plain servers and channels without a peer.
+
 Servers and channels are created through ``grpc.aio.*`` at call time, after ``setup_tracing``
 may have instrumented them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import os
 from collections.abc import Sequence
@@ -25,8 +28,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvfleet import tls
+from kvfleet.access_guard import AccessGuard
+from kvfleet.identity import Identity
 from kvfleet.keepalive import KeepalivePolicy
 from kvfleet.keepalive import server_options as keepalive_server_options
+from kvfleet.rpc_handlers import rewrap
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +56,31 @@ def channel_options(max_receive_bytes: int | None = None) -> list[tuple[str, int
     return options
 
 
-def channel(target: str, max_receive_bytes: int | None = None) -> grpc.aio.Channel:
-    """An insecure asyncio channel to ``target`` that pings by the fleet's keepalive policy."""
-    return grpc.aio.insecure_channel(target, options=channel_options(max_receive_bytes))
+def _secure_options(options: list, peer: Identity | None) -> tuple[grpc.ChannelCredentials | None, list]:
+    """This process's credentials when ``peer`` (an internal service) is called under mutual TLS,
+    with the options that make the handshake insist on ``peer``'s certificate."""
+    credentials = tls.current()
+    if peer is None or credentials is None:
+        return None, options
+    return credentials.channel_credentials(), [*options, ("grpc.ssl_target_name_override", peer.host_name)]
 
 
-def sync_channel(target: str) -> grpc.Channel:
+def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` that pings by the fleet's keepalive policy. ``peer``: the
+    internal service expected there, reached over mutual TLS when this process has credentials
+    (``kvfleet.tls``); None: a public door, in plaintext."""
+    credentials, options = _secure_options(channel_options(max_receive_bytes), peer)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def sync_channel(target: str, peer: Identity | None = None) -> grpc.Channel:
     """The same for a synchronous client (the command line's ``generate``)."""
-    return grpc.insecure_channel(target, options=channel_options())
+    credentials, options = _secure_options(channel_options(), peer)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def server_options(max_send_bytes: int | None = None) -> list[tuple[str, int]]:
@@ -66,12 +90,24 @@ def server_options(max_send_bytes: int | None = None) -> list[tuple[str, int]]:
     return options
 
 
-def server(max_send_bytes: int | None = None, interceptors: Sequence = ()) -> grpc.aio.Server:
+def server(max_send_bytes: int | None = None, interceptors: Sequence = (), internal: bool = False) -> grpc.aio.Server:
     """An asyncio server that accepts the fleet's keepalive pings, takes requests up to
     ``MAX_MESSAGE_BYTES`` and answers undecodable ones INVALID_ARGUMENT; not bound, not started.
-    ``interceptors`` (a metrics counter, say) run after the decode guard."""
+    ``internal``: every call is checked against ``kvfleet.access.RULES`` by its caller's identity
+    (under mutual TLS; bind it with ``bind_internal``). ``interceptors`` (a metrics counter, say)
+    run after the guards."""
     # tracing's instrumentation, when installed, puts its interceptor ahead of this one
-    return grpc.aio.server(interceptors=[DecodeGuard(), *interceptors], options=server_options(max_send_bytes))
+    guards = [DecodeGuard(), AccessGuard(enforce=tls.current() is not None)] if internal else [DecodeGuard()]
+    return grpc.aio.server(interceptors=[*guards, *interceptors], options=server_options(max_send_bytes))
+
+
+def bind_internal(server: grpc.aio.Server, address: str) -> int:
+    """Listen on ``address`` under mutual TLS when this process has credentials, else in
+    plaintext; the port bound (0: could not bind)."""
+    credentials = tls.current()
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials.server_credentials())
 
 
 def serve_health_and_reflection(server: grpc.aio.Server, service_name: str):
@@ -133,36 +169,12 @@ async def _checked(request, context, streaming: bool):
     return request
 
 
-def _guarded_behavior(behavior, streaming: bool):
-    """``behavior`` behind the check, of the same kind (gRPC tells a response-streaming async
-    generator from a coroutine by inspection); None for a synchronous one (the fleet has none)."""
-    if inspect.isasyncgenfunction(behavior):
-        async def guarded(request, context):
-            request = await _checked(request, context, streaming)
-            async with contextlib.aclosing(behavior(request, context)) as responses:
-                async for response in responses:
-                    yield response
-    elif inspect.iscoroutinefunction(behavior):
-        async def guarded(request, context):
-            return await behavior(await _checked(request, context, streaming), context)
-    else:
-        return None
-    return guarded
-
-
 def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kinds = {
-        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    }
-    attribute, make = kinds[(handler.request_streaming, handler.response_streaming)]
-    behavior = _guarded_behavior(getattr(handler, attribute), handler.request_streaming)
-    if behavior is None or handler.request_deserializer is None:
+    if handler.request_deserializer is None:
         return handler
-    return make(behavior, request_deserializer=_guarded_deserializer(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
+    streaming = handler.request_streaming
+    return rewrap(handler, lambda request, context: _checked(request, context, streaming),
+                  _guarded_deserializer(handler.request_deserializer))
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
