@@ -25,16 +25,20 @@ from block_service.stats import NodeStats, TenantStats
 from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.errors import ERRORS_BY_CODE, Unavailable
+from kvfleet.identity import BLOCK_SERVICE_ID
 from kvfleet.tenants import Tenant
+from kvfleet.tls import Credentials
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 class BlockManagerClient:
-    def __init__(self, target: str | None, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, target: str | None, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = channel or (rpc.channel(target) if target else None)
+        self._credentials = credentials  # None: this process's (kvfleet.tls)
+        self._channel = channel or (self._connect(target) if target else None)
         self._stub = pb_grpc.BlockManagerStub(self._channel) if self._channel else None
         self._on_close: list[Callable[[], Awaitable[None]]] = []
 
@@ -43,10 +47,13 @@ class BlockManagerClient:
         if target == self.target:
             return
         old, self.target = self._channel, target
-        self._channel = rpc.channel(target)
+        self._channel = self._connect(target)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
         if old is not None:
             asyncio.get_running_loop().call_later(self.timeout_s, lambda: asyncio.ensure_future(old.close()))
+
+    def _connect(self, target: str) -> grpc.aio.Channel:
+        return rpc.channel(target, peer=BLOCK_SERVICE_ID, credentials=self._credentials)
 
     def on_close(self, close: Callable[[], Awaitable[None]]) -> None:
         """Run ``close()`` when the client closes (what follows the leader for it)."""

@@ -23,6 +23,7 @@ from block_service.snapshot import SnapshotError, decode_snapshot
 from block_service.wal import FrameError, read_frames
 from kvfleet import rpc
 from kvfleet.backoff import error_line
+from kvfleet.identity import BLOCK_SERVICE_ID
 from kvfleet.leader import Leader
 from kvfleet.v1 import block_manager_pb2 as pb
 
@@ -57,7 +58,8 @@ class Follower:
             while (acked := await acks.get()) is not None:
                 yield pb.FollowLogRequest(acked_lsn=acked)
 
-        client = BlockManagerClient(leader.address, channel=rpc.channel(leader.address, rpc.MAX_MESSAGE_BYTES))
+        client = BlockManagerClient(leader.address, channel=rpc.channel(
+            leader.address, rpc.MAX_MESSAGE_BYTES, peer=BLOCK_SERVICE_ID))
         call = client.follow_log(requests())
         try:
             return await self._apply(call, leader, mine, acks)

@@ -28,16 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from kvfleet import event_loop
+    from kvfleet import event_loop, tls
+    from kvfleet.identity import BLOCK_SERVICE_ID
     from kvfleet.metrics_server import metrics_listen
     from kvfleet.preflight import PreflightError, check_port_free
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     try:
         config = settings.build(BlockServiceSettings, args)
+        tls.configure(config.tls, BLOCK_SERVICE_ID, "block_service")
         check_port_free(config.listen)  # before recovering the log, which may take a while
-        if config.metrics_port is not None:
-            check_port_free(metrics_listen(config.listen, config.metrics_port), "metrics")
+        for port, what in ((config.metrics_port, "metrics"), (config.health_port, "health")):
+            if port is not None:
+                check_port_free(metrics_listen(config.listen, port), what)
         if config.etcd:
             from kvfleet.membership import etcd_client
 
@@ -64,6 +67,7 @@ async def serve(config: BlockServiceSettings) -> int:
     from block_service.server import BlockManagerServicer
     from block_service.tenants import load_tenants_without_keys
     from kvfleet import rpc
+    from kvfleet.health_port import Readiness
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if config.durability == "off":
@@ -92,15 +96,23 @@ async def serve(config: BlockServiceSettings) -> int:
     replication = _replication(config, store) if config.etcd else None
     if replication is None:
         await configure_tenants()
-    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=_serve_metrics(config, store))
+    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=_serve_metrics(config, store),
+                        internal=True)
     servicer = BlockManagerServicer(store, *replication[:3]) if replication else BlockManagerServicer(store)
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
     health_servicer = rpc.serve_health_and_reflection(server, "kvfleet.v1.BlockManager")
-    if not server.add_insecure_port(config.listen):
+    if not rpc.bind_internal(server, config.listen):
         log.error("cannot listen on %s", config.listen)
         return 2
     await server.start()
     await health_servicer.set("kvfleet.v1.BlockManager", health_pb2.HealthCheckResponse.SERVING)
+    try:
+        readiness = await Readiness.start(health_servicer, "kvfleet.v1.BlockManager", config.listen,
+                                          config.health_port, config.tls.cert_warn_days, "block_service")
+    except OSError as err:
+        log.error("%s", err)
+        await server.stop(grace=0)
+        return 2
     log.info("block_service listening on %s (durability %s, state %s)", config.listen, config.durability,
              config.state_dir)
 
@@ -119,6 +131,7 @@ async def serve(config: BlockServiceSettings) -> int:
         log.info("shipping the log to %s every %.0f s, a full snapshot every %.0f s", config.backup_dir,
                  config.log_ship_interval, config.snapshot_interval_s)
     await stop.wait()
+    await readiness.close()
     code = 0
     if replica is not None and replica.done() and not replica.cancelled():
         if replica.exception() is not None:

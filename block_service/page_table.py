@@ -130,6 +130,11 @@ class PageTable:
     def block_size(self, node_id: str) -> int:
         return self._node(node_id).pool.block_size
 
+    def node_of(self, seq_id: str) -> str | None:
+        """The node live sequence ``seq_id`` is on; None when none is live under that id."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.node_id
+
     def sequence(self, seq_id: str) -> SeqState:
         seq = self._seqs.get(seq_id)
         if seq is None:

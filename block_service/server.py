@@ -19,6 +19,7 @@ from block_service.durable import DurablePageTable
 from block_service.replication_source import ReplicationSource
 from block_service.role import Role
 from block_service.standby_acks import StandbyAcks
+from kvfleet import access, access_guard
 from kvfleet.errors import BlockServiceError, InvalidArgument, PermissionDenied
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
@@ -45,6 +46,12 @@ def _tenant(request) -> str | None:
     return request.tenant or None
 
 
+def _seq_ids(request) -> list[str]:
+    """Every sequence an Extend/Commit/Release/Drop request (or ApplyMany's parts) names."""
+    return [*(g.seq_id for g in request.growth.sequences), *(r.seq_id for r in request.commits.runs),
+            *(d.seq_id for d in request.drops.sequences), *request.releases.seq_ids]
+
+
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     """With replicas (``--etcd``), ``role`` says whether this one may write, ``acks`` what an answer
     waits for besides the local fsync, and ``source`` serves the standbys' ``FollowLog``."""
@@ -55,6 +62,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.role = role or Role()
         self.acks = acks
         self.source = source
+
+    def _own(self, seq_ids) -> None:
+        """A node may touch only its own node's sequences (``kvfleet.access``, ``own_sequences``)."""
+        caller = access_guard.caller()
+        if caller is not None and caller.is_node():
+            why = access.foreign_sequences(caller, ((s, self.table.node_of(s)) for s in seq_ids))
+            if why is not None:
+                log.warning("PERMISSION_DENIED %s", why)
+                raise PermissionDenied(why)
 
     @property
     def table(self):
@@ -86,6 +102,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_answers
     async def ExtendMany(self, request, context):
         self.role.check_writable()
+        self._own(g.seq_id for g in request.sequences)
         results = self.store.extend(wire.extend_request_from_pb(request), _tenant(request))
         await self._durable()
         return wire.extend_results_to_pb(results)
@@ -93,6 +110,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_answers
     async def CommitMany(self, request, context):
         self.role.check_writable()
+        self._own(r.seq_id for r in request.runs)
         num_new = self.store.commit(wire.commit_request_from_pb(request), _tenant(request))
         await self._durable()
         return pb.CommitManyResponse(num_committed=num_new)
@@ -100,6 +118,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_answers
     async def ReleaseMany(self, request, context):
         self.role.check_writable()
+        self._own(request.seq_ids)
         self.store.release(list(request.seq_ids), _tenant(request))
         await self._durable()
         return pb.ReleaseManyResponse()
@@ -107,6 +126,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_answers
     async def ApplyMany(self, request, context):
         self.role.check_writable()
+        self._own(_seq_ids(request))
         growth = wire.extend_request_from_pb(request.growth)
         commits = wire.commit_request_from_pb(request.commits)
         tenants = {_tenant(part) for part in (request.growth, request.commits, request.drops, request.releases)} - {None}

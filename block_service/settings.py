@@ -4,10 +4,11 @@ is one line before the log is recovered. A new setting is one field here. Pure: 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import check, setting
+from kvfleet.tls_settings import InternalTls, health_port_setting
 
 DURABILITIES = ("fsync", "write", "off")
 
@@ -65,6 +66,8 @@ class BlockServiceSettings:
     lease_ttl: int = setting(5, "with --etcd: the leader lease in seconds; a dead leader is replaced within it",
                              at_least=1, metavar="S")
     metrics_port: int | None = metrics_port_setting()
+    health_port: int | None = health_port_setting()
+    tls: InternalTls = field(default_factory=InternalTls)
 
     def __post_init__(self) -> None:
         check(self)

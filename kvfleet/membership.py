@@ -13,7 +13,8 @@ nodes' caps. 0 (a record written before the field existed): unknown, so no limit
 
 States: WARMING (registered, not yet serving), READY (route to it), DRAINING (finishing its running
 requests; route nothing new). The only etcd client is ``aetcd`` (two etcd client libraries clash on
-``kv.proto``, so only one per process).
+``kv.proto``, so only one per process); an ``https://`` etcd is reached under mutual TLS
+(``kvfleet.etcd_tls``), and its roles let a node write only its own key (``kvfleet_cli.etcd_auth``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from enum import Enum
 
 import aetcd
 
+from kvfleet import tls
 from kvfleet.backoff import LogThrottle, error_line
+from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
+from kvfleet.tls import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +83,20 @@ def node_key(node_id: str, prefix: str = NODES_PREFIX) -> bytes:
     return (prefix + node_id).encode()
 
 
-def etcd_client(url: str, timeout: float | None = 5.0) -> aetcd.Client:
-    """An unconnected aetcd client for ``http://host:port`` (or ``host:port``)."""
+def etcd_client(url: str, timeout: float | None = 5.0, credentials: Credentials | None = None) -> aetcd.Client:
+    """An unconnected aetcd client: ``http://host:port`` (or ``host:port``) in plaintext, or
+    ``https://host:port`` under mutual TLS (``kvfleet.etcd_tls``) with ``credentials``, by default
+    this process's (``kvfleet.tls.current()``); ValueError (one line) when there are none."""
     parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    if parsed.scheme != "http" or not parsed.hostname:
-        raise ValueError(f"etcd URL must look like http://host:port, got {url!r}")
-    return aetcd.Client(host=parsed.hostname, port=parsed.port or 2379, timeout=timeout)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"etcd URL must look like http://host:port or https://host:port, got {url!r}")
+    port = parsed.port or 2379
+    if parsed.scheme == "http":
+        return aetcd.Client(host=parsed.hostname, port=port, timeout=timeout)
+    credentials = credentials or tls.current()
+    if credentials is None:
+        raise ValueError(f"etcd at {url} speaks TLS, and this process has no certificate (--certs DIR)")
+    return TlsClient(parsed.hostname, port, credentials, timeout=timeout)
 
 
 class NodeRegistration:

@@ -105,17 +105,20 @@ def metrics_listen(listen: str, port: int) -> str:
     return f"{host or '0.0.0.0'}:{port}"
 
 
-def _port(value: object) -> int:
-    port = value if isinstance(value, int) and not isinstance(value, bool) else None
-    if isinstance(value, str) and value.strip().isdigit():
-        port = int(value)
-    if port is None or not 0 <= port <= 65535:
-        raise ValueError(f"--metrics-port must be a port (0-65535), got {value!r}")
-    return port
+def port_parser(flag: str) -> Callable[[object], int]:
+    """A setting's ``parse=`` for a TCP port (0-65535; 0: any free one)."""
+    def parse(value: object) -> int:
+        port = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if isinstance(value, str) and value.strip().isdigit():
+            port = int(value)
+        if port is None or not 0 <= port <= 65535:
+            raise ValueError(f"{flag} must be a port (0-65535), got {value!r}")
+        return port
+    return parse
 
 
 def metrics_port_setting() -> Any:
     """``--metrics-port`` of every service (a ``kvfleet.settings`` field): off unless given, 0
     picks a free port."""
     return setting(None, "serve Prometheus metrics on this port at /metrics, on --listen's host (0: any free port, "
-                   "logged)", unset="off", parse=_port, metavar="PORT")
+                   "logged)", unset="off", parse=port_parser("--metrics-port"), metavar="PORT")

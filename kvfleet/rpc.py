@@ -56,20 +56,22 @@ def channel_options(max_receive_bytes: int | None = None) -> list[tuple[str, int
     return options
 
 
-def _secure_options(options: list, peer: Identity | None) -> tuple[grpc.ChannelCredentials | None, list]:
-    """This process's credentials when ``peer`` (an internal service) is called under mutual TLS,
-    with the options that make the handshake insist on ``peer``'s certificate."""
-    credentials = tls.current()
+def _secure_options(options: list, peer: Identity | None, credentials: tls.Credentials | None = None
+                    ) -> tuple[grpc.ChannelCredentials | None, list]:
+    """``credentials`` (else this process's) when ``peer`` (an internal service) is called under
+    mutual TLS, with the options that make the handshake insist on ``peer``'s certificate."""
+    credentials = credentials or tls.current()
     if peer is None or credentials is None:
         return None, options
     return credentials.channel_credentials(), [*options, ("grpc.ssl_target_name_override", peer.host_name)]
 
 
-def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | None = None) -> grpc.aio.Channel:
+def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | None = None,
+            credentials: tls.Credentials | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` that pings by the fleet's keepalive policy. ``peer``: the
     internal service expected there, reached over mutual TLS when this process has credentials
-    (``kvfleet.tls``); None: a public door, in plaintext."""
-    credentials, options = _secure_options(channel_options(max_receive_bytes), peer)
+    (``kvfleet.tls``, or ``credentials``: a test's admin); None: a public door, in plaintext."""
+    credentials, options = _secure_options(channel_options(max_receive_bytes), peer, credentials)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)

@@ -9,7 +9,9 @@ names (``kvfleet.certs``: ca.crt, tls.crt, tls.key), or in plaintext with ``--in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from kvfleet.metrics_server import port_parser
 from kvfleet.settings import SettingError, check, setting
 
 WARN_DAYS = 14.0
@@ -42,3 +44,10 @@ class InternalTls:
         if self.insecure_internal:
             return ["--insecure-internal"]
         return ["--certs", self.certs] if self.certs else []
+
+
+def health_port_setting() -> Any:
+    """``--health-port`` of every service (``kvfleet.health_port``)."""
+    return setting(None, "also serve gRPC health alone, in plaintext, on this port on --listen's host (for "
+                   "Kubernetes grpc probes and compose healthchecks, which present no client certificate)",
+                   unset="off", parse=port_parser("--health-port"), metavar="PORT")

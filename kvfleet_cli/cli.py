@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "each candidate on a fresh local cluster"),
     "up": ("kvfleet_cli.up", "run a local cluster until Ctrl-C, restarting any of its processes that dies"),
     "convert-gguf": ("kvfleet_cli.convert_gguf", "convert a GGUF file into a Hugging Face model directory"),
+    "certs": ("kvfleet_cli.certs_command", "the cluster CA and the services' certificates for mutual TLS: "
+              "init, issue NAME, show"),
+    "etcd-auth": ("kvfleet_cli.etcd_auth_command", "give etcd the fleet's users and roles (a node writes only "
+                  "its own key) and turn its client-certificate auth on"),
     "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
 }
 

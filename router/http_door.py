@@ -273,11 +273,13 @@ def bind(listen: str) -> socket.socket:
 class HttpServer:
     """uvicorn on a socket bound up front, run as a task of the calling event loop."""
 
-    def __init__(self, door: Door, listen: str):
+    def __init__(self, door: Door, listen: str, tls_cert: str | None = None, tls_key: str | None = None):
         self.socket = bind(listen)
         self.port = self.socket.getsockname()[1]
-        self.server = _Server(uvicorn.Config(door.app(), lifespan="off", log_level="warning", access_log=False,
-                                             timeout_graceful_shutdown=5))
+        self.scheme = "https" if tls_cert else "http"
+        config = uvicorn.Config(door.app(), lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        self.server = _Server(config)
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: RouterSettings) -> None:
+    from kvfleet.health_port import Readiness
     from kvfleet.membership import etcd_client, watch_nodes
     from router.admission import Admission
     from router.generation import Generations
@@ -30,7 +31,7 @@ async def serve(config: RouterSettings) -> None:
     from router.priority_queue import PriorityQueue, QueueWeights
     from router.relay import Relay
     from router.routing import NodePicker
-    from router.server import build_server, dial_compute
+    from router.server import SERVICE_NAME, build_server, dial_compute
     from router.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(config.tenants)
@@ -43,12 +44,16 @@ async def serve(config: RouterSettings) -> None:
     relay = Relay(nodes, picker, prefix, stall_timeout_s=config.stall_timeout_s)
     request_metrics = _serve_metrics(config, tenants, queue, picker, nodes) if config.metrics_port is not None else None
     generations = Generations(tenants, admission, relay, TokenizerSource(nodes, config.model), request_metrics)
-    server = await build_server(config.listen, generations, nodes, unix_socket=config.listen_unix)
+    server = await build_server(config.listen, generations, nodes, unix_socket=config.listen_unix,
+                                tls=_public_tls(config))
+    readiness = await Readiness.start(server.health, SERVICE_NAME, config.listen, config.health_port,
+                                      config.tls.cert_warn_days, "router")
     http = None
     if config.http_listen:
         from router.http_door import Door, HttpServer
 
-        http = HttpServer(Door(generations, nodes, config.http_timeout_s), config.http_listen)
+        http = HttpServer(Door(generations, nodes, config.http_timeout_s), config.http_listen, config.tls_cert,
+                          config.tls_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,16 +74,18 @@ async def serve(config: RouterSettings) -> None:
         watcher = asyncio.create_task(follow_membership(client))
         await server.server.start()
         host = config.listen.rsplit(":", 1)[0]
-        log.info("router serving kvfleet.v1.Inference on %s:%d (%d tenants)", host, server.port, len(tenants))
+        log.info("router serving kvfleet.v1.Inference on %s:%d%s (%d tenants)", host, server.port,
+                 " over TLS" if config.tls_cert else "", len(tenants))
         if http is not None:
             http.start()
-            log.info("router serving the OpenAI-compatible HTTP API on http://%s:%d/v1",
+            log.info("router serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", http.scheme,
                      config.http_listen.rsplit(":", 1)[0], http.port)
         if config.port_file:
             with open(config.port_file, "w") as f:
                 f.write(str(server.port))
         await stop.wait()
         log.info("router stopping")
+        await readiness.close()
         if http is not None:
             await http.stop()
         await server.server.stop(grace=5)
@@ -87,6 +94,15 @@ async def serve(config: RouterSettings) -> None:
             await watcher
         await nodes.close()
         await prefix.close()
+
+
+def _public_tls(config: RouterSettings):
+    """Server TLS for the public gRPC door (``--tls-cert``/``--tls-key``), None for plaintext."""
+    if not config.tls_cert:
+        return None
+    import grpc
+
+    return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
 
 
 def _serve_metrics(config: RouterSettings, tenants, queue, picker, nodes):
@@ -115,8 +131,12 @@ def preflight(config: RouterSettings) -> None:
     check_port_free(config.listen)
     if config.http_listen:
         check_port_free(config.http_listen, "HTTP")
-    if config.metrics_port is not None:
-        check_port_free(metrics_listen(config.listen, config.metrics_port), "metrics")
+    for port, what in ((config.metrics_port, "metrics"), (config.health_port, "health")):
+        if port is not None:
+            check_port_free(metrics_listen(config.listen, port), what)
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        if path and not Path(path).is_file():
+            raise PreflightError(f"{flag} {path}: no such file")
     if config.model is not None and not (Path(config.model) / "tokenizer.json").is_file():
         raise PreflightError(f"{config.model} is not a model directory (no tokenizer.json)")
     wait_reachable("etcd", config.etcd, config.dependency_timeout, log.warning)
@@ -125,7 +145,8 @@ def preflight(config: RouterSettings) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfleet import event_loop
+    from kvfleet import event_loop, tls
+    from kvfleet.identity import ROUTER_ID
     from kvfleet.preflight import PreflightError
     from kvfleet.tenants import TenantsFileError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
@@ -133,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         router = settings.build(RouterSettings, args)
+        tls.configure(router.tls, ROUTER_ID, "router")
         preflight(router)
     except (ValueError, PreflightError) as e:  # a setting's rule; what the machine or a peer says
         print(f"kvfleet router: {e}", file=sys.stderr)

@@ -123,7 +123,7 @@ class NodeTable:
             if node is None:
                 node = self._come_back(info)
             if node is None:
-                node = RouterNode(info, *self.dial(info.address))
+                node = RouterNode(info, *self.dial(info.address, info.node_id))
                 self.nodes[info.node_id] = node
             was_ready = node.ready_since is not None
             node.info = info

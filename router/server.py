@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2
 from opentelemetry import trace
 
 from kvfleet import rpc
+from kvfleet.identity import Identity
 from kvfleet.v1 import compute_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router.generation import REFUSALS, Generations, status_name
 from router.node_stream import NodeStream
@@ -25,10 +26,12 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 
-def dial_compute(address: str) -> tuple[grpc.aio.Channel, NodeStream]:
-    """A channel and Serve stream for a node (``NodeTable``'s ``dial``); the stream opens on first
-    use. Keepalive pings find a node whose host vanished without closing its sockets."""
-    channel = rpc.channel(address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES)
+def dial_compute(address: str, node_id: str) -> tuple[grpc.aio.Channel, NodeStream]:
+    """A channel and Serve stream for node ``node_id`` (``NodeTable``'s ``dial``); the stream opens
+    on first use. Under mutual TLS the handshake insists on that node's certificate, so an address
+    in etcd that another process answers is refused. Keepalive pings find a node whose host
+    vanished without closing its sockets."""
+    channel = rpc.channel(address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES, peer=Identity.node(node_id))
     return channel, NodeStream(compute_pb2_grpc.ComputeStub(channel), address)
 
 class CannotListen(RuntimeError):
@@ -72,13 +75,15 @@ async def build_server(
     generations: Generations,
     nodes: NodeTable,
     unix_socket: str | None = None,
+    tls: grpc.ServerCredentials | None = None,
 ) -> RouterServer:
-    """Bind the router's services on ``listen`` (``host:port``; port 0 picks one) and, when given,
-    on the Unix domain socket ``unix_socket`` too; not started."""
+    """Bind the router's services on ``listen`` (``host:port``; port 0 picks one; over TLS with
+    ``tls``) and, when given, on the Unix domain socket ``unix_socket`` too (plaintext: only this
+    machine reaches it, through the file's permissions); not started."""
     server = rpc.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generations), server)
     health_servicer = rpc.serve_health_and_reflection(server, SERVICE_NAME)
-    port = server.add_insecure_port(listen)
+    port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls)
     if port == 0:
         raise CannotListen(f"cannot listen on {listen}")
     if unix_socket is not None and server.add_insecure_port(f"unix:{unix_socket}") == 0:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfleet.metrics_server import metrics_port_setting
-from kvfleet.settings import check, setting
+from kvfleet.settings import SettingError, check, setting
+from kvfleet.tls_settings import InternalTls, health_port_setting
 from router.routing import RoutingConfig
 
 
@@ -43,6 +44,14 @@ class RouterSettings:
     dependency_timeout: float = setting(60.0, "seconds to wait at start for etcd (and block_service) to answer "
                                         "before giving up", above=0, metavar="S")
     metrics_port: int | None = metrics_port_setting()
+    health_port: int | None = health_port_setting()
+    tls_cert: str | None = setting(None, "serve the public doors (--listen, --listen-unix excepted, and --http-listen) "
+                                   "over TLS with this certificate chain (PEM)", unset="plaintext, e.g. behind a "
+                                   "TLS-terminating proxy", metavar="FILE")
+    tls_key: str | None = setting(None, "the private key of --tls-cert (PEM)", unset="none", metavar="FILE")
+    tls: InternalTls = field(default_factory=InternalTls)
 
     def __post_init__(self) -> None:
         check(self)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingError("--tls-cert and --tls-key go together")

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from compute_service.engine.llm_engine import LLMEngine
     from compute_service.node.context import EarlyBlocks, NodeContext, NodeStatus
     from compute_service.node.server import ComputeServicer
+    from kvfleet.health_port import Readiness
     from kvfleet.membership import NodeRegistration
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class _Parts:
     remote: RemoteAllocatorFactory | None = None        # the block_service link (None: an in-process pool)
     async_engine: AsyncEngine | None = None
     server: grpc.aio.Server | None = None
+    readiness: Readiness | None = None                  # the health-only port, the certificate's watch
     drained: bool = False
 
 
@@ -182,6 +184,7 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
     from compute_service.node.context import NodeContext, NodeStatus
     from compute_service.node.server import ComputeServicer, warm_up
     from kvfleet import rpc
+    from kvfleet.health_port import Readiness
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client
     from kvfleet.v1 import compute_pb2_grpc
 
@@ -217,14 +220,16 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
     node = NodeContext(status, async_engine, pool.block_size, settings.stream_interval, early)
     if command.metrics_port is not None:
         _serve_metrics(command, node, status, pool.block_size)
-    server = parts.server = rpc.server()
+    server = parts.server = rpc.server(internal=True)
     servicer = ComputeServicer(node)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
     health = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(command.listen)
+    port = rpc.bind_internal(server, command.listen)
     await server.start()
+    parts.readiness = await Readiness.start(health, "kvfleet.v1.Compute", command.listen, command.health_port,
+                                            command.tls.cert_warn_days, f"node {node_id}")
     address = command.advertise or f"{command.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
         await registration.update(address=address, num_blocks=pool.num_blocks, block_size=pool.block_size,
@@ -293,6 +298,8 @@ async def _serve_until_stopped(command: NodeCommand, ready: _Ready, stop: asynci
 async def _shut_down(command: NodeCommand, parts: _Parts) -> None:
     """Whatever was started, in order: the server (a grace period after a drain), the engine's step
     thread, block_service's link, the etcd lease. A peer that is away cannot hold the exit up."""
+    if parts.readiness is not None:
+        await parts.readiness.close()
     if parts.server is not None:
         await parts.server.stop(grace=2 if parts.drained else 0)
     if parts.async_engine is not None:

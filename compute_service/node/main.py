@@ -43,8 +43,9 @@ def preflight(command: NodeCommand) -> None:
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
         raise PreflightError(str(e)) from None
     check_port_free(command.listen)
-    if command.metrics_port is not None:
-        check_port_free(metrics_listen(command.listen, command.metrics_port), "metrics")
+    for port, what in ((command.metrics_port, "metrics"), (command.health_port, "health")):
+        if port is not None:
+            check_port_free(metrics_listen(command.listen, port), what)
     ModelConfig.from_dir(command.model)
     warm_start.preflight(command.settings.warm_start)
     if command.etcd:
@@ -58,12 +59,15 @@ def preflight(command: NodeCommand) -> None:
 def run(args: argparse.Namespace) -> int:
     from compute_service.model.config import ModelLoadError
     from compute_service.node import mem_probe
-    from kvfleet import event_loop
+    from kvfleet import event_loop, tls
+    from kvfleet.identity import Identity
     from kvfleet.preflight import PreflightError
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     try:
         command = settings.build(NodeCommand, args)
+        identity = Identity.node(command.node_id) if command.tls.certs else None  # its certificate must name it
+        tls.configure(command.tls, identity, f"node {command.node_id}")
     except ValueError as e:  # a setting's rule, or one between settings (the KV tiers)
         print(f"kvfleet compute: {e}", file=sys.stderr)
         return 2

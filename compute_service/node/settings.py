@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from compute_service.engine.config import EngineConfig
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import check, setting
+from kvfleet.tls_settings import InternalTls, health_port_setting
 
 DEFAULT_SNAPSHOT_BLOCKS = 128
 WARMUP_PROMPTS = 4
@@ -90,6 +91,8 @@ class NodeCommand:
     lease_ttl: int = setting(5, "etcd lease seconds", at_least=1, metavar="S")
     port_file: str | None = setting(None, "write the bound port here once READY", metavar="FILE")
     metrics_port: int | None = metrics_port_setting()
+    health_port: int | None = health_port_setting()
+    tls: InternalTls = field(default_factory=InternalTls)
     dependency_timeout: float = setting(60.0, "seconds to wait at start for etcd and block_service to answer before "
                                         "giving up (once started, the node waits for them as long as it takes)",
                                         above=0, metavar="S")

@@ -28,7 +28,7 @@ class Line:
 
 def make_table() -> tuple[NodeTable, list[str]]:
     dialled: list[str] = []
-    return NodeTable(dial=lambda address: (Line([], address), Line(dialled, address))), dialled
+    return NodeTable(dial=lambda address, node_id: (Line([], address), Line(dialled, address))), dialled
 
 
 def info(node_id: str = "n0", address: str = "127.0.0.1:1") -> NodeInfo:

@@ -63,7 +63,7 @@ class FakeStream:
 
 
 def table(scripts: dict) -> NodeTable:
-    nodes = NodeTable(dial=lambda address: (None, None))  # nodes are placed by hand below
+    nodes = NodeTable(dial=lambda address, node_id: (None, None))  # nodes are placed by hand below
     for node_id, script in scripts.items():
         info = NodeInfo(node_id, f"{node_id}:1", "m", 64, 16, NodeState.READY)
         nodes.nodes[node_id] = RouterNode(info, None, FakeStream(script), ready_since=float("-inf"))
