@@ -18,6 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
+from kvfleet_cli.cluster_certs import add_admin_flag, use_admin
+from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.loadgen.analysis import StopRule
 from kvfleet_cli.loadgen.phases import PHASES, PhasePlan
 from kvfleet_cli.loadgen.workload import Mix, parse_tokens
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"), help="tenant API key")
     where.add_argument("--block-service", default=None, metavar="ADDR",
                        help="with --router: block_service's address, to sample KV usage (else not sampled)")
+    add_admin_flag(where)
     where.add_argument("--router-metrics", default=None, metavar="URL",
                        help="with --router: the router's /metrics URL, to set its counters beside the bench's")
     where.add_argument("--local", action="store_true", help="start a local cluster on --model and bench it")
@@ -139,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
         from kvfleet_cli.generate_client import find_router
 
         find_router(args)
+        try:
+            state = ClusterState.read()
+            use_admin(args.certs, state.certs if state is not None else None)  # to sample block_service
+        except ValueError as err:
+            return _fail(str(err), 2)
     try:
         with contextlib.ExitStack() as stack:
             if shape is not None:

@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from kvfleet_cli.cluster_certs import add_admin_flag, use_admin
 from kvfleet_cli.cluster_state import ClusterState
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=5, metavar="K", help="top holders per node (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="give up after this long")
+    add_admin_flag(parser)
 
 
 def block_service_address(explicit: str | None, state: ClusterState | None,
@@ -76,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         print("kvfleet blocks: --top must be 0 or more", file=sys.stderr)
         return 2
-    args.block_service = block_service_address(args.block_service, ClusterState.read(), _etcd_leader)
+    state = ClusterState.read()
+    try:
+        use_admin(args.certs, state.certs if state is not None else None)
+    except ValueError as err:
+        print(f"kvfleet blocks: {err}", file=sys.stderr)
+        return 2
+    args.block_service = block_service_address(args.block_service, state, _etcd_leader)
     try:
         report = asyncio.run(_fetch(args))
     except grpc.aio.AioRpcError as err:

@@ -45,3 +45,22 @@ class ClusterCerts:
         if self._admin is None:
             self._admin = Credentials.load(certs.identity_dir(self.directory, ADMIN_ID), ADMIN_ID)
         return self._admin
+
+
+def add_admin_flag(parser) -> None:
+    """``--certs`` of an operator's command (``kvfleet blocks``): the admin identity's directory."""
+    parser.add_argument("--certs", default=None, metavar="DIR",
+                        help="the admin certificate directory for a cluster under mutual TLS (default: the local "
+                             "cluster's, when `kvfleet up` runs one; none: plaintext)")
+
+
+def use_admin(explicit: str | None, state_certs: str | None) -> Credentials | None:
+    """Make this process the operator: ``--certs`` (else the local cluster's admin directory)
+    for every internal call it makes; None when neither is known (plaintext). ``ValueError``
+    (one line) for a directory that does not hold admin's certificate."""
+    from kvfleet import tls
+
+    directory = explicit or (str(certs.identity_dir(state_certs, ADMIN_ID)) if state_certs else None)
+    credentials = Credentials.load(directory, ADMIN_ID) if directory else None
+    tls.use(credentials)
+    return credentials

@@ -33,6 +33,7 @@ class ClusterState:
     work_dir: str
     block_service: tuple[str, ...] = ()  # its replicas' host:port (two with a standby)
     etcd: str = ""                       # its etcd's URL, which names the block_service leader
+    certs: str = ""                      # its certificates directory ("": plaintext); admin/ is the operator's
 
     def write(self, path: Path | None = None) -> Path:
         path = path or state_file()

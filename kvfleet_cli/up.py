@@ -84,6 +84,8 @@ class UpSettings:
     work_dir: str | None = setting(None, "logs and state", unset="a temporary directory", metavar="DIR")
     block_service_standby: bool = setting(False, "two block_service replicas (a leader and a synchronous standby "
                                           "that takes over when it dies), elected through the cluster's etcd")
+    insecure_internal: bool = setting(False, "plaintext between the services, no identities (a benchmark); by "
+                                      "default they speak mutual TLS under a CA made in --work-dir/certs")
     node: NodeSettings = field(default_factory=local_node_settings)
 
     def __post_init__(self) -> None:
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {e}", file=sys.stderr)
         return 2
     cluster = LocalCluster(model, up.nodes, up.tenants, up.work_dir, node=up.node,
-                           block_service_standby=up.block_service_standby)
+                           block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal)
     stop = False
 
     def on_signal(*_):
@@ -160,10 +162,13 @@ def run(args: argparse.Namespace) -> int:
         replicas = tuple(f"127.0.0.1:{c.port}" for c in (cluster.block_service, cluster.block_service_standby)
                          if c is not None)
         state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir), replicas,
-                             cluster.etcd.url)
+                             cluster.etcd.url, str(cluster.certs.root or ""))
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {up.nodes} compute nodes serving {model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
+        print(f"internal connections: mutual TLS, certificates in {cluster.certs.root} (admin: "
+              f"{cluster.certs.root}/admin)" if cluster.certs.root else
+              "internal connections: PLAINTEXT (--insecure-internal): any local process can call them")
         if up.block_service_standby:
             print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
                   f"a synchronous standby that takes over when it dies)")
