@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvfleet import certs, parent_death
 from kvfleet.identity import ADMIN_ID, ETCD_ID
+from kvfleet.tls import Credentials
 from kvfleet_cli.ports import free_port
 
 
@@ -92,6 +93,9 @@ class EtcdServer:
     def start(self, timeout: float = 20.0) -> EtcdServer:
         if self.process is not None:
             raise RuntimeError("etcd already started")
+        if self.certs_dir is not None:  # checked whole before etcd sees them (SettingError, one line)
+            for identity in (ETCD_ID, ADMIN_ID):
+                Credentials.load(certs.identity_dir(self.certs_dir, identity), identity)
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="kvfleet-etcd-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
