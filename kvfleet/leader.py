@@ -54,11 +54,12 @@ async def read_leader(client: aetcd.Client, key: str = LEADER_KEY) -> tuple[Lead
     return (_parse(found.value) if found is not None else None), result.header.revision
 
 
-async def leader_address(etcd_url: str, timeout_s: float = 5.0) -> str | None:
-    """The address of the leader the etcd at ``etcd_url`` names now (None: none leads), read once."""
+async def leader_address(etcd_url: str, timeout_s: float = 5.0, credentials=None) -> str | None:
+    """The address of the leader the etcd at ``etcd_url`` names now (None: none leads), read once
+    (over TLS: as ``credentials``, else this process's)."""
     from kvfleet.membership import etcd_client
 
-    async with etcd_client(etcd_url) as client:
+    async with etcd_client(etcd_url, credentials=credentials) as client:
         leader, _ = await asyncio.wait_for(read_leader(client), timeout_s)
     return leader.address if leader else None
 

@@ -38,6 +38,18 @@ class ClusterCerts:
         certs.ensure(self.directory, [identity])
         return ["--certs", str(certs.identity_dir(self.directory, identity))]
 
+    def open_etcd(self, url: str, node_ids: Iterable[str]) -> None:
+        """Give the services (and ``node_ids``) their etcd users and roles and turn etcd's
+        authentication on (``kvfleet_cli.etcd_auth``); nothing in plaintext."""
+        if self.insecure:
+            return
+        from kvfleet_cli import etcd_auth
+
+        node_ids = list(node_ids)
+        for node_id in node_ids:
+            certs.ensure(self.directory, [Identity.node(node_id)])
+        etcd_auth.enable(url, self.admin(), node_ids)
+
     def admin(self) -> Credentials | None:
         """The operator's credentials, for this process's calls to the services (None: plaintext)."""
         if self.insecure:

@@ -165,7 +165,7 @@ class LocalCluster:
         """The replica etcd names the block_service leader now (None: none is elected)."""
         from kvfleet.leader import leader_address
 
-        return asyncio.run(leader_address(self.etcd.url))
+        return asyncio.run(leader_address(self.etcd.url, credentials=self.certs.admin()))
 
     def _block_service_flag(self) -> list[str]:
         """What the nodes and the router are told: the fixed address, or the leader in etcd."""
@@ -225,8 +225,10 @@ class LocalCluster:
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
         try:
-            self.certs.prepare(f"node-{i}" for i in range(self.num_nodes))
-            self.etcd = EtcdServer(data_dir=self.work_dir / "etcd").start()
+            node_ids = [f"node-{i}" for i in range(self.num_nodes)]
+            self.certs.prepare(node_ids)
+            self.etcd = EtcdServer(data_dir=self.work_dir / "etcd", certs_dir=self.certs.root).start()
+            self.certs.open_etcd(self.etcd.url, node_ids)  # each identity its etcd user; auth on
             if self.with_block_service:
                 self.block_service = self._spawn_block_service("block_service", "block_state")
                 self._wait_port(self.block_service, timeout)
@@ -255,6 +257,8 @@ class LocalCluster:
 
     def add_node(self, node_id: str, wait: bool = True, timeout: float = 120.0, extra: tuple[str, ...] = ()) -> Child:
         port = free_port()
+        if node_id not in self.nodes and self.nodes:  # a node added to a running cluster: its etcd user
+            self.certs.open_etcd(self.etcd.url, [node_id])
         block_service = self._block_service_flag()
         command = node_command(self.node, self.model_dir, node_id, f"127.0.0.1:{port}", self.etcd.url,
                                block_service[1] if block_service else None, self._metrics_port(node_id))
@@ -298,7 +302,7 @@ class LocalCluster:
         from kvfleet.membership import etcd_client, list_nodes
 
         async def read():
-            async with etcd_client(self.etcd.url) as client:
+            async with etcd_client(self.etcd.url, credentials=self.certs.admin()) as client:
                 nodes, _ = await list_nodes(client)
             return {n: info.state.value for n, info in nodes.items()}
 
