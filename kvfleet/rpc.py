@@ -77,9 +77,10 @@ def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | 
     return grpc.aio.secure_channel(target, credentials, options=options)
 
 
-def sync_channel(target: str, peer: Identity | None = None) -> grpc.Channel:
+def sync_channel(target: str, peer: Identity | None = None, credentials: tls.Credentials | None = None
+                 ) -> grpc.Channel:
     """The same for a synchronous client (the command line's ``generate``)."""
-    credentials, options = _secure_options(channel_options(), peer)
+    credentials, options = _secure_options(channel_options(), peer, credentials)
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)

@@ -50,6 +50,31 @@ class ClusterCerts:
             certs.ensure(self.directory, [Identity.node(node_id)])
         etcd_auth.enable(url, self.admin(), node_ids)
 
+    def channel(self, address: str, peer: Identity):
+        """An asyncio channel to the cluster's service ``peer`` at ``address``, as admin."""
+        from kvfleet import rpc
+
+        return rpc.channel(address, peer=peer, credentials=self.admin())
+
+    def sync_channel(self, address: str, peer: Identity):
+        """The same, synchronous."""
+        from kvfleet import rpc
+
+        return rpc.sync_channel(address, peer=peer, credentials=self.admin())
+
+    def act_as_admin(self) -> None:
+        """This process calls the services as admin from now on (``kvfleet.tls.use``)."""
+        from kvfleet import tls
+
+        tls.use(self.admin())
+
+    def stop_acting(self) -> None:
+        """Back to no credentials, unless another cluster's are in use by now."""
+        from kvfleet import tls
+
+        if self._admin is not None and tls.current() is self._admin:
+            tls.use(None)
+
     def admin(self) -> Credentials | None:
         """The operator's credentials, for this process's calls to the services (None: plaintext)."""
         if self.insecure:

@@ -229,6 +229,7 @@ class LocalCluster:
             self.certs.prepare(node_ids)
             self.etcd = EtcdServer(data_dir=self.work_dir / "etcd", certs_dir=self.certs.root).start()
             self.certs.open_etcd(self.etcd.url, node_ids)  # each identity its etcd user; auth on
+            self.certs.act_as_admin()  # this process's own calls to the services (stats, etcd reads)
             if self.with_block_service:
                 self.block_service = self._spawn_block_service("block_service", "block_state")
                 self._wait_port(self.block_service, timeout)
@@ -381,6 +382,7 @@ class LocalCluster:
                     child.process.wait()
         if self.etcd is not None:
             self.etcd.stop()
+        self.certs.stop_acting()
         if self._own_work_dir:
             # etcd preallocates ~60 MiB of log; a temporary cluster keeps only its logs
             for state in ("etcd", "block_state", "block_state_standby"):

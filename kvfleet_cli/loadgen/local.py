@@ -13,7 +13,6 @@ from pathlib import Path
 
 from compute_service.engine.config import EngineConfig
 from compute_service.model.config import ModelConfig, ModelLoadError
-from kvfleet import tls
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS
 
@@ -74,8 +73,7 @@ def running_cluster(shape: ClusterShape, start_timeout_s: float = 600.0,
         tenants.write_text(BENCH_TENANTS)
         cluster = LocalCluster(shape.model, shape.nodes, tenants, None, shape.block_size, shape.kv_cache_memory,
                                kv_cache_dtype=shape.kv_cache_dtype, log_level=log_level, http=False)
-        cluster.start(start_timeout_s)
-        tls.use(cluster.certs.admin())  # this process samples block_service as the operator
+        cluster.start(start_timeout_s)  # this process samples block_service as its admin
         try:
             yield cluster
         finally:

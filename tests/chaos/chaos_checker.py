@@ -38,6 +38,8 @@ from chaos_outcomes import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from block_service.durable import recover
+from kvfleet import rpc
+from kvfleet.identity import BLOCK_SERVICE_ID, Identity
 from kvfleet.v1 import (
     block_manager_pb2,
     block_manager_pb2_grpc,
@@ -85,7 +87,7 @@ class ClusterChecker:
 
     async def _block_stats(self) -> tuple[list, int]:
         """block_service's pools (``NodePoolStats``) and its acknowledged log position."""
-        async with grpc.aio.insecure_channel(self.cluster.block_service_address) as channel:
+        async with rpc.channel(self.cluster.block_service_address, peer=BLOCK_SERVICE_ID) as channel:
             resp = await block_manager_pb2_grpc.BlockManagerStub(channel).Stats(
                 block_manager_pb2.BlockStatsRequest(), timeout=5)
         return list(resp.nodes), resp.log_records
@@ -117,12 +119,14 @@ class ClusterChecker:
             problems.append("etcd is not running")
         return problems
 
-    def _addresses(self) -> dict[str, tuple[str, str]]:
-        """Process name → (address, the gRPC service whose health says it serves)."""
+    def _addresses(self) -> dict[str, tuple[str, str, Identity | None]]:
+        """Process name → (address, the gRPC service whose health says it serves, its identity:
+        None for the router's public door)."""
         c = self.cluster
-        out = {"router": (c.router_address, "kvfleet.v1.Inference"),
-               "block_service": (c.block_service_address, "kvfleet.v1.BlockManager")}
-        out.update({name: (f"127.0.0.1:{child.port}", "kvfleet.v1.Compute") for name, child in c.nodes.items()})
+        out = {"router": (c.router_address, "kvfleet.v1.Inference", None),
+               "block_service": (c.block_service_address, "kvfleet.v1.BlockManager", BLOCK_SERVICE_ID)}
+        out.update({name: (f"127.0.0.1:{child.port}", "kvfleet.v1.Compute", Identity.node(name))
+                    for name, child in c.nodes.items()})
         return out
 
     def _all_alive(self) -> bool:
@@ -193,7 +197,7 @@ class ClusterChecker:
         for name, child in self.cluster.nodes.items():
             if not child.alive() or name not in by_id:
                 continue
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{child.port}") as channel:
+            async with rpc.channel(f"127.0.0.1:{child.port}", peer=Identity.node(name)) as channel:
                 stats = await compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=5)
             if stats.num_running or stats.num_waiting:
                 bad.append(f"{name} still runs {stats.num_running} and queues {stats.num_waiting} requests")
@@ -246,8 +250,8 @@ class ClusterChecker:
         return problems
 
 
-async def _health(address: str, service: str) -> str:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _health(address: str, service: str, peer: Identity | None) -> str:
+    async with rpc.channel(address, peer=peer) as channel:  # this process is the cluster's admin
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=2)

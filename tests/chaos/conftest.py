@@ -17,6 +17,8 @@ from chaos_checker import ClusterChecker
 from chaos_cluster import start_cluster
 from chaos_load import PromptBook
 
+from kvfleet import rpc
+from kvfleet.identity import BLOCK_SERVICE_ID
 from kvfleet.v1 import block_manager_pb2, block_manager_pb2_grpc, inference_pb2_grpc
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
@@ -79,7 +81,7 @@ async def repair(cluster: LocalCluster, checker: ClusterChecker) -> None:
 
 async def _nodes_holding_sequences(address: str, timeout_s: float) -> list[str]:
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with rpc.channel(address, peer=BLOCK_SERVICE_ID) as channel:  # as the cluster's admin
         stub = block_manager_pb2_grpc.BlockManagerStub(channel)
         while True:
             stats = await stub.Stats(block_manager_pb2.BlockStatsRequest(), timeout=5)

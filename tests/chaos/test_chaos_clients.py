@@ -24,6 +24,8 @@ from chaos_fuzz import (
 from chaos_load import LoadGenerator, send, send_raw
 from chaos_outcomes import NO_FAULT, OK, RequestSpec, Tally
 
+from kvfleet import certs, rpc, tls
+from kvfleet.identity import ROUTER_ID, Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2_grpc
 
 FLOOD_TOKENS = 200
@@ -94,8 +96,10 @@ def test_a_start_and_its_cancel_in_one_message_leak_nothing(cluster, checker):
         request.sampling.ignore_eos = True
         return compute_pb2.NodeCommand(start=request)
 
-    async def scenario(name: str, port: int) -> None:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    as_router = tls.Credentials.load(certs.identity_dir(cluster.certs.root, ROUTER_ID), ROUTER_ID)
+
+    async def scenario(name: str, port: int) -> None:  # what the router writes, as the router
+        async with rpc.channel(f"127.0.0.1:{port}", peer=Identity.node(name), credentials=as_router) as channel:
             call = compute_pb2_grpc.ComputeStub(channel).Serve()
             for i in range(8):
                 await call.write(compute_pb2.NodeCommands(commands=[

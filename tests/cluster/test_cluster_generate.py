@@ -17,6 +17,8 @@ from cluster_helpers import (
 )
 
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet import rpc
+from kvfleet.identity import BLOCK_SERVICE_ID, Identity
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
@@ -99,11 +101,11 @@ def test_health_and_reflection(shared_cluster):
 
     cluster = shared_cluster(1)
     [node_id] = cluster.node_states()
-    servers = {cluster.router_address: "kvfleet.v1.Inference",
-               f"127.0.0.1:{cluster.child(node_id).port}": "kvfleet.v1.Compute",
-               cluster.block_service_address: "kvfleet.v1.BlockManager"}
-    for address, service in servers.items():
-        with grpc.insecure_channel(address) as channel:
+    servers = {cluster.router_address: ("kvfleet.v1.Inference", None),  # the public door
+               f"127.0.0.1:{cluster.child(node_id).port}": ("kvfleet.v1.Compute", Identity.node(node_id)),
+               cluster.block_service_address: ("kvfleet.v1.BlockManager", BLOCK_SERVICE_ID)}
+    for address, (service, peer) in servers.items():
+        with rpc.sync_channel(address, peer=peer) as channel:  # this process is the cluster's admin
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
             reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo

@@ -18,6 +18,8 @@ import pytest
 from cluster_helpers import request, stream, tokens_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvfleet import certs, rpc, tls
+from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
 from kvfleet_cli.local_cluster import LocalCluster
 
 
@@ -70,8 +72,11 @@ def roles(up_pid: int) -> dict[str, tuple[int, int | None]]:
     return found
 
 
-def health(port: int, service: str) -> int | None:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def health(port: int, service: str, peer: Identity | None = None, work: Path | None = None) -> int | None:
+    """``service``'s health at ``port``: a public door (``peer`` None) in plaintext, an internal
+    service ``peer`` as the admin of the cluster whose work directory is ``work``."""
+    admin = tls.Credentials.load(certs.identity_dir(work / "certs", ADMIN_ID), ADMIN_ID) if peer else None
+    with rpc.sync_channel(f"127.0.0.1:{port}", peer=peer, credentials=admin) as channel:
         try:
             return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=2).status
@@ -216,14 +221,16 @@ def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
     before = roles(u.process.pid)
     u.children()
     pid, port = before["block_service"]
-    assert health(port, "kvfleet.v1.BlockManager") == health_pb2.HealthCheckResponse.SERVING
+    work = tmp_path / "work"
+    assert health(port, "kvfleet.v1.BlockManager", BLOCK_SERVICE_ID, work) == health_pb2.HealthCheckResponse.SERVING
 
     os.kill(pid, signal.SIGKILL)
     wait_for("restart line", lambda: "block_service exited with code -9; restarting in 0.5 s (restart 1)" in u.text())
     pid_after, port_after = wait_for("new block_service", lambda: roles(u.process.pid).get("block_service"))
     assert pid_after != pid and port_after == port
     wait_for("block_service SERVING",
-             lambda: health(port, "kvfleet.v1.BlockManager") == health_pb2.HealthCheckResponse.SERVING)
+             lambda: health(port, "kvfleet.v1.BlockManager", BLOCK_SERVICE_ID, work) ==
+             health_pb2.HealthCheckResponse.SERVING)
 
     def served() -> bool:
         try:
@@ -241,8 +248,10 @@ def test_up_restarts_a_killed_block_service_on_its_port(up, tmp_path):
     assert all(now[name][1] == before[name][1] for name in now)  # same ports
     # what the Kubernetes probes ask (deploy/k8s): "" is liveness, the named service readiness
     SERVING = health_pb2.HealthCheckResponse.SERVING
-    assert health(now["node-0"][1], "") == health(now["router"][1], "") == SERVING
-    assert health(now["node-0"][1], "kvfleet.v1.Compute") == health(now["router"][1], "kvfleet.v1.Inference") == SERVING
+    node0 = Identity.node("node-0")
+    assert health(now["node-0"][1], "", node0, work) == health(now["router"][1], "") == SERVING
+    assert health(now["node-0"][1], "kvfleet.v1.Compute", node0, work) == \
+        health(now["router"][1], "kvfleet.v1.Inference") == SERVING
     assert "giving up" not in u.text()
     assert "restarting in 0.5 s (restart 1)" in (tmp_path / "work" / "supervisor.log").read_text()
     stop_and_check_nothing_is_left(u)

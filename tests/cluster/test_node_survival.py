@@ -15,6 +15,8 @@ from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
 from block_service.durable import recover
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet import rpc
+from kvfleet.identity import Identity
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
@@ -179,7 +181,7 @@ def test_a_leaked_sequence_is_released_by_the_periodic_reconciliation(start_clus
     asyncio.run(leak_and_watch())
     assert cluster.nodes["node-0"].alive()
     assert "reconciliation with block_service released 1" in cluster.nodes["node-0"].log_path.read_text()
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.nodes['node-0'].port}") as channel:
+    with rpc.sync_channel(f"127.0.0.1:{cluster.nodes['node-0'].port}", peer=Identity.node("node-0")) as channel:
         stats = compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30)
     assert stats.reconciled_sequences == 1
 

@@ -11,16 +11,19 @@ import grpc
 import pytest
 from cluster_helpers import random_prompt, request, stream, tokens_of
 
-from kvfleet import keepalive
+from kvfleet import certs, keepalive, rpc, tls
+from kvfleet.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
 from kvfleet.v1 import inference_pb2_grpc
 
 GARBAGE = b"\xff\xff\xff\xff"  # not a protobuf message of any type: the varint never ends
 
 
-def _answer_to_garbage(address: str, method: str, kind: str, message: str) -> tuple[str, bool]:
+def _answer_to_garbage(address: str, method: str, kind: str, message: str, peer=None, caller=None
+                       ) -> tuple[str, bool]:
     """Call ``method`` with ``GARBAGE`` as its request (bytes passed as they are): the status, and
-    whether its details are one line that names the expected ``message`` type."""
-    with grpc.insecure_channel(address) as channel:
+    whether its details are one line that names the expected ``message`` type. ``peer``: the
+    internal service there, called as ``caller`` (an identity that may call the method)."""
+    with rpc.sync_channel(address, peer=peer, credentials=caller) as channel:
         try:
             if kind == "unary_unary":
                 channel.unary_unary(method)(GARBAGE, timeout=30)
@@ -36,14 +39,19 @@ def _answer_to_garbage(address: str, method: str, kind: str, message: str) -> tu
 def test_undecodable_messages_get_invalid_argument_and_no_traceback(shared_cluster):
     cluster = shared_cluster(1)
     node = cluster.nodes["node-0"]
+    def as_(identity):
+        return tls.Credentials.load(certs.identity_dir(cluster.certs.root, identity), identity)
+
     calls = [
-        (cluster.router, cluster.router_address, "/kvfleet.v1.Inference/Generate", "unary_stream", "GenerateRequest"),
-        (node, f"127.0.0.1:{node.port}", "/kvfleet.v1.Compute/Serve", "stream_stream", "NodeCommands"),
+        (cluster.router, cluster.router_address, "/kvfleet.v1.Inference/Generate", "unary_stream", "GenerateRequest",
+         None, None),
+        (node, f"127.0.0.1:{node.port}", "/kvfleet.v1.Compute/Serve", "stream_stream", "NodeCommands",
+         Identity.node("node-0"), as_(ROUTER_ID)),
         (cluster.block_service, cluster.block_service_address, "/kvfleet.v1.BlockManager/AllocateMany",
-         "unary_unary", "AllocateManyRequest"),
+         "unary_unary", "AllocateManyRequest", BLOCK_SERVICE_ID, as_(Identity.node("node-0"))),
     ]
-    answers = {method: [_answer_to_garbage(address, method, kind, message) for _ in range(3)]
-               for _, address, method, kind, message in calls}
+    answers = {method: [_answer_to_garbage(address, method, kind, message, peer, caller) for _ in range(3)]
+               for _, address, method, kind, message, peer, caller in calls}
     assert answers == {method: [("INVALID_ARGUMENT", True)] * 3 for _, _, method, *_ in calls}
 
     assert len(tokens_of(stream(cluster.router_address, request(tokens=[1, 2, 3], max_tokens=4, ignore_eos=True)))) == 4
