@@ -8,7 +8,7 @@ operation is one block granted (prefix hits included), appended, committed or re
 
   (a) inproc        — ``PageTable`` calls in this process
   (b) inproc_fsync  — the durable layer, one group commit (write + fsync) per trace step
-  (c) grpc          — ``kvfleet block-service --durability off`` in its own process, CLIENTS traces
+  (c) grpc          — ``kvfleet block-service --durability off`` in its own process (plaintext), CLIENTS traces
                       concurrently, each step a few batched RPCs
   (d) grpc_fsync    — the same with the log fsynced before every answer (the default)
 
@@ -98,9 +98,9 @@ async def _drive_service(address: str, seconds: float, clients: int, arrivals: i
 def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int) -> float:
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as state_dir:
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # plaintext: TLS's cost is bench/cluster_overhead.py --tls's figure
             [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen", address,
-             "--state-dir", state_dir, "--durability", durability],
+             "--state-dir", state_dir, "--durability", durability, "--insecure-internal"],
             cwd=ROOT,
         )
         try:

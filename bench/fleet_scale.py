@@ -212,9 +212,9 @@ class Service:
         from block_service.client import BlockManagerClient
 
         self.address = f"127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # plaintext: TLS's cost is bench/cluster_overhead.py --tls's figure
             [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen",
-             self.address, "--state-dir", state_dir, "--durability", durability], cwd=ROOT)
+             self.address, "--state-dir", state_dir, "--durability", durability, "--insecure-internal"], cwd=ROOT)
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # the client's channel binds to the current loop
         self.client = BlockManagerClient(self.address, timeout_s=600)

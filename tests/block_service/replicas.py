@@ -1,4 +1,6 @@
-"""Two block_service replicas as real processes electing through a real etcd, for the tests."""
+"""Two block_service replicas as real processes electing through a real etcd, for the tests, under
+mutual TLS: the replicas serve and follow each other's log as ``block-service``, and the test's own
+calls are made as the identity that may make them (a node's as that node, reads as ``admin``)."""
 
 from __future__ import annotations
 
@@ -8,25 +10,40 @@ import sys
 import time
 from pathlib import Path
 
+from kvfleet import certs
+from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
 from kvfleet.leader import read_leader
 from kvfleet.membership import etcd_client
+from kvfleet.tls import Credentials
 from kvfleet_cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S = 2  # shortened: a dead leader is replaced within seconds
+NODES = ("n0", "n1", "n9")  # the node ids the tests' calls name
+
+
+def issue_certs(directory: Path) -> Path:
+    """The CA and the certificates of the replicas, the operator and ``NODES`` under ``directory``."""
+    certs.ensure(directory, [BLOCK_SERVICE_ID, ADMIN_ID, *map(Identity.node, NODES)])
+    return directory
+
+
+def credentials(certs_dir: Path, identity: Identity) -> Credentials:
+    return Credentials.load(certs.identity_dir(certs_dir, identity), identity)
 
 
 class ReplicaProcess:
-    """``kvfleet block-service --etcd ...`` on its own port and state directory; always killed."""
+    """``kvfleet block-service --etcd ...`` on its own port and state directory, with the
+    certificate of ``certs_dir`` (``issue_certs``); always killed."""
 
-    def __init__(self, name: str, work: Path, etcd_url: str, *extra: str) -> None:
+    def __init__(self, name: str, work: Path, etcd_url: str, certs_dir: Path, *extra: str) -> None:
         self.name = name
         self.state_dir = work / f"{name}-state"
         self.log_path = work / f"{name}.log"
         self.address = f"127.0.0.1:{free_port()}"
         self.argv = [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", self.address,
                      "--state-dir", str(self.state_dir), "--etcd", etcd_url, "--lease-ttl", str(TTL_S),
-                     "--durability", "write", *extra]
+                     "--durability", "write", "--certs", str(certs.identity_dir(certs_dir, BLOCK_SERVICE_ID)), *extra]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ReplicaProcess:

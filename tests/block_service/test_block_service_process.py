@@ -40,9 +40,10 @@ class Service:
 
     def start(self) -> None:
         self.log = open(self.state_dir.parent / "service.log", "ab")
+        # plaintext: these tests are about the page table's durability (test_replicas runs mutual TLS)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", self.address,
-             "--state-dir", str(self.state_dir), "--tenants", str(self.tenants)],
+             "--state-dir", str(self.state_dir), "--tenants", str(self.tenants), "--insecure-internal"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
         )
 

@@ -49,14 +49,15 @@ def _kvfleet(*argv: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 @contextlib.contextmanager
 def block_service(tmp: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
-    """A ``kvfleet block-service`` process on a free port; always killed."""
+    """A ``kvfleet block-service`` process on a free port, in plaintext (what is tested is the log and
+    ``kvfleet blocks``, not who may call); always killed."""
     (tmp / "tenants.yaml").write_text(TENANTS)
     address = f"127.0.0.1:{free_port()}"
     log = tmp / "service.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", address, "--state-dir",
-             str(tmp / "state"), "--tenants", str(tmp / "tenants.yaml"), *extra],
+             str(tmp / "state"), "--tenants", str(tmp / "tenants.yaml"), "--insecure-internal", *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield address, proc, log

@@ -1,6 +1,8 @@
 """Two block_service replicas as real processes with a real etcd (shortened lease): the standby
 holds the leader's state, takes over when the leader is SIGKILLed with every acknowledged change,
-refuses a leader of another lineage, and a deposed leader answers writes UNAVAILABLE."""
+refuses a leader of another lineage, and a deposed leader answers writes UNAVAILABLE. All of it under
+mutual TLS (``replicas``): the standby follows the leader's log as ``block-service``, the test writes
+as the node it names and reads as ``admin``."""
 
 from __future__ import annotations
 
@@ -11,18 +13,43 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from replicas import TTL_S, ReplicaProcess, leader_address, wait_leader
+from replicas import TTL_S, ReplicaProcess, credentials, issue_certs, leader_address, wait_leader
 
 from block_service import leader_client
 from block_service.client import BlockManagerClient
 from block_service.durable_mark import parse_mark, read_mark
 from block_service.lineage import write_lineage
 from block_service.trace import Trace, drive_async
+from kvfleet import tls
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.errors import Unavailable
+from kvfleet.identity import ADMIN_ID, Identity
 from kvfleet.leader import LEADER_KEY
 from kvfleet.membership import etcd_client
+from kvfleet.tls import Credentials
 from kvfleet_cli.etcd_server import EtcdServer
+
+
+@pytest.fixture(scope="module")
+def certs_dir(tmp_path_factory) -> Path:
+    return issue_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def admin(certs_dir: Path) -> Credentials:
+    return credentials(certs_dir, ADMIN_ID)
+
+
+@pytest.fixture
+def as_n0(certs_dir: Path) -> Iterator[None]:
+    """This process calls as ``node:n0``: ``leader_client`` follows the leader with this process's
+    credentials, as a node does."""
+    before = tls.current()
+    tls.use(credentials(certs_dir, Identity.node("n0")))
+    try:
+        yield
+    finally:
+        tls.use(before)
 
 
 @pytest.fixture
@@ -35,12 +62,12 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def replicas(tmp_path: Path, etcd: EtcdServer):
+def replicas(tmp_path: Path, etcd: EtcdServer, certs_dir: Path):
     """``start(name, *flags)`` → a started replica; every one killed after the test."""
     started: list[ReplicaProcess] = []
 
     def start(name: str, *extra: str) -> ReplicaProcess:
-        replica = ReplicaProcess(name, tmp_path, etcd.url, *extra).start()
+        replica = ReplicaProcess(name, tmp_path, etcd.url, certs_dir, *extra).start()
         started.append(replica)
         return replica
 
@@ -51,10 +78,10 @@ def replicas(tmp_path: Path, etcd: EtcdServer):
             replica.kill()
 
 
-async def _state(address: str) -> tuple:
+async def _state(address: str, admin: Credentials) -> tuple:
     """Everything a reader can see of a replica's page table (its pools, live sequences and
     charges), and its log position."""
-    async with BlockManagerClient(address, timeout_s=10) as client:
+    async with BlockManagerClient(address, timeout_s=10, credentials=admin) as client:
         await client.wait_ready(30)
         report = await client.blocks(top_holders=1000)
     nodes = sorted((n.stats.node_id, n.stats.num_free, n.stats.num_cached, n.stats.num_used, n.stats.tokens_stored,
@@ -63,19 +90,19 @@ async def _state(address: str) -> tuple:
     return report.log_records, nodes, tenants
 
 
-async def _wait_same_state(leader: str, standby: str, timeout_s: float = 60.0) -> tuple:
+async def _wait_same_state(leader: str, standby: str, admin: Credentials, timeout_s: float = 60.0) -> tuple:
     deadline = time.monotonic() + timeout_s
     while True:
-        mine, theirs = await _state(leader), await _state(standby)
+        mine, theirs = await _state(leader, admin), await _state(standby, admin)
         if mine == theirs or time.monotonic() > deadline:
             return mine, theirs
         await asyncio.sleep(0.2)
 
 
-async def _wait_mark(etcd_url: str, leader: str, timeout_s: float = 30.0) -> None:
+async def _wait_mark(etcd_url: str, leader: str, admin: Credentials, timeout_s: float = 30.0) -> None:
     """Until the leader's durable mark in etcd covers every record ``leader`` holds (it writes the
     mark every third of the lease TTL)."""
-    records = (await _state(leader))[0]
+    records = (await _state(leader, admin))[0]
     deadline = time.monotonic() + timeout_s
     while True:
         async with etcd_client(etcd_url) as client:
@@ -86,23 +113,32 @@ async def _wait_mark(etcd_url: str, leader: str, timeout_s: float = 30.0) -> Non
         await asyncio.sleep(0.1)
 
 
-async def _drive(client, steps: int, seed: int = 5) -> None:
-    trace = Trace(seed=seed, node_ids=["n0", "n1"], tenants=["a", "b"])
-    for node in ("n0", "n1"):
-        await client.register_node(node, 300, 16, 1 << 16)
-    for _ in range(steps):
-        await drive_async(client, trace.step())
+async def _drive(address: str, certs_dir: Path, steps: int, seed: int = 5) -> None:
+    """``steps`` of a trace on each of two nodes, each node's calls made as that node."""
+    nodes = ("n0", "n1")
+    clients = [BlockManagerClient(address, timeout_s=10, credentials=credentials(certs_dir, Identity.node(node)))
+               for node in nodes]
+    traces = [Trace(seed=seed + i, node_ids=[node], tenants=["a", "b"], arrivals_per_step=4, name=f"{node}-")
+              for i, node in enumerate(nodes)]
+    try:
+        for node, client in zip(nodes, clients):
+            await client.register_node(node, 300, 16, 1 << 16)
+        for _ in range(steps):
+            for client, trace in zip(clients, traces):
+                await drive_async(client, trace.step())
+    finally:
+        for client in clients:
+            await client.close()
 
 
-def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas) -> None:
+def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas, certs_dir, admin) -> None:
     a = replicas("a", "--sync-standby")
     wait_leader(etcd.url, a.address, [a])
     b = replicas("b", "--standby")
 
     async def run() -> tuple:
-        async with await leader_client.connect("etcd", etcd.url, timeout_s=10) as client:
-            await _drive(client, 40)
-        return await _wait_same_state(a.address, b.address)
+        await _drive(a.address, certs_dir, 40)
+        return await _wait_same_state(a.address, b.address, admin)
 
     mine, theirs = asyncio.run(run())
     assert mine[0] > 40 and mine[1], "the trace made changes"
@@ -110,14 +146,14 @@ def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas) -> N
 
 
 @pytest.mark.chaos
-def test_standby_takes_over_with_every_acknowledged_change(etcd, replicas) -> None:
+def test_standby_takes_over_with_every_acknowledged_change(etcd, replicas, admin, as_n0) -> None:
     a = replicas("a", "--sync-standby")
     wait_leader(etcd.url, a.address, [a])
     b = replicas("b", "--standby", "--sync-standby")
 
     async def before_kill(client) -> dict[str, list[int]]:
         await client.register_node("n0", 400, 16, 1 << 16)
-        await _wait_same_state(a.address, b.address)  # the standby is in sync from here on
+        await _wait_same_state(a.address, b.address, admin)  # the standby is in sync from here on
         acknowledged = {}
         for i in range(30):
             [result] = await client.allocate_many([AllocateRequest("n0", f"s{i}", "t", [], 40)])
@@ -139,7 +175,8 @@ def test_standby_takes_over_with_every_acknowledged_change(etcd, replicas) -> No
                     await asyncio.sleep(0.1)
             assert isinstance(result, Allocation)
             assert client.target == b.address
-            held = {s.seq_id: s.block_ids for s in await client.sequences(list(acknowledged))}
+            async with BlockManagerClient(b.address, timeout_s=10, credentials=admin) as reader:
+                held = {s.seq_id: s.block_ids for s in await reader.sequences(list(acknowledged))}
             assert held == acknowledged
 
     asyncio.run(run())
@@ -168,7 +205,7 @@ def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> N
     from replicas import ROOT
 
     out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", "127.0.0.1:0",
-                          "--state-dir", str(tmp_path / "s"), "--sync-standby"],
+                          "--state-dir", str(tmp_path / "s"), "--sync-standby", "--insecure-internal"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr + out.stdout
@@ -176,13 +213,13 @@ def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> N
 
 
 @pytest.mark.chaos
-def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas) -> None:
+def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas, certs_dir, admin) -> None:
     a = replicas("a")
     wait_leader(etcd.url, a.address, [a])
     b = replicas("b", "--standby")
 
     async def depose_a() -> None:
-        await _wait_same_state(a.address, b.address)  # b followed a once: it may campaign
+        await _wait_same_state(a.address, b.address, admin)  # b followed a once: it may campaign
         async with etcd_client(etcd.url) as client:  # an operator (or etcd) takes a's lease away
             kv = await client.get(LEADER_KEY.encode())
             await client.revoke_lease(kv.lease)
@@ -191,7 +228,8 @@ def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas)
     wait_leader(etcd.url, b.address, [a, b])
 
     async def write_to_a() -> None:
-        async with BlockManagerClient(a.address, timeout_s=10) as client:
+        n9 = credentials(certs_dir, Identity.node("n9"))
+        async with BlockManagerClient(a.address, timeout_s=10, credentials=n9) as client:
             deadline = time.monotonic() + 30
             while True:  # every try refused; until a has seen in etcd who leads instead
                 with pytest.raises(Unavailable) as refused:
@@ -202,13 +240,14 @@ def test_a_deposed_leader_refuses_writes_and_follows_the_new_one(etcd, replicas)
             assert b.address in str(refused.value)
 
     asyncio.run(write_to_a())
-    mine, theirs = asyncio.run(_wait_same_state(b.address, a.address))
+    mine, theirs = asyncio.run(_wait_same_state(b.address, a.address, admin))
     assert theirs == mine  # a follows b now
     assert "n9" not in [node[0] for node in mine[1]]
 
 
 @pytest.mark.chaos
-def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(etcd, replicas) -> None:
+def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(etcd, replicas, certs_dir, admin,
+                                                                                as_n0) -> None:
     """a leads, dies; b takes over and acknowledges more; b dies; a restarts: a lacks b's records, so
     it must wait for b rather than lead (and serve a page table without them). b back: b leads."""
     a = replicas("a", "--sync-standby")
@@ -219,7 +258,7 @@ def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(e
         async with await leader_client.connect("etcd", etcd.url, timeout_s=5) as client:
             if prefix == "first":
                 await client.register_node("n0", 400, 16, 1 << 16)
-                await _wait_same_state(a.address, b.address)
+                await _wait_same_state(a.address, b.address, admin)
             deadline = time.monotonic() + 60
             for i in range(n):
                 while True:
@@ -235,7 +274,7 @@ def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(e
     a.kill()
     asyncio.run(write(10, "second"))  # acknowledged by b, now the leader
     assert leader_address(etcd.url) == b.address
-    asyncio.run(_wait_mark(etcd.url, b.address))  # etcd holds b's mark of all its records
+    asyncio.run(_wait_mark(etcd.url, b.address, admin))  # etcd holds b's mark of all its records
     b.kill()
     a_again = replicas("a", "--sync-standby")
     # once b's lease lapses, a finds no leader and reads the mark: it says it will not lead, and
@@ -246,7 +285,7 @@ def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(e
         assert time.monotonic() < deadline, f"a neither led nor refused to:\n{a_again.log_text()[-3000:]}"
         time.sleep(0.1)
     assert leader_address(etcd.url) != a_again.address, "a replica without b's records took the lead"
-    b_again = ReplicaProcess("b", b.state_dir.parent, etcd.url, "--standby", "--sync-standby")  # as up restarts it
+    b_again = ReplicaProcess("b", b.state_dir.parent, etcd.url, certs_dir, "--standby", "--sync-standby")  # as up restarts it
     b_again.argv[b_again.argv.index("--listen") + 1] = b.address
     b_again.start()
     try:

@@ -284,9 +284,10 @@ def test_a_taken_http_port_is_one_line_and_exit_2(tmp_path):
     tenants.write_text(TENANTS)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "router", "--listen", "127.0.0.1:0",
-                              "--http-listen", f"127.0.0.1:{port}", "--etcd", "http://127.0.0.1:1",
-                              "--tenants", str(tenants)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "router", "--insecure-internal",
+                              "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}",
+                              "--etcd", "http://127.0.0.1:1", "--tenants", str(tenants)],
+                             capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"cannot listen on 127.0.0.1:{port} for HTTP" in out.stderr
 

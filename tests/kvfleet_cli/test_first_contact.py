@@ -42,13 +42,16 @@ def tenants(tmp_path) -> Path:
     return path
 
 
-def refused(*argv: str, tmp_path: Path, timeout: float = 120) -> str:
-    """Run ``kvfleet ARGV``; assert one line on stderr, no traceback, a non-zero exit; return the line."""
+def refused(*argv: str, tmp_path: Path, timeout: float = 120, code: int | None = None) -> str:
+    """Run ``kvfleet ARGV``; assert one line on stderr, no traceback, a non-zero exit (``code`` when
+    given); return the line.
+    A service command whose test is about another mistake passes ``--insecure-internal``, so that the
+    missing choice of internal TLS does not answer first (``test_internal_tls_choice`` tests that)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVFLEET_STATE_FILE": str(tmp_path / "cluster.json")}
     env.pop("KVFLEET_ROUTER", None)
     done = subprocess.run([sys.executable, "-m", "kvfleet_cli", "--log-level", "ERROR", *argv], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=timeout)
-    assert done.returncode != 0, done.stdout + done.stderr
+    assert done.returncode != 0 if code is None else done.returncode == code, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -56,52 +59,53 @@ def refused(*argv: str, tmp_path: Path, timeout: float = 120) -> str:
 
 
 def test_compute_missing_model(tmp_path):
-    line = refused("compute", "--node-id", "n1", "--model", str(tmp_path / "nope"), tmp_path=tmp_path)
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(tmp_path / "nope"),
+                   tmp_path=tmp_path)
     assert line == f"kvfleet compute: model directory {tmp_path / 'nope'} does not exist"
 
 
 def test_compute_taken_port_is_checked_before_the_model(tmp_path, taken_port):
-    line = refused("compute", "--node-id", "n1", "--model", str(tmp_path / "nope"),
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(tmp_path / "nope"),
                    "--listen", f"127.0.0.1:{taken_port}", tmp_path=tmp_path)
     assert line == f"kvfleet compute: cannot listen on 127.0.0.1:{taken_port}: the port is taken by another process"
 
 
 def test_compute_unreachable_etcd(tmp_path, model):
     port = free_port()
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--etcd", f"http://127.0.0.1:{port}",
-                   "--dependency-timeout", "1", tmp_path=tmp_path)
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model),
+                   "--etcd", f"http://127.0.0.1:{port}", "--dependency-timeout", "1", tmp_path=tmp_path)
     assert line.startswith(f"kvfleet compute: etcd at http://127.0.0.1:{port} is unreachable (")
 
 
 def test_compute_unreachable_block_service(tmp_path, model):
     port = free_port()
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--block-service", f"127.0.0.1:{port}",
-                   "--dependency-timeout", "1", tmp_path=tmp_path)
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model),
+                   "--block-service", f"127.0.0.1:{port}", "--dependency-timeout", "1", tmp_path=tmp_path)
     assert line.startswith(f"kvfleet compute: block_service at 127.0.0.1:{port} is unreachable (")
 
 
 def test_block_service_taken_port(tmp_path, taken_port):
-    line = refused("block-service", "--listen", f"127.0.0.1:{taken_port}", "--state-dir", str(tmp_path / "state"),
-                   tmp_path=tmp_path)
+    line = refused("block-service", "--insecure-internal", "--listen", f"127.0.0.1:{taken_port}",
+                   "--state-dir", str(tmp_path / "state"), tmp_path=tmp_path)
     assert line == f"kvfleet block-service: cannot listen on 127.0.0.1:{taken_port}: the port is taken by another process"
     assert not (tmp_path / "state").exists()
 
 
 def test_router_taken_port(tmp_path, taken_port, tenants):
-    line = refused("router", "--listen", f"127.0.0.1:{taken_port}", "--etcd", f"http://127.0.0.1:{free_port()}",
-                   "--tenants", str(tenants), tmp_path=tmp_path)
+    line = refused("router", "--insecure-internal", "--listen", f"127.0.0.1:{taken_port}",
+                   "--etcd", f"http://127.0.0.1:{free_port()}", "--tenants", str(tenants), tmp_path=tmp_path)
     assert line == f"kvfleet router: cannot listen on 127.0.0.1:{taken_port}: the port is taken by another process"
 
 
 def test_router_unreachable_etcd(tmp_path, tenants):
     port = free_port()
-    line = refused("router", "--listen", "127.0.0.1:0", "--etcd", f"http://127.0.0.1:{port}",
+    line = refused("router", "--insecure-internal", "--listen", "127.0.0.1:0", "--etcd", f"http://127.0.0.1:{port}",
                    "--tenants", str(tenants), "--dependency-timeout", "1", tmp_path=tmp_path)
     assert line.startswith(f"kvfleet router: etcd at http://127.0.0.1:{port} is unreachable (")
 
 
 def test_router_missing_model(tmp_path, tenants):
-    line = refused("router", "--listen", "127.0.0.1:0", "--etcd", f"http://127.0.0.1:{free_port()}",
+    line = refused("router", "--insecure-internal", "--listen", "127.0.0.1:0", "--etcd", f"http://127.0.0.1:{free_port()}",
                    "--tenants", str(tenants), "--model", str(tmp_path / "nope"), tmp_path=tmp_path)
     assert line == f"kvfleet router: {tmp_path / 'nope'} is not a model directory (no tokenizer.json)"
 
@@ -142,8 +146,8 @@ def test_compute_waiting_for_block_service_stops_on_sigterm(tmp_path, model, tak
     log = tmp_path / "node.log"
     with open(log, "w") as out:
         node = subprocess.Popen([sys.executable, "-m", "kvfleet_cli", "compute", "--node-id", "n1", "--model", str(model),
-                                 "--block-service", f"127.0.0.1:{taken_port}"], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=tmp_path)
+                                 "--insecure-internal", "--block-service", f"127.0.0.1:{taken_port}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while "waiting for block_service" not in log.read_text() and time.monotonic() < deadline:

@@ -9,7 +9,7 @@ CHOICES = "auto, float32, bfloat16, float16, fp8_e4m3"
 
 
 def test_compute_refuses_an_unknown_kv_cache_dtype(tmp_path, model):  # noqa: F811
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--kv-cache-dtype", "fp8",
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), "--kv-cache-dtype", "fp8",
                    tmp_path=tmp_path)
     assert line == f"kvfleet compute: --kv-cache-dtype must be one of {CHOICES}, got 'fp8'"
 

@@ -10,7 +10,8 @@ BLOCK_BYTES = 2 * 4 * 2 * 32 * 4 * 16  # a 16-token block of the tiny preset in 
 
 
 def test_compute_refuses_an_unknown_kv_layout(tmp_path, model):  # noqa: F811
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--kv-layout", "ragged", tmp_path=tmp_path)
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), "--kv-layout", "ragged",
+                   tmp_path=tmp_path)
     assert line == "kvfleet compute: --kv-layout must be one of paged, contiguous, got 'ragged'"
 
 
@@ -20,7 +21,7 @@ def test_up_refuses_an_unknown_kv_layout(tmp_path, model):  # noqa: F811
 
 
 def test_compute_refuses_a_reservation_larger_than_its_pool(tmp_path, model):  # noqa: F811
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--kv-layout", "contiguous",
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), "--kv-layout", "contiguous",
                    "--block-size", "16", "--kv-cache-memory", str(100 * BLOCK_BYTES), "--max-model-len", "2048",
                    "--dtype", "float32",
                    tmp_path=tmp_path)

@@ -7,14 +7,14 @@ from tests.kvfleet_cli.test_first_contact import model, refused  # noqa: F401 - 
 
 
 def test_compute_refuses_a_disk_dir_without_its_size(tmp_path, model):  # noqa: F811
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--kv-host-memory", "1048576",
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), "--kv-host-memory", "1048576",
                    "--kv-disk-dir", str(tmp_path / "kv"), tmp_path=tmp_path)
     assert line == ("kvfleet compute: --kv-disk-dir and --kv-disk-bytes go together (a directory and its size "
                     "in bytes)")
 
 
 def test_compute_refuses_an_unknown_preemption_mode(tmp_path, model):  # noqa: F811
-    line = refused("compute", "--node-id", "n1", "--model", str(model), "--preemption-mode", "never",
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), "--preemption-mode", "never",
                    tmp_path=tmp_path)
     assert line == "kvfleet compute: --preemption-mode must be one of auto, swap, recompute, got 'never'"
 

@@ -149,7 +149,7 @@ def test_a_bad_value_is_the_same_line_from_compute_up_and_a_config_file(name, tm
     ("--max-model-len", "0", BAD["max_model_len"][1]),
 ])
 def test_each_command_refuses_a_bad_value_in_one_line_and_exit_2(flag, value, line, tmp_path, model):  # noqa: F811
-    compute = refused("compute", "--node-id", "n1", "--model", str(model), flag, value, tmp_path=tmp_path)
+    compute = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(model), flag, value, tmp_path=tmp_path)
     up = refused("up", "--model", str(model), flag, value, tmp_path=tmp_path)
     config = tmp_path / "up.yaml"
     config.write_text(f"{flag[2:]}: {value}\n")
@@ -160,7 +160,8 @@ def test_each_command_refuses_a_bad_value_in_one_line_and_exit_2(flag, value, li
 def test_a_preset_block_size_passes_both_commands_checks(tmp_path):
     """``--block-size chat`` is no mistake: what stops these commands is the missing model."""
     missing = tmp_path / "nope"
-    line = refused("compute", "--node-id", "n1", "--model", str(missing), "--block-size", "chat", tmp_path=tmp_path)
+    line = refused("compute", "--node-id", "n1", "--insecure-internal", "--model", str(missing), "--block-size", "chat",
+                   tmp_path=tmp_path)
     assert line == f"kvfleet compute: model directory {missing} does not exist"
     line = refused("up", "--model", str(missing), "--block-size", "chat", tmp_path=tmp_path)
     assert line == f"kvfleet up: {missing} is not a model directory (no config.json)"

@@ -59,7 +59,8 @@ def test_settings_read_back_from_their_argv():
 
 
 def test_both_commands_say_it_in_one_line_and_exit_2(tmp_path):
-    line = refused("router", *ROUTER, "--queue-size", "0", tmp_path=tmp_path)
+    line = refused("router", *ROUTER, "--insecure-internal", "--queue-size", "0", tmp_path=tmp_path)
     assert line == "kvfleet router: --queue-size must be at least 1, got 0"
-    line = refused("block-service", "--state-dir", str(tmp_path / "s"), "--durability", "maybe", tmp_path=tmp_path)
+    line = refused("block-service", "--insecure-internal", "--state-dir", str(tmp_path / "s"), "--durability", "maybe",
+                   tmp_path=tmp_path)
     assert line == "kvfleet block-service: --durability must be one of fsync, write, off, got 'maybe'"
