@@ -11,13 +11,18 @@ of the two medians is printed too).
 Also prints the block_service RPCs the node made per generated token (the remote allocator's
 batching: allocations, top-ups of the one-block reserve, write-behind commits and releases).
 
-    python bench/cluster_overhead.py [--quick] [--json]      # --json: one object, headline "ratio"
+The cluster runs as ``kvfleet up`` runs it: mutual TLS on every internal connection. ``--tls`` adds
+a second cluster of the same shape in plaintext (``--insecure-internal``), measured in the same
+rounds, and prints ``tls_ratio``: tokens/s with mutual TLS over tokens/s in plaintext.
+
+    python bench/cluster_overhead.py [--quick] [--tls] [--json]   # --json: one object, headline "ratio"
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -79,14 +84,21 @@ async def _through_router(address: str, prompts: list[list[int]], new_tokens: in
     return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, outputs=outputs)
 
 
-async def _block_rpcs(node_address: str) -> int:
-    import grpc
-
+async def _block_rpcs(cluster) -> int:
+    from kvfleet.identity import Identity
     from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
-    async with grpc.aio.insecure_channel(node_address) as channel:
+    node_address = f"127.0.0.1:{cluster.nodes['node-0'].port}"
+    async with cluster.certs.channel(node_address, Identity.node("node-0")) as channel:
         stats = await compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30)
     return stats.block_rpcs
+
+
+def _client_address(cluster, transport: str) -> str:
+    router = cluster.router_unix_address if transport == "unix" else cluster.router_address
+    if router is None:
+        raise SystemExit("the cluster's work directory path is too long for a Unix socket; use --client-transport tcp")
+    return router
 
 
 def main() -> None:
@@ -103,6 +115,8 @@ def main() -> None:
                              "the same machine would) or TCP loopback")
     parser.add_argument("--batch-wait-ms", type=float, default=None,
                         help="the node's --batch-wait-ms (default: the node's own default; 0: off)")
+    parser.add_argument("--tls", action="store_true",
+                        help="also a plaintext cluster (--insecure-internal) in the same rounds: tls_ratio")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
@@ -119,25 +133,29 @@ def main() -> None:
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
     warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)
     run_inprocess(engine, warm, 8)  # warm-up: kernels built and loaded, every batch shape seen
-    inproc, cluster_runs, rpcs = [], [], []
     node_args = ["--stream-interval", str(args.stream_interval)]
     if args.batch_wait_ms is not None:
         node_args += ["--batch-wait-ms", str(args.batch_wait_ms)]
-    with LocalCluster(model, num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY,
-                      log_level="WARNING", compute_args=tuple(node_args)) as cluster:
-        node = f"127.0.0.1:{cluster.nodes['node-0'].port}"
-        router = cluster.router_unix_address if args.client_transport == "unix" else cluster.router_address
-        if router is None:
-            raise SystemExit("the cluster's work directory path is too long for a Unix socket; use --client-transport tcp")
-        run_loop(_through_router(router, warm, 8))  # warm-up
+    shape = dict(num_nodes=1, block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY, log_level="WARNING",
+                 compute_args=tuple(node_args))
+    inproc, cluster_runs, plain_runs, rpcs = [], [], [], []
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(LocalCluster(model, **shape))
+        plain = stack.enter_context(LocalCluster(model, insecure_internal=True, **shape)) if args.tls else None
+        routers = {name: _client_address(c, args.client_transport) for name, c in (("tls", cluster), ("plain", plain))
+                   if c is not None}
+        for router in routers.values():
+            run_loop(_through_router(router, warm, 8))  # warm-up
         for _ in range(cfg["repeats"]):
             inproc.append(run_inprocess(engine, prompts, cfg["new_tokens"]))
-            before = run_loop(_block_rpcs(node))
-            cluster_runs.append(run_loop(_through_router(router, prompts, cfg["new_tokens"])))
-            rpcs.append((run_loop(_block_rpcs(node)) - before) / cluster_runs[-1]["tokens"])
+            before = run_loop(_block_rpcs(cluster))
+            cluster_runs.append(run_loop(_through_router(routers["tls"], prompts, cfg["new_tokens"])))
+            rpcs.append((run_loop(_block_rpcs(cluster)) - before) / cluster_runs[-1]["tokens"])
+            if plain is not None:
+                plain_runs.append(run_loop(_through_router(routers["plain"], prompts, cfg["new_tokens"])))
     a = max(inproc, key=lambda r: r["tokens_per_s"])
     b = max(cluster_runs, key=lambda r: r["tokens_per_s"])
-    same = all(r["outputs"] == inproc[0]["outputs"] for r in cluster_runs)
+    same = all(r["outputs"] == inproc[0]["outputs"] for r in cluster_runs + plain_runs)
     result = dict(
         ratio=b["tokens_per_s"] / a["tokens_per_s"],
         median_ratio=statistics.median(r["tokens_per_s"] for r in cluster_runs)
@@ -148,10 +166,16 @@ def main() -> None:
         identical_tokens=same,
         requests=cfg["requests"], new_tokens=cfg["new_tokens"], block_size=BLOCK_SIZE, model=str(model),
         stream_interval=args.stream_interval, batch_wait_ms=args.batch_wait_ms,
-        client_transport=args.client_transport,
+        client_transport=args.client_transport, internal="mutual TLS",
         inprocess_runs=[round(r["tokens_per_s"], 1) for r in inproc],
         cluster_runs=[round(r["tokens_per_s"], 1) for r in cluster_runs],
     )
+    if plain_runs:
+        best_plain = max(r["tokens_per_s"] for r in plain_runs)
+        result.update(tls_ratio=b["tokens_per_s"] / best_plain, plaintext_tokens_per_s=best_plain,
+                      tls_median_ratio=statistics.median(r["tokens_per_s"] for r in cluster_runs)
+                      / statistics.median(r["tokens_per_s"] for r in plain_runs),
+                      plaintext_runs=[round(r["tokens_per_s"], 1) for r in plain_runs])
     if args.json:
         print(json.dumps(result))
         return
@@ -161,7 +185,11 @@ def main() -> None:
           f"{'the default' if args.batch_wait_ms is None else f'{args.batch_wait_ms:g} ms'}, "
           f"client → router over {args.client_transport}")
     print(f"  in-process engine     {a['tokens_per_s']:9.1f} tokens/s")
-    print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s")
+    print(f"  router → 1 node       {b['tokens_per_s']:9.1f} tokens/s   (internal connections: mutual TLS)")
+    if plain_runs:
+        print(f"  the same, plaintext   {result['plaintext_tokens_per_s']:9.1f} tokens/s   (--insecure-internal)")
+        print(f"  tls_ratio (mutual TLS / plaintext): {result['tls_ratio']:.3f}   (goal >= 0.95); "
+              f"of the medians: {result['tls_median_ratio']:.3f}")
     print(f"  ratio (cluster / in-process): {result['ratio']:.3f}   (target >= 0.9); "
           f"of the medians: {result['median_ratio']:.3f}")
     print(f"  block_service RPCs per generated token: {result['block_rpcs_per_token']:.3f}")

@@ -15,7 +15,7 @@ from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
 from block_service.durable import recover
 from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet import rpc
+from kvfleet import certs, rpc, tls
 from kvfleet.identity import Identity
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
@@ -169,9 +169,13 @@ def test_a_leaked_sequence_is_released_by_the_periodic_reconciliation(start_clus
 
     cluster = start_cluster(1, compute_args=("--reconcile-interval", "1"))
 
+    node0 = Identity.node("node-0")
+    as_node0 = tls.Credentials.load(certs.identity_dir(cluster.certs.root, node0), node0)
+
     async def leak_and_watch():
-        async with BlockManagerClient(cluster.block_service_address) as client:
-            await client.allocate("node-0", "leaked-by-a-lost-release", "gold", [], 3 * BLOCK_SIZE)
+        async with BlockManagerClient(cluster.block_service_address, credentials=as_node0) as node, \
+                BlockManagerClient(cluster.block_service_address) as client:  # admin, as this process
+            await node.allocate("node-0", "leaked-by-a-lost-release", "gold", [], 3 * BLOCK_SIZE)
             assert [s.seq_id for s in await client.sequences(["leaked-by-a-lost-release"])]
             deadline = time.monotonic() + 60
             while (await client.stats(["node-0"]))[0][0].num_sequences:
