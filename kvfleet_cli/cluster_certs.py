@@ -18,6 +18,7 @@ class ClusterCerts:
         self.directory = Path(directory)
         self.insecure = insecure
         self._admin: Credentials | None = None
+        self._before: Credentials | None = None
 
     @property
     def root(self) -> Path | None:
@@ -66,14 +67,15 @@ class ClusterCerts:
         """This process calls the services as admin from now on (``kvfleet.tls.use``)."""
         from kvfleet import tls
 
+        self._before = tls.current()  # another cluster's, still running (a test's shared one)
         tls.use(self.admin())
 
     def stop_acting(self) -> None:
-        """Back to no credentials, unless another cluster's are in use by now."""
+        """Back to the credentials in use before, unless another cluster's are in use by now."""
         from kvfleet import tls
 
-        if self._admin is not None and tls.current() is self._admin:
-            tls.use(None)
+        if tls.current() is self.admin():
+            tls.use(self._before)
 
     def admin(self) -> Credentials | None:
         """The operator's credentials, for this process's calls to the services (None: plaintext)."""

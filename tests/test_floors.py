@@ -36,7 +36,8 @@ FLOORS = {
 # pure logic: neither these modules nor anything they import (inside the project) imports torch or grpc
 PURE = [
     "kvfleet.allocator", "kvfleet.block_hash", "kvfleet.errors", "kvfleet.sampling", "kvfleet.tenants",
-    "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive",
+    "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive", "kvfleet.identity", "kvfleet.access", "kvfleet.certs",
+    "kvfleet.tls_settings",
     "block_service.page_table", "block_service.block_pool", "block_service.local_allocator",
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
     "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",

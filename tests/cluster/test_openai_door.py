@@ -15,6 +15,7 @@ import pytest
 from cluster_helpers import BLOCK_SIZE, TENANTS, block_pools, random_prompt, request, stream, tokens_of
 
 from compute_service.model.tokenizer import Tokenizer
+from kvfleet.identity import Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
@@ -149,7 +150,7 @@ def test_a_body_that_is_not_json_is_400(cluster, headers, body, words):
 
 
 def node_generated(cluster) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.nodes['node-0'].port}") as channel:
+    with cluster.certs.sync_channel(f"127.0.0.1:{cluster.nodes['node-0'].port}", Identity.node("node-0")) as channel:
         return compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30).generated_tokens
 
 
