@@ -25,6 +25,7 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "shared_cluster": ("process", "cluster"),  # tests/cluster/conftest.py: one LocalCluster per module
     "cluster": ("process", "cluster"),       # a module's LocalCluster (tests/chaos, test_openai_door)
     "up": ("process", "cluster"),            # `kvfleet up` in a subprocess (test_kvfleet_up)
+    "tls_router": ("process", "cluster"),    # a second router, public doors over TLS (test_public_tls)
     "chaos_model": ("process", "cluster", "chaos"),  # tests/chaos: the cluster whose parts the tests kill
 }
 
