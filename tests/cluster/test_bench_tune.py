@@ -86,7 +86,8 @@ def test_bench_remote_wrong_key_and_down_router(start_cluster, tmp_path):
     out = tmp_path / "remote"
     done = kvfleet("bench", "--router", cluster.router_address, "--api-key", "sk-gold", "--phases", "mixed",
                    "--mix", "1:30", "--max-tokens", "3", "--requests", "3", "--concurrency", "2",
-                   "--block-service", cluster.block_service_address, "--out", str(out), cwd=tmp_path)
+                   "--block-service", cluster.block_service_address, "--certs", str(cluster.certs.root / "admin"),
+                   "--out", str(out), cwd=tmp_path)  # block_service answers the cluster's admin only
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phases"]["mixed"]["completed"] == 3
