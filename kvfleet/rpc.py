@@ -56,31 +56,35 @@ def channel_options(max_receive_bytes: int | None = None) -> list[tuple[str, int
     return options
 
 
-def _secure_options(options: list, peer: Identity | None, credentials: tls.Credentials | None = None
-                    ) -> tuple[grpc.ChannelCredentials | None, list]:
+def _secure_options(options: list, peer: Identity | None, credentials: tls.Credentials | None = None,
+                    public_ca: bytes | None = None) -> tuple[grpc.ChannelCredentials | None, list]:
     """``credentials`` (else this process's) when ``peer`` (an internal service) is called under
-    mutual TLS, with the options that make the handshake insist on ``peer``'s certificate."""
+    mutual TLS, with the options that make the handshake insist on ``peer``'s certificate; for a
+    public door (no ``peer``) served over TLS, server TLS trusting ``public_ca``."""
+    if peer is None:
+        return (grpc.ssl_channel_credentials(root_certificates=public_ca) if public_ca else None), options
     credentials = credentials or tls.current()
-    if peer is None or credentials is None:
+    if credentials is None:
         return None, options
     return credentials.channel_credentials(), [*options, ("grpc.ssl_target_name_override", peer.host_name)]
 
 
 def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | None = None,
-            credentials: tls.Credentials | None = None) -> grpc.aio.Channel:
+            credentials: tls.Credentials | None = None, public_ca: bytes | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` that pings by the fleet's keepalive policy. ``peer``: the
     internal service expected there, reached over mutual TLS when this process has credentials
-    (``kvfleet.tls``, or ``credentials``: a test's admin); None: a public door, in plaintext."""
-    credentials, options = _secure_options(channel_options(max_receive_bytes), peer, credentials)
+    (``kvfleet.tls``, or ``credentials``: a test's admin); None: a public door, in plaintext, or
+    over TLS trusting ``public_ca`` (PEM: the CA of the router's ``--tls-cert``)."""
+    credentials, options = _secure_options(channel_options(max_receive_bytes), peer, credentials, public_ca)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
 
 
-def sync_channel(target: str, peer: Identity | None = None, credentials: tls.Credentials | None = None
-                 ) -> grpc.Channel:
+def sync_channel(target: str, peer: Identity | None = None, credentials: tls.Credentials | None = None,
+                 public_ca: bytes | None = None) -> grpc.Channel:
     """The same for a synchronous client (the command line's ``generate``)."""
-    credentials, options = _secure_options(channel_options(), peer, credentials)
+    credentials, options = _secure_options(channel_options(), peer, credentials, public_ca)
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)

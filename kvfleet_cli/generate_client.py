@@ -29,6 +29,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--request-id", default="")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole call")
+    parser.add_argument("--tls-ca", default=os.environ.get("KVFLEET_TLS_CA"), metavar="FILE",
+                        help="the router serves TLS (its --tls-cert): trust this CA certificate (PEM; default "
+                             "$KVFLEET_TLS_CA, else plaintext)")
+
+
+def public_ca(command: str, path: str | None) -> bytes | None:
+    """The CA certificate a client of the router's TLS door trusts (``--tls-ca``); ValueError, one line."""
+    if not path:
+        return None
+    try:
+        ca = open(path, "rb").read()
+    except OSError as err:
+        raise ValueError(f"kvfleet {command}: --tls-ca {path}: {err.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in ca:
+        raise ValueError(f"kvfleet {command}: --tls-ca {path}: not a PEM certificate")
+    return ca
 
 
 def request_message(args: argparse.Namespace):
@@ -92,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
 
     find_router(args)
     metadata = bearer(args.api_key)
-    with rpc.sync_channel(args.router) as channel:
+    try:
+        ca = public_ca("generate", args.tls_ca)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    with rpc.sync_channel(args.router, public_ca=ca) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=min(5.0, args.timeout))
         except grpc.FutureTimeoutError:

@@ -90,3 +90,20 @@ def test_the_http_door_over_tls(tls_router):
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
     with pytest.raises(httpx.HTTPError):  # plain HTTP to a TLS port
         httpx.post(url.replace("https://", "http://") + "/completions", json=body, timeout=10)
+
+
+def test_kvfleet_generate_trusts_the_door_with_tls_ca(tls_router, tmp_path):
+    address, _, _, ca_file, _ = tls_router
+
+    def generate(*extra):
+        return subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", address, "--api-key",
+                               "sk-gold", "--max-tokens", "3", "--ignore-eos", *extra, "hi"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    done = generate("--tls-ca", str(ca_file))
+    assert done.returncode == 0 and "3 generated" in done.stderr, done.stderr
+    plaintext = generate()  # a plaintext client at a TLS door: nobody answers it
+    assert plaintext.returncode == 1 and plaintext.stderr.strip().startswith("kvfleet generate: no router answers")
+    bad = generate("--tls-ca", str(tmp_path / "missing.pem"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"kvfleet generate: --tls-ca {tmp_path / 'missing.pem'}: No such file or directory"]
