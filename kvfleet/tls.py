@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
 
 from kvfleet import certs
 from kvfleet.certs import CertInfo
@@ -52,6 +53,7 @@ class Credentials:
         try:
             info = certs.info(cert)
             _check_signed(cert, ca)
+            _check_key(cert, key)
         except (certs.CertError, ValueError, InvalidSignature) as err:
             raise SettingError(f"--certs {directory}: {err or 'tls.crt is not signed by ca.crt'}") from None
         if info.identity is None:
@@ -59,6 +61,9 @@ class Credentials:
         if identity is not None and info.identity != identity:
             raise SettingError(f"--certs {directory}: the certificate is {info.identity}'s, this service runs "
                                f"as {identity}")
+        if info.not_before > dt.datetime.now(dt.timezone.utc):
+            raise SettingError(f"--certs {directory}: {info.identity}'s certificate is valid only from "
+                               f"{info.not_before:%Y-%m-%d %H:%M} UTC (this machine's clock, or an early issue)")
         if info.seconds_left() <= 0:
             raise SettingError(f"--certs {directory}: {info.identity}'s certificate expired on "
                                f"{info.not_after:%Y-%m-%d %H:%M} UTC")
@@ -80,6 +85,18 @@ def _check_signed(cert_pem: bytes, ca_pem: bytes) -> None:
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, InvalidSignature):
         raise ValueError("tls.crt is not signed by the ca.crt beside it") from None
+
+
+def _check_key(cert_pem: bytes, key_pem: bytes) -> None:
+    """tls.key is a private key, and the one of tls.crt."""
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
+        raise ValueError("tls.key is not an unencrypted PEM private key") from None
+    public = x509.load_pem_x509_certificate(cert_pem).public_key()
+    der = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*der) != public.public_bytes(*der):
+        raise ValueError("tls.key is not the key of tls.crt")
 
 
 _current: Credentials | None = None

@@ -63,6 +63,18 @@ def test_a_service_refuses_a_certificate_directory_that_does_not_hold_in_one_lin
     old = certs.issue(tmp_path, ADMIN_ID, days=1, not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
     with pytest.raises(SettingError, match="admin's certificate expired on"):
         tls.Credentials.load(old, ADMIN_ID)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(node_dir, swapped)
+    shutil.copy(tmp_path / "router" / certs.KEY_FILE, swapped / certs.KEY_FILE)  # another identity's key
+    with pytest.raises(SettingError, match="tls.key is not the key of tls.crt"):
+        tls.Credentials.load(swapped, N0)
+    (swapped / certs.KEY_FILE).write_text("not a key")
+    with pytest.raises(SettingError, match="tls.key is not an unencrypted PEM private key"):
+        tls.Credentials.load(swapped, N0)
+    certs.init_ca(tmp_path / "early-ca")  # a certificate whose validity starts tomorrow
+    early = certs.issue(tmp_path / "early-ca", ROUTER_ID, not_before=dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1))
+    with pytest.raises(SettingError, match="certificate is valid only from"):
+        tls.Credentials.load(early, ROUTER_ID)
     with pytest.raises(SettingError, match="need --certs DIR .* or --insecure-internal"):
         InternalTls().require_choice()
     with pytest.raises(SettingError, match="exclude each other"):
