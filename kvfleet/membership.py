@@ -83,6 +83,9 @@ def node_key(node_id: str, prefix: str = NODES_PREFIX) -> bytes:
     return (prefix + node_id).encode()
 
 
+_warned_plain: set[str] = set()
+
+
 def etcd_client(url: str, timeout: float | None = 5.0, credentials: Credentials | None = None) -> aetcd.Client:
     """An unconnected aetcd client: ``http://host:port`` (or ``host:port``) in plaintext, or
     ``https://host:port`` under mutual TLS (``kvfleet.etcd_tls``) with ``credentials``, by default
@@ -92,6 +95,10 @@ def etcd_client(url: str, timeout: float | None = 5.0, credentials: Credentials 
         raise ValueError(f"etcd URL must look like http://host:port or https://host:port, got {url!r}")
     port = parsed.port or 2379
     if parsed.scheme == "http":
+        if (credentials or tls.current()) is not None and url not in _warned_plain:
+            _warned_plain.add(url)  # the likely mistake: etcd serves TLS and the answer is "Socket closed"
+            log.warning("etcd at %s in plaintext while this process has a certificate: if etcd serves TLS "
+                        "(--client-cert-auth), give https://", url)
         return aetcd.Client(host=parsed.hostname, port=port, timeout=timeout)
     credentials = credentials or tls.current()
     if credentials is None:
