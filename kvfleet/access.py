@@ -11,7 +11,8 @@ table (``block_service.server``): ``OWN_SEQUENCES`` marks those methods here.
     BlockManager  the nodes: their own pool and sequences; the router: prefix matches, fleet stats,
                   dropping a node whose etcd lease ended; admin: tenants, node removal, every read;
                   a block_service standby: the leader's log
-    Compute       the router starts requests and reads stats; admin reads stats
+    Compute       the router starts requests and reads stats; admin reads stats; any node fetches
+                  KV blocks from any peer (the holder fences them by tenant)
     Health, reflection   any identity of the cluster (the handshake has proved its certificate)
 """
 
@@ -73,6 +74,7 @@ RULES: dict[str, Rule] = {
     BLOCK_MANAGER + "FollowLog": _rule(BLOCK_SERVICE),
     COMPUTE + "Serve": _rule(ROUTER),
     COMPUTE + "Stats": _rule(ADMIN, ROUTER),
+    COMPUTE + "FetchBlocks": _rule(NODE),
     HEALTH + "Check": Rule(ANY),
     HEALTH + "Watch": Rule(ANY),
     REFLECTION + "ServerReflectionInfo": Rule(ANY),

@@ -36,6 +36,7 @@ class CommittedBlock:
 class BlockUsage:
     def __init__(self) -> None:
         self._blocks: dict[int, CommittedBlock] = {}
+        self._by_hash: dict[bytes, int] = {}  # hash -> the block id that last committed it (a peer's fetch)
         self._clock = 0
         self.version = 0  # changes with every change: a periodic snapshot of an unchanged pool is skipped
 
@@ -45,6 +46,7 @@ class BlockUsage:
         self.version += 1
         self._blocks[block_id] = CommittedBlock(block_id, block_hash, parent_hash, tuple(token_ids),
                                                 extra if not parent_hash else b"", hits, self._clock, tenant)
+        self._by_hash[block_hash] = block_id
 
     def hit(self, block_ids: Iterable[int], block_hashes: Iterable[bytes]) -> None:
         """Prefix hits: ``block_ids`` were found holding ``block_hashes``. A block this tracker
@@ -64,14 +66,25 @@ class BlockUsage:
         for block_id in block_ids:
             block = self._blocks.pop(block_id, None)
             if block is not None:
+                if self._by_hash.get(block.block_hash) == block_id:
+                    del self._by_hash[block.block_hash]
                 lost.append(block)
                 self.version += 1
         return lost
 
     def blocks(self) -> list[CommittedBlock]:
         """Every block whose content is known, in no particular order (copies: the caller may keep them)."""
-        return [CommittedBlock(b.block_id, b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits, b.last_used,
-                               b.tenant) for b in self._blocks.values()]
+        return [_copy(b) for b in self._blocks.values()]
+
+    def find(self, block_hash: bytes) -> CommittedBlock | None:
+        """A pool block holding ``block_hash`` (a copy), or None. Two blocks may hold one hash (its
+        content computed again after the page table evicted the first): either names the same bytes."""
+        block = self._blocks.get(self._by_hash.get(block_hash, -1))
+        return _copy(block) if block is not None and block.block_hash == block_hash else None
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+def _copy(b: CommittedBlock) -> CommittedBlock:
+    return CommittedBlock(b.block_id, b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits, b.last_used, b.tenant)

@@ -54,6 +54,16 @@ def seed_digest(seed: bytes) -> str:
     return hashlib.sha256(b"kvfleet-seed\0" + seed).hexdigest()[:16]
 
 
+def first_difference(mine: object, theirs: object, there: str) -> str | None:
+    """The first field in which two dataclasses of one kind differ, as ``"block_size 32 here, 16
+    <there>"``; None when they are equal."""
+    for f in fields(mine):
+        a, b = getattr(mine, f.name), getattr(theirs, f.name)
+        if a != b:
+            return f"{f.name} {a} here, {b} {there}"
+    return None
+
+
 @dataclass(slots=True, frozen=True)
 class Fingerprint:
     model: str
@@ -68,11 +78,7 @@ class Fingerprint:
 
     def mismatch(self, snapshot: Fingerprint) -> str | None:
         """The first difference, as ``"block_size 32 here, 16 in the snapshot"``; None when equal."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(snapshot, f.name)
-            if mine != theirs:
-                return f"{f.name} {mine} here, {theirs} in the snapshot"
-        return None
+        return first_difference(self, snapshot, "in the snapshot")
 
     @classmethod
     def from_dict(cls, d: object) -> Fingerprint:

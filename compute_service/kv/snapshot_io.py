@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from compute_service.kv.block_usage import BlockUsage
+from compute_service.kv.chain_import import commit_chain, open_chain
 from compute_service.kv.snapshot import (
     Fingerprint,
     Manifest,
@@ -183,25 +184,18 @@ def restore(snap: Snapshot, allocator: BlockAllocator, kv_cache: torch.Tensor, k
     if snap.kv.dtype != kv_cache.dtype:
         raise SnapshotRefused(f"its KV is {snap.kv.dtype}, this pool {kv_cache.dtype}")
     blocks = snap.manifest.blocks[:limit]
-    bs = snap.manifest.fingerprint.block_size
     held: set[int] = set()  # block ids holding a restored block (one evicted by a later path is written again)
     for n, path in enumerate(restore_paths(blocks)):
-        seq_id = f"kv-snapshot-{n}"
-        hashes = [blocks[i].block_hash for i in path]
-        result = allocator.allocate(seq_id, SNAPSHOT_TENANT, hashes, len(path) * bs)
-        if isinstance(result, Refusal):
-            log.warning("KV snapshot restore stopped after %d blocks: %s", len(held), result.message())
+        chain = open_chain(allocator, usage, f"kv-snapshot-{n}", SNAPSHOT_TENANT, [blocks[i].block_hash for i in path])
+        if isinstance(chain, Refusal):
+            log.warning("KV snapshot restore stopped after %d blocks: %s", len(held), chain.message())
             break
-        fresh = range(result.num_cached_blocks, len(path))
-        dst = [result.block_ids[i] for i in fresh]
-        usage.overwritten(dst)
-        _write(snap, [path[i] for i in fresh], dst, kv_cache, kv_scales)  # written before it is committed
-        for i in fresh:
-            b = blocks[path[i]]
-            usage.committed(result.block_ids[i], b.block_hash, b.parent_hash, b.token_ids, b.extra, b.hits)
-        allocator.commit([(seq_id, i, hashes[i]) for i in fresh])
-        allocator.release([seq_id])
-        held.update(dst)
+        try:
+            commit_chain(allocator, usage, chain, [blocks[i] for i in path], len(path),
+                         lambda fresh, dst: _write(snap, [path[i] for i in fresh], dst, kv_cache, kv_scales))
+        finally:
+            allocator.release([chain.seq_id])
+        held.update(chain.block_ids[chain.num_cached:])
     return len(held)
 
 

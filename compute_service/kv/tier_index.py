@@ -45,6 +45,17 @@ class Move:
 class _Entry:
     slot: int
     tenant: str
+    name: CommittedBlock | None = None  # the block as it left the pool (parent, tokens, extra): a peer's fetch
+
+
+@dataclass(slots=True, frozen=True)
+class TierHeld:
+    """Where a lower tier holds a hashed block, for whom, and its name when known."""
+
+    tier: str
+    slot: int
+    tenant: str
+    name: CommittedBlock | None
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +99,13 @@ class TierIndex:
                 return tier, entry.slot
         return None
 
+    def held(self, block_hash: bytes) -> TierHeld | None:
+        for tier, held in self._tiers.items():
+            entry = held.get(block_hash)
+            if entry is not None:
+                return TierHeld(tier, entry.slot, entry.tenant, entry.name)
+        return None
+
     def run(self, block_hashes: list[bytes]) -> list[tuple[str, int]]:
         """Where the leading blocks of ``block_hashes`` are held, up to the first one that is not."""
         found: list[tuple[str, int]] = []
@@ -98,7 +116,7 @@ class TierIndex:
             found.append(place)
         return found
 
-    def demote(self, block_hash: bytes, tenant: str, pool_block: int) -> TierPlan:
+    def demote(self, block_hash: bytes, tenant: str, pool_block: int, name: CommittedBlock | None = None) -> TierPlan:
         """Keep pool block ``pool_block`` (holding ``block_hash``) in host before the pool reuses it.
         A block already held in a lower tier is only made most recent; without a host tier, or with
         every host slot swapped out, nothing is kept (the block is lost, as without tiers)."""
@@ -110,7 +128,7 @@ class TierIndex:
         slot = self._host_slot(plan)
         if slot is None:
             return plan
-        self._tiers[TIER_HOST][block_hash] = _Entry(slot, tenant)
+        self._tiers[TIER_HOST][block_hash] = _Entry(slot, tenant, name)
         plan.moves.append(Move(POOL, pool_block, TIER_HOST, slot))
         plan.changes.append(TierChange(block_hash, tenant, TIER_HOST))
         return plan
@@ -189,7 +207,7 @@ class TierIndex:
         if below is None:
             plan.changes.append(TierChange(block_hash, entry.tenant, TIER_NONE))
         else:
-            self._tiers[TIER_DISK][block_hash] = _Entry(below, entry.tenant)
+            self._tiers[TIER_DISK][block_hash] = _Entry(below, entry.tenant, entry.name)
             plan.moves.append(Move(TIER_HOST, entry.slot, TIER_DISK, below))
             plan.changes.append(TierChange(block_hash, entry.tenant, TIER_DISK))
         return entry.slot

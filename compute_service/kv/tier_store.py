@@ -59,7 +59,7 @@ class KVTierStore:
         """Keep these committed blocks (about to be rewritten in the pool) in the lower tiers."""
         plan = TierPlan()
         for block in blocks:
-            plan.extend(self.index.demote(block.block_hash, block.tenant, block.block_id))
+            plan.extend(self.index.demote(block.block_hash, block.tenant, block.block_id, block))
         self._perform(plan)
 
     def promote(self, block_hashes: list[bytes], block_ids: list[int]) -> list[str]:

@@ -3,7 +3,8 @@
 ``Serve`` is one bidirectional stream per router: a reader task feeds its commands to a
 ``ServeSession`` while the handler writes the session's batched events; the stream ending (the
 router left, or the node finished draining) aborts whatever the router still had running here.
-``Stats`` answers the node's load and pool figures.
+``Stats`` answers the node's load and pool figures. ``FetchBlocks`` streams KV blocks this node holds
+to a peer node (``kv_holder.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import contextlib
 import logging
 import time
 
+import grpc
+
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.node.context import NodeContext
+from compute_service.node.kv_holder import BlockHolder, InvalidFetch
 from compute_service.node.serve_session import ServeSession
 from kvfleet.tenants import WARMUP_TENANT
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def __init__(self, node: NodeContext):
         self.node = node
+        self.holder = BlockHolder(node.engine)
         self._sessions: set[ServeSession] = set()
 
     def end_streams(self) -> None:
@@ -57,6 +62,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         except Exception as e:  # the stream broke under us
             log.info("Serve stream ended: %s", e)
         session.close()  # the router closed its side: nothing more will be asked
+
+    async def FetchBlocks(self, request, context):
+        try:
+            async for chunk in self.holder.serve(request):
+                yield chunk
+        except InvalidFetch as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Stats(self, request, context):
         node = self.node

@@ -1,0 +1,168 @@
+"""The receiver's side of ``Compute.FetchBlocks``: import a tenant's chain of KV blocks from the peer
+node that holds them, instead of recomputing their tokens.
+
+    engine thread:  a temporary sequence for the chain, charged to the tenant (kv/chain_import.py):
+                    the leading blocks this pool holds come back cached, the rest fresh
+    event loop:     ask the peer for the rest; keep the leading blocks that pass every check
+                    (node/block_chunks.py), until the stream ends, fails or the deadline passes
+    engine thread:  write the verified blocks into the fresh ones, commit them under the same
+                    hashes (block_service records the copy), release the sequence
+
+The pool's blocks are taken before anything crosses the network, so a full pool or a spent quota
+costs no transfer, and the fresh blocks are this node's until the release: nothing else writes them
+meanwhile. The release always happens (failure, deadline, cancellation), so neither node leaks a
+block; a fresh block never written goes back to the free list uncommitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.kv import block_rows
+from compute_service.kv.chain_import import OpenChain, commit_chain, open_chain
+from compute_service.node.block_chunks import RunReader, TransferRefused
+from kvfleet import rpc
+from kvfleet.allocator import Refusal
+from kvfleet.block_hash import HASH_BYTES
+from kvfleet.identity import Identity
+from kvfleet.v1 import compute_pb2 as pb
+from kvfleet.v1 import compute_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# the stub's method: (request, timeout=seconds) -> the stream of chunks
+FetchCall = Callable[..., AsyncIterator[pb.BlockChunk]]
+
+
+async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes: Sequence[bytes],
+                       engine: AsyncEngine, deadline_s: float) -> int:
+    """How many leading blocks of ``hashes`` (a prefix chain of ``tenant``'s) sit in this node's
+    pool as cached committed blocks once it returns: those it held already, and those fetched
+    from node ``peer_node_id`` at ``peer_address`` (mutual TLS insisting on that node's
+    certificate). Never raises (cancellation aside): a failure is one log line and the count of
+    what was imported whole and verified before it."""
+    try:
+        channel = rpc.channel(peer_address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES, peer=Identity.node(peer_node_id))
+    except Exception as e:  # a malformed address or id: the caller's, but still only an answer of 0
+        log.warning("KV fetch from node %s at %s: cannot dial (%s)", peer_node_id, peer_address, e)
+        return 0
+    async with channel:
+        stub = compute_pb2_grpc.ComputeStub(channel)
+        return await fetch_over(stub.FetchBlocks, f"node {peer_node_id}", tenant, hashes, engine, deadline_s)
+
+
+async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[bytes], engine: AsyncEngine,
+                     deadline_s: float) -> int:
+    """``fetch_blocks`` over an open stub method (a test's double)."""
+    hashes = list(hashes)
+    if not hashes or not tenant or any(len(h) != HASH_BYTES for h in hashes):
+        log.warning("KV fetch from %s refused: %s", peer, "no hashes" if not hashes else
+                    "no tenant" if not tenant else f"a hash that is not {HASH_BYTES} bytes")
+        return 0
+    deadline = time.monotonic() + deadline_s
+    fetch = _Fetch(f"kv-fetch-{uuid.uuid4().hex[:16]}")
+    try:
+        try:
+            opened = await engine.call(lambda e: _open(e, fetch, tenant, hashes))
+        except Exception as e:
+            opened = f"{type(e).__name__}: {e}"
+        if not isinstance(opened, tuple):
+            log.warning("KV fetch of %d blocks for tenant %r from %s: no blocks here: %s", len(hashes), tenant, peer,
+                        opened.message() if isinstance(opened, Refusal) else opened)
+            return 0
+        chain, reader = opened
+        held = chain.num_cached
+        if held == len(hashes):
+            return held
+        why = await _receive(call, reader, tenant, hashes[held:], deadline)
+        try:
+            now = await engine.call(lambda e: _commit(e, chain, reader, tenant))
+        except Exception as e:
+            now, why = held, f"importing them failed ({type(e).__name__}: {e})"
+        if why is not None:
+            log.warning("KV fetch of %d blocks for tenant %r from %s: %s; imported %d (held %d already)",
+                        len(hashes) - held, tenant, peer, why, now - held, held)
+        return now
+    finally:  # after the open and the commit (one thread, in order), whatever happened: even cancelled
+        released = engine.call(fetch.release)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(released)
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """One fetch's temporary sequence; ``allocated`` is set and read on the engine thread only."""
+
+    seq_id: str
+    allocated: bool = False
+
+    def release(self, engine) -> None:
+        if self.allocated:
+            self.allocated = False
+            engine.allocator.release([self.seq_id])
+
+
+async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[bytes], deadline: float) -> str | None:
+    """Read the peer's stream into ``reader``; why it stopped short (None: the whole run came)."""
+    request = pb.FetchBlocksRequest(tenant=tenant, block_hashes=b"".join(asked))
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return "the deadline passed before the fetch began"
+    stream = call(request, timeout=left)
+    try:
+        async with asyncio.timeout(left):
+            async for chunk in stream:
+                reader.feed(chunk)
+        reader.finish()
+    except TransferRefused as e:
+        return str(e)
+    except grpc.aio.AioRpcError as e:
+        return f"{e.code().name}: {e.details()}"
+    except TimeoutError:
+        return "the deadline passed"
+    except Exception as e:  # whatever a broken stream raises: the verified blocks still count
+        return f"{type(e).__name__}: {e}"
+    finally:
+        cancel = getattr(stream, "cancel", None)  # a stream left early stops at the peer too
+        if cancel is not None:
+            cancel()
+    return None
+
+
+def _open(engine, fetch: _Fetch, tenant: str, hashes: list[bytes]) -> tuple[OpenChain, RunReader] | Refusal:
+    """On the engine thread: the chain's blocks, and a reader for the part not held here."""
+    layout = block_rows.layout_of(engine.runner.kv_cache)
+    tiers = engine.tiers
+    chain = open_chain(engine.allocator, engine.kv.usage, fetch.seq_id, tenant, hashes,
+                       tiers.demote if tiers is not None else None)
+    if isinstance(chain, Refusal):
+        return chain
+    fetch.allocated = True
+    return chain, RunReader(layout, engine.kv.seed, hashes, chain.num_cached)
+
+
+def _commit(engine, chain: OpenChain, reader: RunReader, tenant: str) -> int:
+    """On the engine thread: write and commit the verified blocks; the leading blocks held now."""
+    upto = chain.num_cached + reader.verified
+    if reader.verified:
+        if engine.tiers is not None:
+            engine.tiers.before_forward()  # the demotions' copies out of these blocks come first (CUDA)
+        rows = reader.rows()
+        kv_cache, kv_scales = engine.runner.kv_cache, engine.runner.kv_scales
+
+        def write(fresh: range, block_ids: list[int]) -> None:
+            block_rows.write(kv_cache, kv_scales, rows, range(fresh.start - chain.num_cached,
+                                                             fresh.stop - chain.num_cached), block_ids)
+
+        named = [None] * chain.num_cached + reader.blocks  # by position in the chain; the held ones are not named again
+        commit_chain(engine.allocator, engine.kv.usage, chain, named, upto, write, tenant)
+    return upto

@@ -1,0 +1,71 @@
+"""The holder's side of ``Compute.FetchBlocks``: another node of the cluster asks for a tenant's
+chain of KV blocks, this node streams the leading run it holds for that tenant.
+
+    engine thread:  which blocks (kv/held_run.py) ─▶ one copy out per tier (kv/block_rows.gather)
+    a worker thread: rows in order, a CRC-32 per block
+    event loop:      chunks of whole blocks (node/block_chunks.py), gRPC's flow control paces them
+
+The copy is taken on the engine thread between steps, so it is what the pool held at one moment;
+everything after works on the copy. A hash held for another tenant ends the run, and is logged once
+per call with the caller and the asking tenant (never whose the block is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from compute_service.engine.async_engine import AsyncEngine
+from compute_service.kv.block_rows import Gathered, gather, layout_of
+from compute_service.kv.held_run import HeldRun, leading_run
+from compute_service.node.block_chunks import DEFAULT_CHUNK_BYTES, encode, split_hashes
+from kvfleet import rpc
+from kvfleet.access_guard import caller
+from kvfleet.v1 import compute_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_RUN_BYTES = 512 << 20  # one call serves at most this much (its copy is held while it streams)
+MAX_CHUNK_BYTES = rpc.MAX_MESSAGE_BYTES // 2  # a chunk and its header stay under the receiver's message limit
+
+
+class InvalidFetch(ValueError):
+    """A request that cannot be served as asked (the caller's mistake): INVALID_ARGUMENT."""
+
+
+class BlockHolder:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def serve(self, request: pb.FetchBlocksRequest) -> AsyncIterator[pb.BlockChunk]:
+        """The chunks of the run this node serves for ``request``; ``InvalidFetch`` for bad input."""
+        try:
+            hashes = split_hashes(request.block_hashes)
+        except ValueError as e:
+            raise InvalidFetch(str(e)) from None
+        if not request.tenant:
+            raise InvalidFetch("tenant is empty: blocks are served only for the tenant whose chain named them")
+        tenant = request.tenant
+        max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        run, got = await self.engine.call(lambda e: _take(e, tenant, hashes))
+        if run.fenced_at is not None:
+            log.warning("FetchBlocks by %s for tenant %r: block %d of the %d asked for is held for another tenant; "
+                        "serving the %d before it", caller() or "a peer without a certificate", tenant, run.fenced_at,
+                        len(hashes), run.fenced_at)
+        if got.why_short is not None:
+            log.warning("FetchBlocks for tenant %r: %s; serving the %d blocks before it", tenant, got.why_short, got.n)
+        rows = await asyncio.to_thread(got.rows)
+        checksums = await asyncio.to_thread(rows.checksums)
+        for chunk in encode(got.layout, run.blocks[:got.n], rows, checksums, max_chunk):
+            yield chunk
+
+
+def _take(engine, tenant: str, hashes: list[bytes]) -> tuple[HeldRun, Gathered]:
+    """On the engine thread: the run to serve and its bytes, copied out."""
+    kv_cache, kv_scales, tiers = engine.runner.kv_cache, engine.runner.kv_scales, engine.tiers
+    layout = layout_of(kv_cache)
+    max_blocks = max(1, MAX_RUN_BYTES // (layout.kv_bytes + layout.scale_bytes))
+    in_tiers = tiers.index.held if tiers is not None else (lambda _: None)
+    run = leading_run(hashes, tenant, engine.kv.usage.find, in_tiers, max_blocks)
+    return run, gather(kv_cache, kv_scales, tiers, run)
