@@ -30,17 +30,14 @@ def run(args: argparse.Namespace) -> int:
 
     from kvfleet import event_loop, tls
     from kvfleet.identity import BLOCK_SERVICE_ID
-    from kvfleet.metrics_server import metrics_listen
-    from kvfleet.preflight import PreflightError, check_port_free
+    from kvfleet.preflight import PreflightError, check_port_free, check_side_ports_free
     from kvfleet.tracing import setup_tracing, shutdown_tracing
 
     try:
         config = settings.build(BlockServiceSettings, args)
         tls.configure(config.tls, BLOCK_SERVICE_ID, "block_service")
         check_port_free(config.listen)  # before recovering the log, which may take a while
-        for port, what in ((config.metrics_port, "metrics"), (config.health_port, "health")):
-            if port is not None:
-                check_port_free(metrics_listen(config.listen, port), what)
+        check_side_ports_free(config.listen, config.metrics_port, config.health_port)
         if config.etcd:
             from kvfleet.membership import etcd_client
 

@@ -56,6 +56,14 @@ def check_port_free(listen: str, purpose: str = "") -> None:
             raise PreflightError(f"cannot listen on {where}: {why}") from None
 
 
+def check_side_ports_free(listen: str, metrics_port: int | None, health_port: int | None) -> None:
+    """``check_port_free`` for a service's metrics and health ports (on ``--listen``'s host), when set."""
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    for port, what in ((metrics_port, "metrics"), (health_port, "health")):
+        if port is not None:
+            check_port_free(f"{host or '0.0.0.0'}:{port}", what)
+
+
 def reachable(address: str, timeout_s: float = 1.0) -> str | None:
     """None when a TCP connection to ``address`` opens, else why not."""
     host, port = host_port(address)

@@ -126,14 +126,11 @@ def _serve_metrics(config: RouterSettings, tenants, queue, picker, nodes):
 
 def preflight(config: RouterSettings) -> None:
     """A taken port, a model directory without a tokenizer, a peer nobody answers at: one line each."""
-    from kvfleet.metrics_server import metrics_listen
-    from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
+    from kvfleet.preflight import PreflightError, check_port_free, check_side_ports_free, wait_reachable
     check_port_free(config.listen)
     if config.http_listen:
         check_port_free(config.http_listen, "HTTP")
-    for port, what in ((config.metrics_port, "metrics"), (config.health_port, "health")):
-        if port is not None:
-            check_port_free(metrics_listen(config.listen, port), what)
+    check_side_ports_free(config.listen, config.metrics_port, config.health_port)
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
         if path and not Path(path).is_file():
             raise PreflightError(f"{flag} {path}: no such file")

@@ -34,8 +34,7 @@ def preflight(command: NodeCommand) -> None:
     from compute_service.model.config import ModelConfig
     from compute_service.node import warm_start
     from kvfleet.leader import FROM_ETCD
-    from kvfleet.metrics_server import metrics_listen
-    from kvfleet.preflight import PreflightError, check_port_free, wait_reachable
+    from kvfleet.preflight import PreflightError, check_port_free, check_side_ports_free, wait_reachable
 
     engine = command.settings.engine
     try:
@@ -43,9 +42,7 @@ def preflight(command: NodeCommand) -> None:
     except (ValueError, RuntimeError) as e:  # RuntimeError: a device torch cannot use
         raise PreflightError(str(e)) from None
     check_port_free(command.listen)
-    for port, what in ((command.metrics_port, "metrics"), (command.health_port, "health")):
-        if port is not None:
-            check_port_free(metrics_listen(command.listen, port), what)
+    check_side_ports_free(command.listen, command.metrics_port, command.health_port)
     ModelConfig.from_dir(command.model)
     warm_start.preflight(command.settings.warm_start)
     if command.etcd:
