@@ -43,9 +43,27 @@ log = logging.getLogger(__name__)
 FetchCall = Callable[..., AsyncIterator[pb.BlockChunk]]
 
 
+@dataclass(slots=True, frozen=True)
+class Fetched:
+    """What a fetch did: ``blocks`` leading blocks of the chain sit in the pool now (``held`` of
+    them were there before it began, ``blocks - held`` came over the wire: ``bytes``, KV and
+    scales); ``reason`` (None: the whole run asked for came) names why it stopped short, for the
+    metrics: refused (no room or quota here), peer (the peer failed or refused, or the
+    stream broke), checksum (a bad block, header or layout), deadline, import."""
+
+    held: int
+    blocks: int
+    bytes: int = 0
+    reason: str | None = None
+
+    @property
+    def imported(self) -> int:
+        return self.blocks - self.held
+
+
 async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes: Sequence[bytes],
-                       engine: AsyncEngine, deadline_s: float) -> int:
-    """How many leading blocks of ``hashes`` (a prefix chain of ``tenant``'s) sit in this node's
+                       engine: AsyncEngine, deadline_s: float) -> Fetched:
+    """The leading blocks of ``hashes`` (a prefix chain of ``tenant``'s) that sit in this node's
     pool as cached committed blocks once it returns: those it held already, and those fetched
     from node ``peer_node_id`` at ``peer_address`` (mutual TLS insisting on that node's
     certificate). Never raises (cancellation aside): a failure is one log line and the count of
@@ -54,20 +72,20 @@ async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes
         channel = rpc.channel(peer_address, max_receive_bytes=rpc.MAX_MESSAGE_BYTES, peer=Identity.node(peer_node_id))
     except Exception as e:  # a malformed address or id: the caller's, but still only an answer of 0
         log.warning("KV fetch from node %s at %s: cannot dial (%s)", peer_node_id, peer_address, e)
-        return 0
+        return Fetched(0, 0, reason="peer")
     async with channel:
         stub = compute_pb2_grpc.ComputeStub(channel)
         return await fetch_over(stub.FetchBlocks, f"node {peer_node_id}", tenant, hashes, engine, deadline_s)
 
 
 async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[bytes], engine: AsyncEngine,
-                     deadline_s: float) -> int:
+                     deadline_s: float) -> Fetched:
     """``fetch_blocks`` over an open stub method (a test's double)."""
     hashes = list(hashes)
     if not hashes or not tenant or any(len(h) != HASH_BYTES for h in hashes):
         log.warning("KV fetch from %s refused: %s", peer, "no hashes" if not hashes else
                     "no tenant" if not tenant else f"a hash that is not {HASH_BYTES} bytes")
-        return 0
+        return Fetched(0, 0, reason="refused")
     deadline = time.monotonic() + deadline_s
     fetch = _Fetch(f"kv-fetch-{uuid.uuid4().hex[:16]}")
     try:
@@ -78,20 +96,21 @@ async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[b
         if not isinstance(opened, tuple):
             log.warning("KV fetch of %d blocks for tenant %r from %s: no blocks here: %s", len(hashes), tenant, peer,
                         opened.message() if isinstance(opened, Refusal) else opened)
-            return 0
+            return Fetched(0, 0, reason="refused")
         chain, reader = opened
         held = chain.num_cached
         if held == len(hashes):
-            return held
-        why = await _receive(call, reader, tenant, hashes[held:], deadline)
+            return Fetched(held, held)
+        stopped = await _receive(call, reader, tenant, hashes[held:], deadline)
         try:
             now = await engine.call(lambda e: _commit(e, chain, reader, tenant))
         except Exception as e:
-            now, why = held, f"importing them failed ({type(e).__name__}: {e})"
-        if why is not None:
+            now, stopped = held, ("import", f"importing them failed ({type(e).__name__}: {e})")
+        if stopped is not None:
             log.warning("KV fetch of %d blocks for tenant %r from %s: %s; imported %d (held %d already)",
-                        len(hashes) - held, tenant, peer, why, now - held, held)
-        return now
+                        len(hashes) - held, tenant, peer, stopped[1], now - held, held)
+        per_block = reader.layout.kv_bytes + reader.layout.scale_bytes
+        return Fetched(held, now, (now - held) * per_block, stopped[0] if stopped is not None else None)
     finally:  # after the open and the commit (one thread, in order), whatever happened: even cancelled
         released = engine.call(fetch.release)
         with contextlib.suppress(Exception):
@@ -111,12 +130,13 @@ class _Fetch:
             engine.allocator.release([self.seq_id])
 
 
-async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[bytes], deadline: float) -> str | None:
-    """Read the peer's stream into ``reader``; why it stopped short (None: the whole run came)."""
+async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[bytes],
+                   deadline: float) -> tuple[str, str] | None:
+    """Read the peer's stream into ``reader``; (reason, why) it stopped short (None: the whole run came)."""
     request = pb.FetchBlocksRequest(tenant=tenant, block_hashes=b"".join(asked))
     left = deadline - time.monotonic()
     if left <= 0:
-        return "the deadline passed before the fetch began"
+        return "deadline", "the deadline passed before the fetch began"
     stream = call(request, timeout=left)
     try:
         async with asyncio.timeout(left):
@@ -124,13 +144,15 @@ async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[
                 reader.feed(chunk)
         reader.finish()
     except TransferRefused as e:
-        return str(e)
+        return "checksum", str(e)
     except grpc.aio.AioRpcError as e:
-        return f"{e.code().name}: {e.details()}"
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "deadline", "the deadline passed"
+        return "peer", f"{e.code().name}: {e.details()}"
     except TimeoutError:
-        return "the deadline passed"
+        return "deadline", "the deadline passed"
     except Exception as e:  # whatever a broken stream raises: the verified blocks still count
-        return f"{type(e).__name__}: {e}"
+        return "peer", f"{type(e).__name__}: {e}"
     finally:
         cancel = getattr(stream, "cancel", None)  # a stream left early stops at the peer too
         if cancel is not None:

@@ -104,15 +104,15 @@ async def peers(holder: LLMEngine, receiver: LLMEngine):
 def fetch(holder: LLMEngine, receiver: LLMEngine, tenant: str, hashes: list[bytes], wrap: Wrap | None = None,
           deadline_s: float = 30.0, address: str | None = None) -> int:
     """Serve ``holder`` and have ``receiver`` fetch ``hashes`` for ``tenant`` (through ``wrap``'s
-    double of the stream when given; from ``address`` instead when given); ``fetch_blocks``'s answer."""
+    double of the stream when given; from ``address`` instead when given); the blocks held after it."""
     async def main() -> int:
         async with peers(holder, receiver) as (served_at, r):
             if wrap is None:
-                return await fetch_blocks(address or served_at, HOLDER, tenant, hashes, r, deadline_s)
+                return (await fetch_blocks(address or served_at, HOLDER, tenant, hashes, r, deadline_s)).blocks
             async with rpc.channel(served_at, max_receive_bytes=rpc.MAX_MESSAGE_BYTES,
                                    peer=Identity.node(HOLDER)) as channel:
                 call = wrap(compute_pb2_grpc.ComputeStub(channel).FetchBlocks)
-                return await fetch_over(call, "the test's double", tenant, hashes, r, deadline_s)
+                return (await fetch_over(call, "the test's double", tenant, hashes, r, deadline_s)).blocks
 
     return asyncio.run(main())
 

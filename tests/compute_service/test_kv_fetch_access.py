@@ -66,7 +66,7 @@ def test_a_node_fetches_but_the_router_is_refused_by_the_access_table(certs_dir,
                     pass
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "router may not call /kvfleet.v1.Compute/FetchBlocks (only node:<id>)" in err.value.details()
-        return await fetch_blocks(address, HOLDER, "a", hashes, engine, 10)
+        return (await fetch_blocks(address, HOLDER, "a", hashes, engine, 10)).blocks
 
     with caplog.at_level(logging.WARNING, logger="kvfleet.access_guard"):
         assert under_tls(certs_dir, holder, receiver, body) == 4
@@ -80,7 +80,7 @@ def test_another_tenants_blocks_are_not_served_and_the_attempt_is_logged(certs_d
     theirs = hashes_of(PROMPT, "a", 4)  # tenant a's chain, asked for as tenant b
 
     async def body(address, engine):
-        return await fetch_blocks(address, HOLDER, "b", theirs, engine, 10)
+        return (await fetch_blocks(address, HOLDER, "b", theirs, engine, 10)).blocks
 
     with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_holder"):
         assert under_tls(certs_dir, holder, receiver, body) == 0
