@@ -5,11 +5,17 @@ node keeps alive. A node that dies stops refreshing; etcd deletes its key when t
 every watcher sees the delete. The value is JSON::
 
     {"address": "127.0.0.1:7001", "model": "/models/x", "num_blocks": 512, "block_size": 256,
-     "state": "READY", "max_num_seqs": 64}
+     "state": "READY", "max_num_seqs": 64,
+     "kv_rates": {"prefill_tokens_per_s": 9000.0, "copy_in_bytes_per_s": 2.4e10,
+                  "fetch_bytes_per_s": 1.1e9, "bytes_per_token": 131072.0}}
 
 ``max_num_seqs`` is the node's live cap on running sequences (its ``--max-num-seqs``, or lower while
 its P99 batch controller holds it down); routers without ``--capacity`` admit the sum of the READY
 nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
+``kv_rates`` (``kvfleet.kv_rates``: 0 = not measured) is what the node measured of its prefill, its
+copies from its lower tiers and its fetches from other nodes; the router weighs its cost with them.
+Absent (not measured yet, or an older node): the router's configured weights; malformed: the same,
+with a warning, and the node stays listed.
 
 States: WARMING (registered, not yet serving), READY (route to it), DRAINING (finishing its running
 requests; route nothing new). The only etcd client is ``aetcd`` (two etcd client libraries clash on
@@ -34,6 +40,7 @@ from kvfleet import tls
 from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
+from kvfleet.kv_rates import KvRates
 from kvfleet.tls import Credentials
 
 log = logging.getLogger(__name__)
@@ -56,11 +63,16 @@ class NodeInfo:
     block_size: int
     state: NodeState
     max_num_seqs: int = 0  # live cap on running sequences; 0: not published
+    kv_rates: KvRates | None = None  # measured rates; None: not published
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
         del fields["node_id"]  # it is the key
         fields["state"] = self.state.value
+        if self.kv_rates is None:
+            del fields["kv_rates"]  # a record as before the field existed
+        else:
+            fields["kv_rates"] = self.kv_rates.to_dict()
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
@@ -74,7 +86,20 @@ class NodeInfo:
             block_size=int(fields["block_size"]),
             state=NodeState(fields["state"]),
             max_num_seqs=int(fields.get("max_num_seqs", 0)),
+            kv_rates=_kv_rates(node_id, fields.get("kv_rates")),
         )
+
+
+def _kv_rates(node_id: str, value: object) -> KvRates | None:
+    """A node's published rates; a malformed entry costs the router only the measured weights."""
+    if value is None:
+        return None
+    try:
+        return KvRates.from_dict(value)
+    except ValueError as e:
+        log.warning("node %s publishes malformed kv_rates (%s); routing it with the configured weights",
+                    node_id, e)
+        return None
 
 
 def node_key(node_id: str, prefix: str = NODES_PREFIX) -> bytes:
@@ -172,7 +197,7 @@ class NodeRegistration:
                     log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, error_line(e))
 
     async def update(self, **fields) -> None:
-        """Change fields of the value (``state=NodeState.READY``, ``num_blocks=...``); with etcd
+        """Change fields of the value (``state=NodeState.READY``, ``kv_rates=KvRates(...)``); with etcd
         down the change is written by the keep-alive once etcd answers."""
         self.info = dataclasses.replace(self.info, **fields)
         if self.lease_id is None:

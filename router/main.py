@@ -117,7 +117,9 @@ def _serve_metrics(config: RouterSettings, tenants, queue, picker, nodes):
 
     async def read() -> metrics.RouterSample:
         waiting = metrics.tenant_queues(queue.waiting(), queue.running_by_tenant(), paid_levels, time.monotonic())
-        return metrics.RouterSample(waiting, dict(picker.decisions), len(nodes.ready()), queue.capacity)
+        ready = nodes.ready()
+        weights = {n.node_id: picker.tier_weights(n.load()) for n in ready}
+        return metrics.RouterSample(waiting, dict(picker.decisions), len(ready), queue.capacity, weights)
 
     request_metrics.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
     serve_metrics(request_metrics.registry, metrics_listen(config.listen, config.metrics_port), "router")

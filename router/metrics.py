@@ -5,6 +5,7 @@
     queue depth, oldest wait, running      TTFT, inter-token latency, end-to-end latency, queue wait
       per tenant and paid level            prompt / generation / cached tokens from each usage,
     routing decisions by node and reason     finished requests by reason
+    each READY node's tier weights
 
 The router sees a request's whole life (queueing, failover, resumption), so the request-level
 figures are vLLM's names here: ``kvfleet:time_to_first_token_seconds`` and the rest, the token
@@ -18,7 +19,7 @@ Pure: clocks are passed in; the gRPC stream glue is in ``router/generation.py``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
@@ -43,6 +44,7 @@ class RouterSample:
     decisions: dict[tuple[str, str], int]   # (node id, reason) → routing decisions
     num_ready_nodes: int
     capacity: int | None = None             # requests run at once (None: no limit)
+    tier_weights: dict[str, tuple[float, float]] = field(default_factory=dict)  # READY node → (l, p) in its cost
 
 
 def tenant_queues(waiting: Iterable[QueuedRequest], running: Mapping[str, int], paid_levels: Mapping[str, int],
@@ -69,6 +71,13 @@ def families(s: RouterSample) -> Iterator[Metric]:
                   "(kv: lowest KV-aware cost; hot_spot: least loaded instead; warmup: a warming node left out)",
                   ("node", "reason"), [((node, reason), n) for (node, reason), n in sorted(s.decisions.items())])
     yield gauge("router_ready_nodes", "Compute nodes READY for requests", (), [((), s.num_ready_nodes)])
+    weights = sorted(s.tier_weights.items())
+    yield gauge("router_node_lower_tier_weight", "What a prompt block a node holds in a lower tier is worth against "
+                "a hot one in its routing cost (l): from its measured copy and prefill rates, else "
+                "--lower-tier-hit-weight", ("node",), [((node,), lw) for node, (lw, _) in weights])
+    yield gauge("router_node_peer_weight", "What a prompt block only another node holds (fetched) is worth against "
+                "a hot one in a node's routing cost (p): from its measured fetch and prefill rates, else "
+                "--peer-hit-weight", ("node",), [((node,), pw) for node, (_, pw) in weights])
     yield gauge("router_capacity", "Requests the router lets run at once: the READY nodes' live caps summed, "
                 "or --capacity (no series: no limit)", (), [] if s.capacity is None else [((), s.capacity)])
 

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.kv_rates import lower_tier_weight, peer_weight
 from kvfleet.membership import MembershipChange, NodeInfo, NodeState
 from kvfleet.v1 import compute_pb2
 from router.node_stream import Inbox
+from router.routing import NO_HIT, NodeLoad, PrefixHit
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,13 @@ class RouterNode:
     @property
     def node_id(self) -> str:
         return self.info.node_id
+
+    def load(self, hit: PrefixHit = NO_HIT) -> NodeLoad:
+        """What the picker weighs of this node for a prompt it holds ``hit`` of: its load, and the
+        weights of its lower-tier and fetched blocks from the rates it publishes (``kvfleet.kv_rates``)."""
+        rates = self.info.kv_rates
+        return NodeLoad(self.node_id, self.active_blocks, hit.hot, self.ready_since, hit.lower, self.prefill_blocks,
+                        hit.peer, lower_tier_weight(rates), peer_weight(rates))
 
     def full_blocks(self, num_tokens: int) -> int:
         """How many whole blocks of this node ``num_tokens`` tokens fill."""

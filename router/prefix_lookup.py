@@ -3,7 +3,11 @@
 The prompt's full blocks are hashed exactly as the nodes hash them (``kvfleet.block_hash``, with
 the tenant as the first block's extra key), once per block size in use, and block_service's prefix
 index answers per node how many leading blocks are committed there (hot), and how many more the
-node keeps below its pool, in host memory or on disk (valued less than hot). When a node's lease expires the
+node keeps below its pool, in host memory or on disk (valued less than hot). It is asked about every
+node it knows, not only the candidates: the blocks past a candidate's own run that another node
+holds (``peer``, up to the longest run of any other node) can be fetched from it instead of
+prefilled (valued less still). Nodes of another block size hash the prompt otherwise and hold none
+of these hashes. When a node's lease expires the
 router tells block_service to drop the node's pool, so its blocks stop being charged to tenants.
 
 block_service being down is no reason to stop routing: a lookup that fails counts as "nothing
@@ -23,7 +27,7 @@ from kvfleet.block_hash import block_hashes, tenant_extra_key
 from kvfleet.errors import NotFound, Unavailable
 from router.nodes import RouterNode
 from router.recent_routes import RecentRoutes
-from router.routing import PrefixHit
+from router.routing import NO_HIT, PrefixHit
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,9 @@ class BlockServicePrefixLookup:
         return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants))
 
     async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, PrefixHit]:
-        """Per node, the prompt's leading blocks it holds hot and, past them, in a lower tier. A
-        recent route counts as hot (its blocks are being computed there now)."""
+        """Per node, the prompt's leading blocks it holds hot and, past them, in a lower tier, then
+        those only other nodes hold (only nodes with some). A recent route counts as hot (its blocks
+        are being computed there now), though not for the others: nothing is there to fetch yet."""
         by_size: dict[int, list[str]] = {}
         for node in nodes:
             by_size.setdefault(node.info.block_size, []).append(node.node_id)
@@ -54,21 +59,23 @@ class BlockServicePrefixLookup:
             hashes = self._hashes(tenant, token_ids, block_size)
             if not hashes:
                 continue
-            if self.client is not None:
-                cached.update(await self._committed(hashes, node_ids))
-            for node_id, n in self.recent.match(hashes, node_ids).items():
-                hit = cached.get(node_id, PrefixHit())
-                hot = max(hit.hot, n)
-                cached[node_id] = PrefixHit(hot, max(hit.hot + hit.lower, n) - hot)
+            held = await self._committed(hashes) if self.client is not None else {}
+            longest = _LongestRuns(held)
+            recent = self.recent.match(hashes, node_ids)
+            for node_id in node_ids:
+                hit = held.get(node_id, NO_HIT)
+                hot = max(hit.hot, recent.get(node_id, 0))
+                run = max(hit.hot + hit.lower, hot)
+                peer = max(longest.elsewhere(node_id) - run, 0)
+                if run or peer:
+                    cached[node_id] = PrefixHit(hot, run - hot, peer)
         return cached
 
-    async def _committed(self, hashes: list[bytes], node_ids: list[str]) -> dict[str, PrefixHit]:
-        """block_service's answer, or nothing when it cannot give one."""
+    async def _committed(self, hashes: list[bytes]) -> dict[str, PrefixHit]:
+        """block_service's answer for every node it knows, or nothing when it cannot give one."""
         try:
-            hot, lower = await self.client.match_tiers(hashes, node_ids)
+            hot, lower = await self.client.match_tiers(hashes)
             found = {n: PrefixHit(k, lower.get(n, 0)) for n, k in hot.items()}
-        except NotFound:  # a node's pool not (yet) registered: it is being resynced
-            return {}
         except Exception as e:
             if not self.failing:
                 self.failing = True
@@ -109,6 +116,24 @@ class BlockServicePrefixLookup:
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
+
+
+class _LongestRuns:
+    """The longest run of the prompt held (hot, then lower) by any node but a given one: the two
+    longest runs of the fleet answer it for every node (one pass, not one per candidate)."""
+
+    def __init__(self, held: dict[str, PrefixHit]):
+        self.holder: str | None = None  # the node holding the longest run
+        self.first = self.second = 0
+        for node_id, hit in held.items():
+            run = hit.hot + hit.lower
+            if run > self.first:
+                self.holder, self.first, self.second = node_id, run, self.first
+            elif run > self.second:
+                self.second = run
+
+    def elsewhere(self, node_id: str) -> int:
+        return self.second if node_id == self.holder else self.first
 
 
 async def connect_prefix_lookup(address: str | None, etcd_url: str | None = None):

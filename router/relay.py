@@ -36,7 +36,7 @@ from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
 from router.resume import Progress, is_client_answer
-from router.routing import NO_HIT, NodeLoad, NodePicker, PrefixHit
+from router.routing import NO_HIT, NodePicker, PrefixHit
 from router.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
@@ -98,15 +98,15 @@ class Relay:
                     cached = await self.prefix.match(tenant.name, ids, candidates)
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
-            hits = [cached.get(n.node_id, NO_HIT) for n in candidates]
-            loads = [NodeLoad(n.node_id, n.active_blocks, h.hot, n.ready_since, h.lower, n.prefill_blocks)
-                     for n, h in zip(candidates, hits)]
+            loads = [n.load(cached.get(n.node_id, NO_HIT)) for n in candidates]
             num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
             span.set_attribute("kvfleet.node_id", decision.node_id)
             span.set_attribute("kvfleet.route_reason", decision.reason)
             span.set_attribute("kvfleet.cached_prefix_blocks", decision.cached_prefix_blocks)
-            span.set_attribute("kvfleet.lower_tier_prefix_blocks", cached.get(decision.node_id, NO_HIT).lower)
+            hit = cached.get(decision.node_id, NO_HIT)
+            span.set_attribute("kvfleet.lower_tier_prefix_blocks", hit.lower)
+            span.set_attribute("kvfleet.peer_prefix_blocks", hit.peer)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
             node = self.nodes.get(decision.node_id)
             self.prefix.routed(tenant.name, ids, node)

@@ -1,16 +1,25 @@
 """Which node serves a request: KV-aware cost, a hot-spot guard and cold-start warming.
 
-    cost(node) = w · (missed + (1 - l) · lower) + load(node)
+    cost(node) = w · (missed + (1 - l) · lower + (1 - p) · peer) + load(node)
     load(node) = (blocks of its requests still prefilling) + d · (blocks of its decoding requests)
 
-A prompt block cached in the node's device pool (hot) saves its prefill there; one the node holds
-in a lower tier (host memory or disk, issue 15: ``lower``, the blocks past the hot run) saves it too
-but costs a copy back into the pool, so it counts as a fraction ``1 - l`` of a miss, where ``l``
-(``lower_tier_hit_weight``, default 0.5: a copy back costs about half a prefill) is the share of
-a hot hit a lower-tier hit is worth; ``missed`` blocks are in no tier. So for the same load, hot
-beats lower beats miss (for ``0 < l < 1``). An active block is work the node is already doing:
-a block its in-flight requests added there, not the prefix they found cached (``RouterNode.start``),
-so requests sharing a prefix do not make the node holding it look busier the more of them it serves.
+A prompt block cached in the node's device pool (hot) saves its prefill there. Past the hot run,
+one the node holds in a lower tier (host memory or disk: ``lower``) saves it too but costs a copy
+back into the pool, and one only another node holds (``peer``: the blocks past the node's own run
+up to the longest run any other node holds, hot or lower) costs a fetch over the network
+(``Compute.FetchBlocks``) instead of a prefill. So each counts as a fraction of a miss: ``1 - l``
+and ``1 - p``, where ``l`` and ``p`` are the share of a hot hit a copied or a fetched block is
+worth; ``missed`` blocks are in no tier of any node. A node publishes its measured prefill, copy
+and fetch rates (``kvfleet.kv_rates``: weight = 1 - transfer time / prefill time), and the router
+derives its ``l`` and ``p`` from them; a node that publishes none gets ``lower_tier_hit_weight``
+(default 0.5: a copy back costs about half a prefill) and ``peer_hit_weight`` (default 0.25: a
+fetch costs more than a local copy). So for the same load hot beats lower beats peer beats miss
+(for ``0 < p < l < 1``), and a busy node holding a prefix no longer forces a full recompute on an
+idle one: the idle one fetches it, at ``1 - p`` of a miss.
+
+An active block is work the node is already doing: a block its in-flight requests added there, not
+the prefix they found cached (``RouterNode.start``), so requests sharing a prefix do not make the
+node holding it look busier the more of them it serves.
 A request's first token is on a node's clock behind the prefill already queued there, and a
 prefill costs about a step per budget of tokens, while a sequence past its prefill adds one token
 per step: so the blocks of requests still prefilling count in full and those of decoding requests
@@ -54,8 +63,13 @@ class RoutingConfig:
         at_least=0, at_most=1, metavar="D")
     lower_tier_hit_weight: float = setting(
         0.5, "l: what a prompt block a node holds below its pool (host memory, disk) is worth against one in its "
-             "pool, 0..1 (at 0.5 copying it back costs about half a prefill); hot > lower tier > miss for 0 < l < 1",
+             "pool, 0..1, for a node that publishes no measured rates (at 0.5 copying it back costs about half a "
+             "prefill); hot > lower tier > miss for 0 < l < 1",
         at_least=0, at_most=1, metavar="L")
+    peer_hit_weight: float = setting(
+        0.25, "p: what a prompt block only another node holds (fetched instead of prefilled) is worth against one "
+              "in the pool, 0..1, for a node that publishes no measured rates; hot > lower tier > peer > miss for "
+              "0 < p < l < 1", at_least=0, at_most=1, metavar="P")
     hot_spot_ratio: float = setting(2.0, "the winner is far busier above ratio x the least load + margin: the least "
                                     "loaded node is taken instead", at_least=1)
     hot_spot_margin_blocks: int = 16
@@ -78,15 +92,19 @@ class NodeLoad:
     ready_since: float           # when the node turned READY (same clock as `now`)
     lower_tier_prefix_blocks: int = 0  # prompt blocks past those the node holds in a lower tier
     prefill_blocks: int | None = None  # of active_blocks, those of requests still prefilling (None: all)
+    peer_prefix_blocks: int = 0        # prompt blocks past the node's own run that another node holds
+    lower_tier_weight: float | None = None  # l from the node's measured rates (None: the configured one)
+    peer_weight: float | None = None        # p from the node's measured rates (None: the configured one)
 
 
 @dataclass(slots=True, frozen=True)
 class PrefixHit:
     """How much of a prompt a node holds: ``hot`` leading blocks in its pool, then ``lower`` more in
-    its lower tiers (``NodeLoad``'s two prefix fields)."""
+    its lower tiers, then ``peer`` more that only other nodes hold (``NodeLoad``'s three prefix fields)."""
 
     hot: int = 0
     lower: int = 0
+    peer: int = 0
 
 
 NO_HIT = PrefixHit()
@@ -121,11 +139,19 @@ class NodePicker:
         prefill = node.active_blocks if node.prefill_blocks is None else node.prefill_blocks
         return prefill + self.config.decode_block_weight * (node.active_blocks - prefill)
 
+    def tier_weights(self, node: NodeLoad) -> tuple[float, float]:
+        """``(l, p)`` for ``node``: derived from its measured rates, else the configured ones."""
+        c = self.config
+        return (c.lower_tier_hit_weight if node.lower_tier_weight is None else node.lower_tier_weight,
+                c.peer_hit_weight if node.peer_weight is None else node.peer_weight)
+
     def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
         hot = min(node.cached_prefix_blocks, num_prompt_blocks)
         lower = min(node.lower_tier_prefix_blocks, num_prompt_blocks - hot)
-        missed = num_prompt_blocks - hot - lower
-        prefill = missed + (1.0 - self.config.lower_tier_hit_weight) * lower
+        peer = min(node.peer_prefix_blocks, num_prompt_blocks - hot - lower)
+        missed = num_prompt_blocks - hot - lower - peer
+        lower_weight, peer_weight = self.tier_weights(node)
+        prefill = missed + (1.0 - lower_weight) * lower + (1.0 - peer_weight) * peer
         return self.config.prefix_weight * prefill + self.load(node)
 
     def choose(self, nodes: Sequence[NodeLoad], num_prompt_blocks: int, now: float) -> RouteDecision | None:

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from kvfleet.kv_rates import KvRates
 from kvfleet.membership import (
     MembershipChange,
     NodeInfo,
@@ -55,6 +56,30 @@ def test_register_update_watch_and_revoke(etcd):
             assert (await list_nodes(client, prefix))[0]
             await reg.close()
             assert await _next(changes) == MembershipChange("n1", None)
+            await changes.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_node_publishes_its_measured_rates_and_watchers_read_them(etcd):
+    """``update(kv_rates=...)`` rewrites the record; a watcher (the router) reads the rates back,
+    and a record written without them reads as no rates."""
+    prefix = "/kvfleet/test-rates/"
+    rates = KvRates(prefill_tokens_per_s=9000.0, copy_in_bytes_per_s=2.4e10, fetch_bytes_per_s=1.1e9,
+                    bytes_per_token=131072.0)
+
+    async def main():
+        async with etcd_client(etcd.url) as client:
+            changes = watch_nodes(client, prefix)
+            reg = NodeRegistration(client, info("n3"), ttl=3, prefix=prefix)
+            await reg.start()
+            assert (await _next(changes)).info.kv_rates is None
+            await reg.update(kv_rates=rates)
+            published = NodeInfo("n3", "127.0.0.1:7001", "/models/tiny", 64, 256, NodeState.WARMING, kv_rates=rates)
+            assert reg.info == published
+            assert (await _next(changes)).info == published
+            assert (await list_nodes(client, prefix))[0] == {"n3": published}
+            await reg.close()
             await changes.aclose()
 
     asyncio.run(main())

@@ -65,3 +65,12 @@ def test_latency_buckets_span_a_millisecond_to_a_minute():
 
     assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] >= 60
     assert list(LATENCY_BUCKETS) == sorted(set(LATENCY_BUCKETS))
+
+
+def test_each_ready_node_s_tier_weights_are_gauges():
+    sample = metrics.RouterSample([], {}, 2, tier_weights={"node-0": (0.75, 0.5), "node-1": (0.5, 0.25)})
+    r = registry_of(metrics.families(sample))
+    assert r.get_sample_value("kvfleet:router_node_lower_tier_weight", {"node": "node-0"}) == 0.75
+    assert r.get_sample_value("kvfleet:router_node_peer_weight", {"node": "node-0"}) == 0.5
+    assert r.get_sample_value("kvfleet:router_node_peer_weight", {"node": "node-1"}) == 0.25
+    assert r.get_sample_value("kvfleet:router_node_lower_tier_weight", {"node": "node-2"}) is None

@@ -1,8 +1,10 @@
+import dataclasses
 import random
 from collections import Counter
 
 import pytest
 
+from kvfleet.kv_rates import KvRates, lower_tier_weight, peer_weight
 from router.routing import NodeLoad, NodePicker, RoutingConfig
 
 OLD = -1e6  # READY long ago: fully warmed
@@ -176,3 +178,65 @@ def test_the_hot_spot_guard_compares_loads():
 def test_the_decode_weight_is_a_share():
     with pytest.raises(ValueError, match="--decode-block-weight"):
         RoutingConfig(decode_block_weight=1.5)
+
+
+def test_hot_beats_lower_tier_beats_a_peer_fetch_beats_miss():
+    """Past its own run a node can fetch the blocks another node holds: cheaper than computing
+    them, dearer than copying its own back (the defaults: l = 0.5, p = 0.25), and so for the
+    weights a node derives from typical rates (a copy from host memory faster than a fetch)."""
+    hot, lower, peer, miss = node("hot", cached=8), NodeLoad("lower", 0, 0, OLD, 8), \
+        NodeLoad("peer", 0, 0, OLD, peer_prefix_blocks=8), node("miss")
+    p = picker()
+    assert p.cost(hot, 10) < p.cost(lower, 10) < p.cost(peer, 10) < p.cost(miss, 10)
+    assert p.cost(peer, 10) == 2 + 0.75 * 8
+    assert p.choose([miss, peer], 10, 0).node_id == "peer"
+    rates = KvRates(prefill_tokens_per_s=10_000.0, copy_in_bytes_per_s=8192e6, fetch_bytes_per_s=2048e6,
+                    bytes_per_token=102_400.0)
+    lw, pw = lower_tier_weight(rates), peer_weight(rates)
+    assert (lw, pw) == (pytest.approx(0.875), pytest.approx(0.5))
+
+    def measured(load: NodeLoad) -> NodeLoad:
+        return dataclasses.replace(load, lower_tier_weight=lw, peer_weight=pw)
+
+    assert p.cost(measured(hot), 10) < p.cost(measured(lower), 10) < p.cost(measured(peer), 10) \
+        < p.cost(measured(miss), 10)
+    assert p.cost(measured(lower), 10) == pytest.approx(2 + 0.125 * 8)
+
+
+def test_an_idle_node_that_can_fetch_takes_a_prefix_from_a_busy_holder():
+    """The holder has 10 of the prompt's 12 blocks hot and 8 blocks of prefill queued; the idle
+    node holds none but can fetch them. Counted as a miss (p = 0), the holder wins; at a fetch
+    worth 0.9 of a hot hit the idle node takes the request without computing the prefix."""
+    holder = NodeLoad("holder", active_blocks=8, cached_prefix_blocks=10, ready_since=OLD)
+    idle = NodeLoad("idle", active_blocks=0, cached_prefix_blocks=0, ready_since=OLD, peer_prefix_blocks=10)
+    assert picker(peer_hit_weight=0.0).choose([holder, idle], 12, 0).node_id == "holder"
+    d = picker(peer_hit_weight=0.0).choose([holder, dataclasses.replace(idle, peer_weight=0.9)], 12, 0)
+    assert (d.node_id, d.reason) == ("idle", "kv") and d.cost == pytest.approx(2 + 0.1 * 10)
+    assert picker(peer_hit_weight=0.9).choose([holder, idle], 12, 0).node_id == "idle"  # the fallback alike
+
+
+def test_a_node_s_own_weights_override_the_configured_ones_and_none_falls_back():
+    p = picker(lower_tier_hit_weight=0.5, peer_hit_weight=0.25)
+    plain = NodeLoad("n", 0, 2, OLD, 3, None, 4)
+    assert p.tier_weights(plain) == (0.5, 0.25)
+    assert p.cost(plain, 10) == 0.5 * 3 + 0.75 * 4 + 1
+    own = dataclasses.replace(plain, lower_tier_weight=1.0, peer_weight=0.0)
+    assert p.tier_weights(own) == (1.0, 0.0)
+    assert p.cost(own, 10) == 4 + 1
+    assert p.cost(NodeLoad("c", 0, 6, OLD, 3, None, 100), 10) == 0.5 * 3 + 0.75 * 1  # never past the prompt
+
+
+def test_the_peer_weight_flag():
+    import argparse
+
+    from kvfleet.settings import SettingError, build
+    from router.main import add_arguments
+    from router.settings import RouterSettings
+
+    parser = argparse.ArgumentParser(prog="kvfleet router")
+    add_arguments(parser)
+    base = ["--etcd", "http://x:1", "--tenants", "t.yaml"]
+    assert build(RouterSettings, parser.parse_args(base)).routing.peer_hit_weight == 0.25
+    assert build(RouterSettings, parser.parse_args([*base, "--peer-hit-weight", "0.4"])).routing.peer_hit_weight == 0.4
+    with pytest.raises(SettingError, match="--peer-hit-weight must be at most 1, got 1.5"):
+        build(RouterSettings, parser.parse_args([*base, "--peer-hit-weight", "1.5"]))
