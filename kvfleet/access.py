@@ -68,7 +68,8 @@ RULES: dict[str, Rule] = {
     BLOCK_MANAGER + "DeregisterNode": _rule(ADMIN, ROUTER, NODE, nodes_named=lambda r: (r.node_id,),
                                             node_must_name_itself=True),
     BLOCK_MANAGER + "ConfigureTenants": _rule(ADMIN),
-    BLOCK_MANAGER + "MatchPrefix": _rule(ADMIN, ROUTER),
+    # a node asks where a prompt's prefix is held before it fetches it from a peer (kv_fetch)
+    BLOCK_MANAGER + "MatchPrefix": _rule(ADMIN, ROUTER, NODE),
     BLOCK_MANAGER + "Stats": _rule(ADMIN, ROUTER, NODE, nodes_named=lambda r: r.node_ids, node_must_name_itself=True),
     BLOCK_MANAGER + "GetSequences": _rule(ADMIN),
     BLOCK_MANAGER + "FollowLog": _rule(BLOCK_SERVICE),

@@ -19,6 +19,7 @@ import torch
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.cpu_host import usable_cpus
 from compute_service.engine.model_runner import ModelRunner
+from compute_service.engine.prefill_rate import PrefillRate
 from compute_service.engine.request_output import RequestOutput, StopChecker
 from compute_service.engine.request_phases import RequestPhases
 from compute_service.engine.sampler import Sampler
@@ -117,6 +118,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
+        self.prefill_rate = PrefillRate()  # measured on its own steps (the warm-up's first)
         self.phases = RequestPhases()
         self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
         log.info("engine ready: %s, %d blocks of %d tokens (%d bytes each), max_model_len %d, %s layout, KV cache %s: %s",
@@ -251,7 +253,9 @@ class LLMEngine:
         self.kv.commit_full_blocks(stepped)
         self.kv.drop_outside_window(stepped)
         tokens = self.sampler.sample(logits, sampled)
-        self._busy += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._busy += elapsed
+        self.prefill_rate.observe(sum(n for _, n in batch.prefills), len(batch.decodes), elapsed)
         now = time.monotonic()
         for seq, token in zip(sampled, tokens):
             request = self.requests[seq.seq_id]
@@ -287,6 +291,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
             blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
             tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s or 0.0,
             intra_op_threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
             queue_time=queue_time, prefill_time=prefill_time)
 

@@ -8,6 +8,7 @@ only through its methods, so what a stream can do to the node is written here, i
       status        NodeStatus: node id, lifecycle state, in-flight count (lifecycle.py drains on it)
       engine        AsyncEngine: requests in, outputs back, aborts
       early_blocks  EarlyBlocks when blocks come from block_service (None: an in-process pool)
+      prefix_fetch  the peer fetch at admission (prefix_fetch.py; None: no peers to fetch from)
       block_size, stream_interval
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.engine.request_output import RequestOutput
 from compute_service.engine.stats import EngineStats
+from compute_service.node.prefix_fetch import PrefixFetcher
 from kvfleet.membership import NodeState
 from kvfleet.sampling import SamplingParams
 
@@ -78,6 +80,7 @@ class NodeContext:
     # and saves the per-message CPU that a small machine takes from the model
     stream_interval: int = 1
     early_blocks: EarlyBlocks | None = None
+    prefix_fetch: PrefixFetcher | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -106,6 +109,11 @@ class NodeContext:
     def check_prompt(self, prompt: list[int], generated: list[int]) -> None:
         """``ValueError`` if the engine would refuse this prompt: checked before any block is asked for."""
         self.engine.check_prompt(prompt, generated)
+
+    async def fetch_prefix(self, tenant: str, token_ids: list[int]) -> None:
+        """Bring the prompt's cached prefix from the peer that holds it, when that beats a prefill."""
+        if self.prefix_fetch is not None:
+            await self.prefix_fetch.before_admission(tenant, token_ids)
 
     async def allocate_early(self, request_id: str, tenant: str, token_ids: list[int], trace_context: object) -> None:
         """Ask block_service for the request's blocks now (a no-op with an in-process pool)."""

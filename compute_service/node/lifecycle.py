@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from compute_service.engine.live_cap import LiveCap
     from compute_service.engine.llm_engine import LLMEngine
     from compute_service.node.context import EarlyBlocks, NodeContext, NodeStatus
+    from compute_service.node.peer_directory import PeerDirectory
+    from compute_service.node.prefix_fetch import PrefixFetcher
     from compute_service.node.server import ComputeServicer
     from kvfleet.health_port import Readiness
     from kvfleet.membership import NodeRegistration
@@ -51,6 +53,7 @@ class _Parts:
     async_engine: AsyncEngine | None = None
     server: grpc.aio.Server | None = None
     readiness: Readiness | None = None                  # the health-only port, the certificate's watch
+    peers: PeerDirectory | None = None                  # other nodes' addresses, for KV fetches
     drained: bool = False
 
 
@@ -136,6 +139,24 @@ def _early_blocks(remote: RemoteAllocatorFactory, blocks: RemoteBlockAllocator, 
     return EarlyBlocks(preallocate, blocks.release_unclaimed, remote.trace_contexts)
 
 
+def _prefix_fetcher(command: NodeCommand, parts: _Parts, async_engine: AsyncEngine) -> PrefixFetcher | None:
+    """Fetching prompts' cached prefixes from peers: needs block_service (where is it held?) and
+    etcd (where are the peers?)."""
+    from compute_service.node.fetch_policy import FetchCost
+    from compute_service.node.peer_directory import PeerDirectory
+    from compute_service.node.prefix_fetch import PrefixFetcher
+
+    settings = command.settings.kv_fetch
+    if settings.kv_fetch == "off" or parts.remote is None or parts.client is None:
+        return None
+    engine = async_engine.engine
+    parts.peers = PeerDirectory(command.node_id)
+    parts.peers.start(parts.client)
+    cost = FetchCost(settings, engine.allocator.block_size, engine.bytes_per_block)
+    return PrefixFetcher(command.node_id, async_engine, parts.remote.client.match_tiers, parts.peers, cost,
+                         engine.kv.seed, engine.config.share_prefix_across_tenants)
+
+
 def _fail_refused(async_engine: AsyncEngine) -> OnRefused:
     """The remote allocator's ``on_refused``: sequences block_service would not hold after a sync
     (it moved them to other nodes) end here."""
@@ -217,7 +238,8 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         blocks.on_refused = _fail_refused(async_engine)
         status = NodeStatus(node_id, block_rpcs=lambda: blocks.num_rpcs, reconciled=lambda: blocks.link.num_reconciled)
         early = _early_blocks(remote, blocks, engine)
-    node = NodeContext(status, async_engine, pool.block_size, settings.stream_interval, early)
+    node = NodeContext(status, async_engine, pool.block_size, settings.stream_interval, early,
+                       _prefix_fetcher(command, parts, async_engine))
     if command.metrics_port is not None:
         _serve_metrics(command, node, status, pool.block_size)
     server = parts.server = rpc.server(internal=True)
@@ -264,6 +286,11 @@ async def _serve_until_stopped(command: NodeCommand, ready: _Ready, stop: asynci
     if ready.live_cap is not None and registration is not None:
         every_s = max(settings.control_interval_s, 1.0)
         background.append(asyncio.create_task(_publish_cap(registration, ready.live_cap, every_s)))
+    if registration is not None:
+        from compute_service.node.rates import publish_rates
+
+        fetcher = ready.servicer.node.prefix_fetch
+        background.append(asyncio.create_task(publish_rates(registration, ready.async_engine.engine, fetcher)))
     if ready.blocks is not None:
         ready.blocks.syncs.start_reconciling(settings.reconcile_interval)
         if registration is not None:
@@ -300,6 +327,8 @@ async def _shut_down(command: NodeCommand, parts: _Parts) -> None:
     thread, block_service's link, the etcd lease. A peer that is away cannot hold the exit up."""
     if parts.readiness is not None:
         await parts.readiness.close()
+    if parts.peers is not None:
+        await parts.peers.close()
     if parts.server is not None:
         await parts.server.stop(grace=2 if parts.drained else 0)
     if parts.async_engine is not None:

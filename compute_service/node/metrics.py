@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import Metric
 
 from compute_service.engine.stats import EngineStats
+from compute_service.node.fetch_figures import FetchReading
 from kvfleet.metric_families import counter, gauge, histogram
 
 
@@ -32,6 +33,7 @@ class NodeSample:
     block_size: int
     num_in_flight: int            # request streams open on the node
     engine: EngineStats
+    fetch: FetchReading | None = None  # KV fetched from peers (None: the node fetches none)
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -70,6 +72,7 @@ def families(s: NodeSample) -> Iterator[Metric]:
         yield histogram("node_request_prefill_time_seconds", "Per request, from its first engine step to the step "
                         "that samples its first token", node, [(key, e.prefill_time)])
     yield from _tier_families(s)
+    yield from _fetch_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
                 [((s.node_id, s.state), 1)])
@@ -96,6 +99,32 @@ def _tier_families(s: NodeSample) -> Iterator[Metric]:
                     [((s.node_id, "host"), t.host_blocks), ((s.node_id, "disk"), t.disk_blocks)])
 
 
+def _fetch_families(s: NodeSample) -> Iterator[Metric]:
+    """Prompt prefixes fetched from peers instead of prefilled (prefix_fetch.py), and the rate the
+    fetch-or-prefill decision weighs them against."""
+    key, e = (s.node_id,), s.engine
+    if e.prefill_tokens_per_s:
+        yield gauge("node_prefill_tokens_per_second", "Prefill rate measured on the node's mostly-prefill steps, "
+                    "kept current", ("node",), [(key, e.prefill_tokens_per_s)])
+    f = s.fetch
+    if f is None:
+        return
+    yield counter("kv_fetch_blocks", "KV blocks fetched from peer nodes instead of prefilled", ("node",),
+                  [(key, f.blocks)])
+    yield counter("kv_fetch_bytes", "KV bytes fetched from peer nodes (K, V and FP8 scales)", ("node",),
+                  [(key, f.bytes)])
+    yield histogram("kv_fetch_seconds", "Per fetch from a peer, its whole time (blocks reserved, streamed, "
+                    "checked and committed)", ("node",), [(key, f.seconds)])
+    yield gauge("kv_fetches_in_flight", "Fetches from peers under way", ("node",), [(key, f.in_flight)])
+    yield counter("kv_fetch_decisions", "Prompts a peer held more of: fetched, or prefilled because the fetch "
+                  "would cost more (cost), gain too little (small) or is off", ("node", "decision"),
+                  [((s.node_id, d), n) for d, n in sorted(f.decisions.items())])
+    yield counter("kv_fetch_fallbacks", "Fetches (or lookups) that ended with blocks prefilled instead, by reason",
+                  ("node", "reason"), [((s.node_id, r), n) for r, n in sorted(f.fallbacks.items())])
+
+
 async def sample(node, status, block_size: int) -> NodeSample:
     """The node's figures now (a ``NodeContext`` and its ``NodeStatus``); run on the node's loop."""
-    return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats())
+    fetch = node.prefix_fetch.figures.reading() if node.prefix_fetch is not None else None
+    return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats(),
+                      fetch)

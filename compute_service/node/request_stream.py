@@ -1,6 +1,7 @@
 """One request on a router's Serve stream, from its start command to its last event.
 
-    start command → checks → spans (in the router's trace) → early block allocation → engine
+    start command → checks → spans (in the router's trace) → the prefix from a peer (prefix_fetch.py)
+    → early block allocation → engine
     engine outputs → ``RequestEvent``s (up to ``stream_interval`` tokens per chunk) → the stream
     (a prefill chunk that samples no token yet → an empty chunk: the router hears the node is alive)
     finish, refusal, cancel or the stream ending → spans closed, unclaimed early blocks released, the
@@ -111,6 +112,9 @@ class RequestStream:
         self.span.set_attributes({"kvfleet.prompt_tokens": len(prompt), "kvfleet.resumed_tokens": len(resumed)})
         # block_service calls for this request join its trace, under the prefill span
         with trace.use_span(self.phase):
+            await node.fetch_prefix(request.tenant, prompt + resumed)
+            if self.ended:  # cancelled while its prefix came
+                return
             await node.allocate_early(self.request_id, request.tenant, prompt + resumed,
                                       trace.set_span_in_context(self.phase))
         if self.ended:  # cancelled while allocating

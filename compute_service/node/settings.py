@@ -6,6 +6,7 @@ generated from these classes.
       settings: NodeSettings    what every node of a cluster takes alike (``kvfleet up`` passes them on)
         engine: EngineConfig        the engine's (``compute_service.engine.config``)
         warm_start: WarmStartSettings
+        kv_fetch: KvFetchSettings   KV from peers (``node/fetch_policy.py``)
 
 Pure: no torch, no grpc, so a bad value is refused before anything heavy loads.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from compute_service.engine.config import EngineConfig
+from compute_service.node.fetch_policy import KvFetchSettings
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
@@ -68,6 +70,7 @@ class NodeSettings:
                                         "block_service (block_service releases what the node no longer holds)",
                                         above=0, metavar="S")
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+    kv_fetch: KvFetchSettings = field(default_factory=KvFetchSettings)
 
     def __post_init__(self) -> None:
         check(self)
