@@ -28,6 +28,14 @@ SEQ_SUFFIX_LEN = 1 + SEQ_SUFFIX_HEX                  # "-" + hex
 ATTEMPT_SUFFIX_LEN = 1 + len(str(MAX_ATTEMPTS - 1))  # "." + the last attempt's number
 MAX_REQUEST_ID_LEN = MAX_ID_LEN - SEQ_SUFFIX_LEN - ATTEMPT_SUFFIX_LEN
 
+# A node's sequence that holds the blocks of a KV fetch from a peer while they arrive (never a
+# request's: request sequence ids end in the router's suffix), so block_service can show transfers.
+FETCH_SEQ_PREFIX = "kv-fetch-"
+
+
+def is_fetch(seq_id: str) -> bool:
+    return seq_id.startswith(FETCH_SEQ_PREFIX)
+
 
 def check_id(kind: str, value: object) -> str:
     """``value`` if it is a valid id, else ``InvalidArgument`` naming ``kind``."""

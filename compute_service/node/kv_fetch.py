@@ -34,6 +34,7 @@ from kvfleet import rpc
 from kvfleet.allocator import Refusal
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.identity import Identity
+from kvfleet.ids import FETCH_SEQ_PREFIX
 from kvfleet.v1 import compute_pb2 as pb
 from kvfleet.v1 import compute_pb2_grpc
 
@@ -87,7 +88,7 @@ async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[b
                     "no tenant" if not tenant else f"a hash that is not {HASH_BYTES} bytes")
         return Fetched(0, 0, reason="refused")
     deadline = time.monotonic() + deadline_s
-    fetch = _Fetch(f"kv-fetch-{uuid.uuid4().hex[:16]}")
+    fetch = _Fetch(f"{FETCH_SEQ_PREFIX}{uuid.uuid4().hex[:16]}")
     try:
         try:
             opened = await engine.call(lambda e: _open(e, fetch, tenant, hashes))
