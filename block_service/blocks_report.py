@@ -47,6 +47,7 @@ def to_json(report: BlocksReport) -> dict:
             "waste_tokens": n.waste_tokens, "waste_frac": round(s.fragmentation, 4),
             "refusals_pool": s.counters.refusals_pool, "refusals_quota": s.counters.refusals_quota,
             "lower_tier": dict(s.lower_tier), "refusals_lower_tier": s.counters.refusals_lower_tier,
+            "transfers_in_flight": s.transfers_in_flight, "transfer_blocks_in_flight": s.transfer_blocks_in_flight,
             "top_holders": [asdict(h) for h in n.holders],
         })
     tenants = [{
@@ -87,6 +88,9 @@ def render(report: BlocksReport) -> str:
             [[t.tier, str(t.num_used), str(t.num_cached), str(t.num_free)] for t in n.tiers])]
         lines.append(f"  waste: {n.waste_tokens} token slots unused in partly filled last blocks "
                      f"({s.fragmentation:.1%} of the used blocks' capacity)")
+        if s.transfers_in_flight:
+            lines.append(f"  transfers in flight: {s.transfers_in_flight} fetches from peers holding "
+                         f"{s.transfer_blocks_in_flight} blocks")
         if n.holders:
             lines.append("  top holders:")
             lines += ["    " + line for line in _table(

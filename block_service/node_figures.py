@@ -12,12 +12,15 @@ from dataclasses import replace
 from block_service.node_pool import NodePool
 from block_service.sequence import SeqState
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
+from kvfleet.ids import is_fetch
 
 
 def node_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], lower_tier: dict[str, int]) -> NodeStats:
     pool = node.pool
     bs = pool.block_size
+    seqs = list(seqs)
     tail_waste = sum(len(s.block_ids) * bs - s.num_tokens for s in seqs)
+    fetches = [s for s in seqs if is_fetch(s.seq_id)]
     # (dropped entries count in both: a dropped block was full, so it adds no waste)
     return NodeStats(
         node_id=node_id, num_blocks=pool.num_blocks, block_size=bs, bytes_per_block=pool.bytes_per_block,
@@ -25,6 +28,7 @@ def node_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], lower_tie
         lower_tier=lower_tier, num_sequences=len(node.seq_ids),
         tokens_stored=pool.num_used * bs - tail_waste,
         token_capacity=pool.num_used * bs, counters=replace(node.counters),
+        transfers_in_flight=len(fetches), transfer_blocks_in_flight=sum(len(s.block_ids) for s in fetches),
     )
 
 

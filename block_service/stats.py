@@ -35,6 +35,8 @@ class NodeStats:
     token_capacity: int   # num_used * block_size
     counters: Counters = field(default_factory=Counters)
     lower_tier: dict[str, int] = field(default_factory=dict)  # blocks held below the pool, per tier
+    transfers_in_flight: int = 0        # KV fetches from peers under way into this pool
+    transfer_blocks_in_flight: int = 0  # the blocks they hold meanwhile
 
     @property
     def utilisation(self) -> float:

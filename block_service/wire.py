@@ -214,6 +214,7 @@ def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:
         node_id=s.node_id, num_blocks=s.num_blocks, block_size=s.block_size, bytes_per_block=s.bytes_per_block,
         num_free=s.num_free, num_cached=s.num_cached, num_used=s.num_used, num_sequences=s.num_sequences,
         tokens_stored=s.tokens_stored, token_capacity=s.token_capacity, counters=_counters_to_pb(s.counters),
+        transfers_in_flight=s.transfers_in_flight, transfer_blocks_in_flight=s.transfer_blocks_in_flight,
     )
 
 
@@ -223,6 +224,7 @@ def node_stats_from_pb(m: pb.NodePoolStats) -> NodeStats:
         num_free=m.num_free, num_cached=m.num_cached, num_used=m.num_used, num_sequences=m.num_sequences,
         tokens_stored=m.tokens_stored, token_capacity=m.token_capacity, counters=_counters_from_pb(m.counters),
         lower_tier={t.tier: t.num_cached for t in m.tiers if t.tier in LOWER_TIERS},
+        transfers_in_flight=m.transfers_in_flight, transfer_blocks_in_flight=m.transfer_blocks_in_flight,
     )
 
 

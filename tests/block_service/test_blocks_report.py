@@ -75,3 +75,20 @@ def test_the_report_shows_lower_tiers_per_node_and_their_charge_per_tenant() -> 
     text = render(report)
     assert "host    0     3       0" in text and "disk    0     1       0" in text
     assert "lower tier  lower cap  refused lower" in text
+
+
+def test_fetches_from_peers_under_way_show_as_transfers_in_flight() -> None:
+    from block_service.wire import node_stats_from_pb, node_stats_to_pb
+    from kvfleet.ids import FETCH_SEQ_PREFIX
+
+    table = _filled()
+    assert "transfers in flight" not in render(BlocksReport([NodeBlocks(table.node_stats("n0"))], []))
+    table.allocate("n0", FETCH_SEQ_PREFIX + "1", "a", [], 5 * 16)
+    table.allocate("n0", FETCH_SEQ_PREFIX + "2", "b", [], 2 * 16)
+    stats = node_stats_from_pb(node_stats_to_pb(table.node_stats("n0")))  # as `kvfleet blocks` reads it
+    assert (stats.transfers_in_flight, stats.transfer_blocks_in_flight) == (2, 7)
+    report = BlocksReport([NodeBlocks(stats)], [])
+    assert to_json(report)["nodes"][0]["transfers_in_flight"] == 2
+    assert "transfers in flight: 2 fetches from peers holding 7 blocks" in render(report)
+    table.release([FETCH_SEQ_PREFIX + "1"])
+    assert table.node_stats("n0").transfers_in_flight == 1

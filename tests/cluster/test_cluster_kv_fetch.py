@@ -82,6 +82,9 @@ def test_a_holder_stopped_then_killed_mid_fetch_costs_a_prefill_not_a_token(star
         waiting = asyncio.create_task(generate_on(cluster, "node-1", "during", prompts[0], 10))
         await asyncio.sleep(2.0)
         assert not waiting.done()                      # waiting on the holder, not computing yet
+        in_flight = await asyncio.to_thread(block_pools, cluster)  # what `kvfleet blocks` shows
+        assert (in_flight["node-1"].transfers_in_flight, in_flight["node-1"].transfer_blocks_in_flight) == \
+            (1, PROMPT_BLOCKS)
         cluster.kill_node("node-0", signal.SIGKILL)    # mid-fetch: the stream breaks
         during = await asyncio.wait_for(waiting, 60)
         after = await generate_on(cluster, "node-1", "after", prompts[1], 10)  # the holder is gone

@@ -35,7 +35,9 @@ SAMPLES = {
     "p99_itl_target_ms": ("50", 50.0), "control_interval_s": ("1.5", 1.5), "drain_timeout": ("5", 5.0),
     "reconcile_interval": ("7", 7.0), "kv_snapshot_dir": ("snapshots", "snapshots"),
     "kv_snapshot_interval_s": ("0", 0.0), "kv_snapshot_blocks": ("64", 64), "warmup": ("random", "random"),
-    "warmup_tokens": ("40", 40),
+    "warmup_tokens": ("40", 40), "kv_fetch": ("always", "always"), "kv_fetch_min_blocks": ("4", 4),
+    "kv_fetch_deadline_factor": ("3", 3.0), "kv_fetch_min_deadline_s": ("0.25", 0.25),
+    "kv_fetch_max_deadline_s": ("9", 9.0),
 }
 # name -> (a value its rule refuses, the line that says so)
 BAD = {
@@ -61,6 +63,11 @@ BAD = {
     "kv_snapshot_blocks": ("0", "--kv-snapshot-blocks must be at least 1, got 0"),
     "warmup": ("full", "--warmup must be one of minimal, random, got 'full'"),
     "warmup_tokens": ("0", "--warmup-tokens must be at least 1, got 0"),
+    "kv_fetch": ("sometimes", "--kv-fetch must be one of auto, always, off, got 'sometimes'"),
+    "kv_fetch_min_blocks": ("0", "--kv-fetch-min-blocks must be at least 1, got 0"),
+    "kv_fetch_deadline_factor": ("0", "--kv-fetch-deadline-factor must be positive, got 0"),
+    "kv_fetch_min_deadline_s": ("0", "--kv-fetch-min-deadline-s must be positive, got 0"),
+    "kv_fetch_max_deadline_s": ("-1", "--kv-fetch-max-deadline-s must be positive, got -1"),
 }
 PLACE = ["--model", "m", "--node-id", "n0"]  # what `kvfleet compute` needs besides a node's settings
 
