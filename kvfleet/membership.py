@@ -5,13 +5,14 @@ node keeps alive. A node that dies stops refreshing; etcd deletes its key when t
 every watcher sees the delete. The value is JSON::
 
     {"address": "127.0.0.1:7001", "model": "/models/x", "num_blocks": 512, "block_size": 256,
-     "state": "READY", "max_num_seqs": 64,
+     "state": "READY", "max_num_seqs": 64, "role": "mixed",
      "kv_rates": {"prefill_tokens_per_s": 9000.0, "copy_in_bytes_per_s": 2.4e10,
                   "fetch_bytes_per_s": 1.1e9, "bytes_per_token": 131072.0}}
 
 ``max_num_seqs`` is the node's live cap on running sequences (its ``--max-num-seqs``, or lower while
 its P99 batch controller holds it down); routers without ``--capacity`` admit the sum of the READY
 nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
+``role`` (``kvfleet.roles``: mixed, prefill, decode; absent: mixed) is what the router may send it.
 ``kv_rates`` (``kvfleet.kv_rates``: 0 = not measured) is what the node measured of its prefill, its
 copies from its lower tiers and its fetches from other nodes; the router weighs its cost with them.
 Absent (not measured yet, or an older node): the router's configured weights; malformed: the same,
@@ -41,6 +42,7 @@ from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
 from kvfleet.kv_rates import KvRates
+from kvfleet.roles import MIXED, check_role
 from kvfleet.tls import Credentials
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class NodeInfo:
     state: NodeState
     max_num_seqs: int = 0  # live cap on running sequences; 0: not published
     kv_rates: KvRates | None = None  # measured rates; None: not published
+    role: str = MIXED                # kvfleet.roles: mixed, prefill or decode
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -87,6 +90,7 @@ class NodeInfo:
             state=NodeState(fields["state"]),
             max_num_seqs=int(fields.get("max_num_seqs", 0)),
             kv_rates=_kv_rates(node_id, fields.get("kv_rates")),
+            role=check_role(fields.get("role", MIXED)),
         )
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from compute_service.node.settings import NodeSettings
 from kvfleet import parent_death, settings
 from kvfleet.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
+from kvfleet.roles import MIXED
 from kvfleet_cli.cluster_certs import ClusterCerts
 from kvfleet_cli.cluster_summary import blocks_table
 from kvfleet_cli.demo_tenants import DEMO_TENANTS
@@ -82,13 +83,14 @@ class LocalCluster:
         lease_ttl_s: int = 5,
         node: NodeSettings | None = None,
         insecure_internal: bool = False,
+        roles: dict[str, str] | None = None,  # node id -> kvfleet.roles (local_nodes.node_roles); else mixed
     ):
         """Every node takes ``node`` (``kvfleet up``'s; else the local defaults) with the engine values
         given here in place of its own; ``compute_args`` follow on each node's command line and win."""
         self.node = local_node_settings(node, block_size=block_size, kv_cache_memory=kv_cache_memory,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype)
         self.model_dir = str(Path(model_dir).resolve())
-        self.num_nodes = num_nodes
+        self.num_nodes, self.roles = num_nodes, roles or {}
         self._own_work_dir = work_dir is None  # a temporary one: its state goes at stop, its logs stay
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvfleet-cluster-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -262,7 +264,8 @@ class LocalCluster:
             self.certs.open_etcd(self.etcd.url, [node_id])
         block_service = self._block_service_flag()
         command = node_command(self.node, self.model_dir, node_id, f"127.0.0.1:{port}", self.etcd.url,
-                               block_service[1] if block_service else None, self._metrics_port(node_id))
+                               block_service[1] if block_service else None, self._metrics_port(node_id),
+                               self.roles.get(node_id, MIXED))
         argv = ["compute", *settings.to_argv(command), *self.certs.args(Identity.node(node_id)), *self.compute_args,
                 *extra]
         child = self.nodes[node_id] = self._spawn(node_id, argv, port)

@@ -25,7 +25,7 @@ from kvfleet import settings
 from kvfleet.settings import setting
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
-from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS, local_node_settings
+from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS, local_node_settings, node_roles
 from kvfleet_cli.models_pull import default_model_dir
 from kvfleet_cli.supervisor import RestartPolicy, Restarts
 
@@ -77,7 +77,12 @@ class UpSettings:
     """``kvfleet up``: the local cluster's shape, and the settings every node of it takes (a node's
     own flags, with the local cluster's defaults where they differ: ``LOCAL_NODE_DEFAULTS``)."""
 
-    nodes: int = setting(2, "compute nodes", at_least=1, metavar="N")
+    nodes: int = setting(2, "compute nodes (at least --prefill-nodes + --decode-nodes: those first, mixed the rest)",
+                         at_least=1, metavar="N")
+    prefill_nodes: int = setting(0, "nodes that only prefill and hand the sequence over (kvfleet.roles)", at_least=0,
+                                 metavar="N")
+    decode_nodes: int = setting(0, "nodes that continue handed-over sequences, and short prompts", at_least=0,
+                                metavar="N")
     model: str | None = setting(None, "model directory", unset=f"{default_model_dir()} when pulled (`kvfleet models "
                                 f"pull smollm2`), else {TINY_MODEL}, random weights, made if missing", metavar="DIR")
     tenants: str | None = setting(None, "tenants YAML", unset="a demo file with gold and free", metavar="FILE")
@@ -90,6 +95,7 @@ class UpSettings:
 
     def __post_init__(self) -> None:
         settings.check(self)
+        self.nodes = max(self.nodes, self.prefill_nodes + self.decode_nodes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfleet up: {e}", file=sys.stderr)
         return 2
     cluster = LocalCluster(model, up.nodes, up.tenants, up.work_dir, node=up.node,
-                           block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal)
+                           block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal,
+                           roles=node_roles(up.nodes, up.prefill_nodes, up.decode_nodes))
     stop = False
 
     def on_signal(*_):

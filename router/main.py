@@ -41,8 +41,8 @@ async def serve(config: RouterSettings) -> None:
     nodes = NodeTable(dial_compute)
     picker = NodePicker(config.routing)
     prefix = await connect_prefix_lookup(config.block_service, config.etcd)
-    relay = Relay(nodes, picker, prefix, stall_timeout_s=config.stall_timeout_s)
-    request_metrics = _serve_metrics(config, tenants, queue, picker, nodes) if config.metrics_port is not None else None
+    relay = Relay(nodes, picker, prefix, stall_timeout_s=config.stall_timeout_s, disagg=config.disagg)
+    request_metrics = _serve_metrics(config, tenants, queue, relay) if config.metrics_port is not None else None
     generations = Generations(tenants, admission, relay, TokenizerSource(nodes, config.model), request_metrics)
     server = await build_server(config.listen, generations, nodes, unix_socket=config.listen_unix,
                                 tls=_public_tls(config))
@@ -105,9 +105,10 @@ def _public_tls(config: RouterSettings):
     return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
 
 
-def _serve_metrics(config: RouterSettings, tenants, queue, picker, nodes):
+def _serve_metrics(config: RouterSettings, tenants, queue, relay):
     """The metrics endpoint started; returns the ``RequestMetrics`` the requests are observed into."""
     import time
+    from collections import Counter
 
     from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
     from router import metrics
@@ -117,9 +118,11 @@ def _serve_metrics(config: RouterSettings, tenants, queue, picker, nodes):
 
     async def read() -> metrics.RouterSample:
         waiting = metrics.tenant_queues(queue.waiting(), queue.running_by_tenant(), paid_levels, time.monotonic())
-        ready = nodes.ready()
+        picker, ready = relay.picker, relay.nodes.ready()
         weights = {n.node_id: picker.tier_weights(n.load()) for n in ready}
-        return metrics.RouterSample(waiting, dict(picker.decisions), len(ready), queue.capacity, weights)
+        roles = Counter(n.info.role for n in ready)
+        return metrics.RouterSample(waiting, dict(picker.decisions), len(ready), queue.capacity, weights,
+                                    dict(roles), relay.handovers, relay.handover_seconds.snapshot())
 
     request_metrics.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
     serve_metrics(request_metrics.registry, metrics_listen(config.listen, config.metrics_port), "router")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
-from kvfleet.metric_families import PREFIX, counter, gauge
+from kvfleet.latency_histogram import HistogramSnapshot
+from kvfleet.metric_families import PREFIX, counter, gauge, histogram
 from kvfleet.metrics_server import LATENCY_BUCKETS
 from router.priority_queue import QueuedRequest
 
@@ -45,6 +46,9 @@ class RouterSample:
     num_ready_nodes: int
     capacity: int | None = None             # requests run at once (None: no limit)
     tier_weights: dict[str, tuple[float, float]] = field(default_factory=dict)  # READY node → (l, p) in its cost
+    ready_by_role: dict[str, int] = field(default_factory=dict)  # kvfleet.roles → READY nodes
+    handovers: int = 0                                            # prefill → decode hand-overs begun
+    handover_seconds: HistogramSnapshot | None = None
 
 
 def tenant_queues(waiting: Iterable[QueuedRequest], running: Mapping[str, int], paid_levels: Mapping[str, int],
@@ -71,6 +75,13 @@ def families(s: RouterSample) -> Iterator[Metric]:
                   "(kv: lowest KV-aware cost; hot_spot: least loaded instead; warmup: a warming node left out)",
                   ("node", "reason"), [((node, reason), n) for (node, reason), n in sorted(s.decisions.items())])
     yield gauge("router_ready_nodes", "Compute nodes READY for requests", (), [((), s.num_ready_nodes)])
+    yield gauge("router_ready_nodes_by_role", "Compute nodes READY, per role (mixed, prefill, decode)", ("role",),
+                [((role,), n) for role, n in sorted(s.ready_by_role.items())])
+    yield counter("router_handovers", "Requests prefilled on a prefill node and handed to a decode node", (),
+                  [((), s.handovers)])
+    if s.handover_seconds is not None:
+        yield histogram("router_handover_seconds", "Per hand-over, from the prefill node's first token to the decode "
+                        "node's next one (its KV fetch included)", (), [((), s.handover_seconds)])
     weights = sorted(s.tier_weights.items())
     yield gauge("router_node_lower_tier_weight", "What a prompt block a node holds in a lower tier is worth against "
                 "a hot one in its routing cost (l): from its measured copy and prefill rates, else "

@@ -14,6 +14,11 @@ empty chunk after each prefill chunk, heard here and not forwarded.
 Which node errors are answers for the client and which are the node's problem (another node is
 tried) is policy, in ``router/resume.py``; this module only moves the messages.
 
+With prefill nodes in the cluster (``router/disagg.py``), a long uncached prompt's first attempt
+goes to a prefill node for its first token only; then, as for a resume, the sequence continues on a
+decode-capable node from prompt + that token, which fetches the prompt's KV from the prefill node
+(``kv_source_node_id``) instead of computing it. The client sees one stream, every token once.
+
 Each attempt has a ``compute`` span (kind CLIENT) whose context travels in the start command, so
 the node's spans for the request join the request's trace.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -29,9 +35,11 @@ import grpc
 from opentelemetry import propagate, trace
 
 from kvfleet.ids import MAX_ATTEMPTS
+from kvfleet.latency_histogram import LatencyHistogram
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from kvfleet.wire import sampling_to_proto
+from router.disagg import DisaggConfig, hand_over, prefill_nodes, serving_nodes
 from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
 from router.request import ParsedRequest
@@ -51,6 +59,11 @@ def end_of_turn(token_ids, finish_reason, stop_token_ids):
         if token in stop_token_ids:
             return list(token_ids[:i + 1]), inference_pb2.FINISH_REASON_STOP
     return token_ids, finish_reason
+
+
+def _held_tokens(node: RouterNode, hit: PrefixHit) -> int:
+    """The prompt's tokens ``node`` holds (pool or lower tier): what it need not prefill."""
+    return (hit.hot + hit.lower) * node.info.block_size
 
 
 class RelayError(Exception):
@@ -76,7 +89,7 @@ class PrefixLookup(Protocol):
 
 class Relay:
     def __init__(self, nodes: NodeTable, picker: NodePicker, prefix: PrefixLookup, max_attempts: int = 4,
-                 stall_timeout_s: float = 120.0):
+                 stall_timeout_s: float = 120.0, disagg: DisaggConfig = DisaggConfig()):
         if not 1 <= max_attempts <= MAX_ATTEMPTS:  # each attempt's id must fit the id budget
             raise ValueError(f"max_attempts must be 1..{MAX_ATTEMPTS}, got {max_attempts}")
         self.stall_timeout_s = stall_timeout_s
@@ -84,20 +97,32 @@ class Relay:
         self.picker = picker
         self.prefix = prefix
         self.max_attempts = max_attempts
+        self.disagg = disagg
+        self.handovers = 0  # hand-overs from a prefill node begun (metrics)
+        # per hand-over, from the prefill node's first token to the decode node's next one (metrics)
+        self.handover_seconds = LatencyHistogram()
 
-    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress) -> tuple[RouterNode, int]:
-        """The node for this attempt, and how many of the prompt's leading blocks it holds."""
+    async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int],
+                     progress: Progress) -> tuple[RouterNode, int, bool]:
+        """The node for this attempt, how many of the prompt's leading blocks it holds, and whether
+        it only prefills (the sequence is handed over after its first token)."""
         with tracer.start_as_current_span("route") as span:
-            candidates = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
-            if not candidates:
+            ready = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
+            if not ready:
                 tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
+            prefill, serving = prefill_nodes(ready), serving_nodes(ready)
             cached: dict[str, PrefixHit] = {}
-            if len(candidates) > 1:  # one candidate is the answer whatever is cached where
+            if len(ready) > 1:  # one candidate is the answer whatever is cached where
                 try:
-                    cached = await self.prefix.match(tenant.name, ids, candidates)
+                    cached = await self.prefix.match(tenant.name, ids, ready)
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
+            best = max((_held_tokens(n, cached.get(n.node_id, NO_HIT)) for n in serving), default=0)
+            only_prefill = hand_over(self.disagg, len(ids), best, len(prefill), len(serving),
+                                     len(progress.sent), req.sampling.max_tokens, bool(progress.source))
+            candidates = prefill if only_prefill else serving or prefill  # only prefill nodes left: they serve
+            span.set_attribute("kvfleet.prefill_only", only_prefill)
             loads = [n.load(cached.get(n.node_id, NO_HIT)) for n in candidates]
             num_blocks = candidates[0].full_blocks(len(ids))
             decision = self.picker.choose(loads, num_blocks, self.nodes.clock())
@@ -110,22 +135,33 @@ class Relay:
             span.set_attribute("kvfleet.num_candidates", len(candidates))
             node = self.nodes.get(decision.node_id)
             self.prefix.routed(tenant.name, ids, node)
-            return node, decision.cached_prefix_blocks
+            return node, decision.cached_prefix_blocks, only_prefill
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
+        handed_at: float | None = None
         while True:
             if progress.remaining <= 0:  # the node died after the last token but before saying so
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
-            node, cached_blocks = await self._route(req, tenant, ids, progress)
+            node, cached_blocks, only_prefill = await self._route(req, tenant, ids, progress)
             try:
-                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks)) as chunks:
+                async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks,
+                                                             only_prefill)) as chunks:
                     async for chunk in chunks:
+                        if handed_at is not None and (chunk.token_ids or chunk.finish_reason):
+                            self.handover_seconds.observe(time.monotonic() - handed_at)
+                            handed_at = None
                         yield chunk
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                             return
+                if only_prefill and progress.sent:  # its first token is out: the hand-over
+                    progress.handed_over(node.node_id)
+                    self.handovers += 1
+                    handed_at = time.monotonic()
+                    trace.get_current_span().add_event("handover", {"kvfleet.node_id": node.node_id})
+                    continue
                 failure = "stream ended without a finish"
             except NodeFailure as e:
                 failure = self._classify(e)
@@ -151,14 +187,18 @@ class Relay:
 
     async def _attempt(
         self, node: RouterNode, req: ParsedRequest, tenant: Tenant, ids: list[int], progress: Progress,
-        cached_blocks: int = 0,
+        cached_blocks: int = 0, only_prefill: bool = False,
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """One attempt's chunks; ``only_prefill``: the node stops after the first token, and the
+        attempt ends without a last chunk when that is not the request's end (the hand-over)."""
         message = compute_pb2.ComputeRequest(
             request_id=progress.attempt_id(req.seq_id),
             tenant=tenant.name, priority=tenant.paid_level,
-            prompt_token_ids=ids, num_resumed_tokens=len(progress.sent),
+            prompt_token_ids=ids, num_resumed_tokens=len(progress.sent), kv_source_node_id=progress.source,
         )
         sampling_to_proto(req.sampling, message.sampling)  # max_tokens counts the resumed tokens too
+        if only_prefill:
+            message.sampling.max_tokens = 1
         span = tracer.start_span("compute", kind=trace.SpanKind.CLIENT,
                                  attributes={"kvfleet.node_id": node.node_id, "kvfleet.attempt": progress.attempts})
         propagate.inject(message.trace_context, context=trace.set_span_in_context(span))
@@ -182,6 +222,10 @@ class Relay:
                 if not (chunk.token_ids or chunk.text or chunk.finish_reason):
                     continue  # the node's prefill progress: it is alive (heard above), nothing to relay
                 token_ids, reason = end_of_turn(chunk.token_ids, chunk.finish_reason, req.stop_token_ids)
+                handover = only_prefill and reason == inference_pb2.FINISH_REASON_LENGTH and \
+                    progress.remaining > len(token_ids)
+                if handover:  # the limit was the hand-over's, not the client's
+                    reason = inference_pb2.FINISH_REASON_UNSPECIFIED
                 progress.relayed(token_ids, chunk.usage.cached_tokens if chunk.HasField("usage") else None)
                 node.hold_seq(req.seq_id, len(req.prompt_ids) + len(progress.sent), decoding=True)
                 if reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -191,6 +235,9 @@ class Relay:
                 yield inference_pb2.GenerateChunk(
                     request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text, node_id=node.node_id
                 )
+                if handover:
+                    over = True  # the node finished its part
+                    return
         except NodeFailure as e:
             span.set_status(trace.StatusCode.ERROR, str(e))
             raise

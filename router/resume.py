@@ -30,7 +30,8 @@ class Progress:
     sent: list[int] = field(default_factory=list)  # tokens relayed to the client, in order
     cached_tokens: int | None = None               # as reported by the first node that served the prompt
     excluded: set[str] = field(default_factory=set)  # nodes that failed this request
-    attempts: int = 0                              # failed attempts so far
+    attempts: int = 0                              # attempts ended so far (failed, or handed over)
+    source: str = ""                               # the prefill node holding the prompt's KV, once handed over
 
     @property
     def remaining(self) -> int:
@@ -49,6 +50,12 @@ class Progress:
         if self.cached_tokens is None and cached_tokens is not None:
             self.cached_tokens = min(cached_tokens, len(self.prompt_ids))
         self.sent.extend(token_ids)
+
+    def handed_over(self, node_id: str) -> None:
+        """``node_id`` prefilled the prompt and sent the first token: the next attempt continues
+        from there (a fresh attempt id) and fetches the prompt's KV from it."""
+        self.source = node_id
+        self.attempts += 1
 
     def failed(self, node_id: str) -> None:
         self.excluded.add(node_id)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import SettingError, check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
+from router.disagg import DisaggConfig
 from router.routing import RoutingConfig
 
 
@@ -38,6 +39,7 @@ class RouterSettings:
                                   "is overtaken only by requests that arrive less than 15 s after it)", above=0,
                                   metavar="S")
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     stall_timeout_s: float = setting(120.0, "a node silent this long mid-request counts as failed (the request "
                                      "moves on)", above=0, metavar="S")
     port_file: str | None = setting(None, "write the bound port here once serving", metavar="FILE")

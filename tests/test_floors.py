@@ -39,6 +39,7 @@ PURE = [
     "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive", "kvfleet.identity", "kvfleet.access", "kvfleet.certs",
     "kvfleet.tls_settings", "kvfleet.kv_rates", "kvfleet.decayed_rate",
     "compute_service.engine.prefill_rate", "compute_service.node.fetch_policy", "compute_service.node.fetch_figures",
+    "kvfleet.roles", "router.disagg",
     "block_service.page_table", "block_service.block_pool", "block_service.local_allocator",
     "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
     "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",

@@ -23,6 +23,7 @@ from compute_service.engine.request_output import RequestOutput
 from compute_service.engine.stats import EngineStats
 from compute_service.node.prefix_fetch import PrefixFetcher
 from kvfleet.membership import NodeState
+from kvfleet.roles import MIXED
 from kvfleet.sampling import SamplingParams
 
 
@@ -33,6 +34,7 @@ class NodeStatus:
 
     node_id: str
     state: NodeState = NodeState.WARMING
+    role: str = MIXED  # kvfleet.roles
     num_in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
     block_rpcs: Callable[[], int] = lambda: 0  # the allocator's RPC count (0 for an in-process pool)
@@ -110,10 +112,11 @@ class NodeContext:
         """``ValueError`` if the engine would refuse this prompt: checked before any block is asked for."""
         self.engine.check_prompt(prompt, generated)
 
-    async def fetch_prefix(self, tenant: str, token_ids: list[int]) -> None:
-        """Bring the prompt's cached prefix from the peer that holds it, when that beats a prefill."""
+    async def fetch_prefix(self, tenant: str, token_ids: list[int], source: str = "") -> None:
+        """Bring the prompt's cached prefix from the peer that holds it, when that beats a prefill
+        (from ``source``, the prefill node of a hand-over, when given)."""
         if self.prefix_fetch is not None:
-            await self.prefix_fetch.before_admission(tenant, token_ids)
+            await self.prefix_fetch.before_admission(tenant, token_ids, source)
 
     async def allocate_early(self, request_id: str, tenant: str, token_ids: list[int], trace_context: object) -> None:
         """Ask block_service for the request's blocks now (a no-op with an in-process pool)."""

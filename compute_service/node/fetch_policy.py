@@ -73,16 +73,18 @@ class FetchCost:
         rate = self.fetch_rate.per_s
         return blocks * self.bytes_per_block / rate if rate else None
 
-    def plan(self, local_blocks: int, peer_blocks: int, prefill_tokens_per_s: float | None) -> FetchPlan | str:
-        """The fetch to make, or why not (one word: off, small, cost)."""
+    def plan(self, local_blocks: int, peer_blocks: int, prefill_tokens_per_s: float | None,
+             handover: bool = False) -> FetchPlan | str:
+        """The fetch to make, or why not (one word: off, small, cost). A ``handover`` (the router
+        decided: a prefill node computed the prompt for this node) is fetched unless fetching is off."""
         s = self.settings
         gain = peer_blocks - local_blocks
         if s.kv_fetch == "off":
             return "off"
-        if gain < s.kv_fetch_min_blocks:
+        if gain < (1 if handover else s.kv_fetch_min_blocks):
             return "small"
         recompute, fetch = self.recompute_s(gain, prefill_tokens_per_s), self.fetch_s(gain)
-        if s.kv_fetch == "auto" and recompute is not None and fetch is not None and fetch >= recompute:
+        if s.kv_fetch == "auto" and not handover and recompute is not None and fetch is not None and fetch >= recompute:
             return "cost"
         budget = s.kv_fetch_deadline_factor * recompute if recompute is not None else s.kv_fetch_max_deadline_s
         deadline = min(max(budget, s.kv_fetch_min_deadline_s), s.kv_fetch_max_deadline_s)

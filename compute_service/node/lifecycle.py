@@ -217,7 +217,7 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         log.info("node %s: registering in etcd at %s", node_id, command.etcd)
         parts.client = etcd_client(command.etcd)
         await parts.client.connect()
-        info = NodeInfo(node_id, command.advertise or "", command.model, 0, 0, NodeState.WARMING)
+        info = NodeInfo(node_id, command.advertise or "", command.model, 0, 0, NodeState.WARMING, role=command.role)
         registration = parts.registration = NodeRegistration(parts.client, info, ttl=command.lease_ttl)
         await registration.start()
     remote = None
@@ -233,10 +233,11 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
                                                     after_step=live_cap.after_step if live_cap is not None else None)
     blocks = remote.allocator if remote is not None else None  # built by the engine through the factory
     if remote is None or blocks is None:
-        status, early = NodeStatus(node_id), None
+        status, early = NodeStatus(node_id, role=command.role), None
     else:
         blocks.on_refused = _fail_refused(async_engine)
-        status = NodeStatus(node_id, block_rpcs=lambda: blocks.num_rpcs, reconciled=lambda: blocks.link.num_reconciled)
+        status = NodeStatus(node_id, role=command.role, block_rpcs=lambda: blocks.num_rpcs,
+                            reconciled=lambda: blocks.link.num_reconciled)
         early = _early_blocks(remote, blocks, engine)
     node = NodeContext(status, async_engine, pool.block_size, settings.stream_interval, early,
                        _prefix_fetcher(command, parts, async_engine))

@@ -34,6 +34,7 @@ class NodeSample:
     num_in_flight: int            # request streams open on the node
     engine: EngineStats
     fetch: FetchReading | None = None  # KV fetched from peers (None: the node fetches none)
+    role: str = "mixed"           # kvfleet.roles
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -74,6 +75,8 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield from _tier_families(s)
     yield from _fetch_families(s)
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
+    yield gauge("node_role", "1 for the node's role (mixed, prefill, decode): join on node for per-role figures",
+                ("node", "role"), [((s.node_id, s.role), 1)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
                 [((s.node_id, s.state), 1)])
 
@@ -127,4 +130,4 @@ async def sample(node, status, block_size: int) -> NodeSample:
     """The node's figures now (a ``NodeContext`` and its ``NodeStatus``); run on the node's loop."""
     fetch = node.prefix_fetch.figures.reading() if node.prefix_fetch is not None else None
     return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats(),
-                      fetch)
+                      fetch, status.role)

@@ -49,13 +49,17 @@ class PrefixFetcher:
     def prefill_tokens_per_s(self) -> float | None:
         return self.engine.engine.prefill_rate.tokens_per_s
 
-    async def before_admission(self, tenant: str, token_ids: Sequence[int]) -> None:
-        """Fetch what a peer holds of ``token_ids``' leading blocks if that beats prefilling them."""
+    async def before_admission(self, tenant: str, token_ids: Sequence[int], source: str = "") -> None:
+        """Fetch what a peer holds of ``token_ids``' leading blocks if that beats prefilling them;
+        from ``source`` (a prefill node that handed this sequence over) without asking where."""
         settings = self.cost.settings
         if settings.kv_fetch == "off":
             return
         hashes = block_hashes(token_ids, self.cost.block_size, tenant_extra_key(tenant, self.share_across_tenants),
                               self.seed)
+        if source:
+            await self._take_over(source, tenant, hashes)
+            return
         if len(hashes) < settings.kv_fetch_min_blocks:
             return
         try:
@@ -79,6 +83,18 @@ class PrefixFetcher:
             return
         self.figures.decisions["fetch"] += 1
         await self._fetch_once(peer, tenant, hashes[:plan.blocks], plan)
+
+    async def _take_over(self, source: str, tenant: str, hashes: list[bytes]) -> None:
+        """A hand-over: ``source`` computed these blocks moments ago (block_service may not list
+        them yet), so they are asked of it directly; what it cannot give is prefilled."""
+        if self.peers.address(source) is None:
+            self.figures.fallbacks["no_peer"] += 1
+            return
+        plan = self.cost.plan(0, len(hashes), self.prefill_tokens_per_s(), handover=True)
+        if not isinstance(plan, FetchPlan):
+            return
+        self.figures.decisions["handover"] += 1
+        await self._fetch_once(source, tenant, hashes, plan)
 
     def _best_peer(self, held: dict[str, int], local: int) -> tuple[str | None, int]:
         """The serving peer holding the longest run past ``local`` (None if none), and that run."""

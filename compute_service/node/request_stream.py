@@ -112,7 +112,9 @@ class RequestStream:
         self.span.set_attributes({"kvfleet.prompt_tokens": len(prompt), "kvfleet.resumed_tokens": len(resumed)})
         # block_service calls for this request join its trace, under the prefill span
         with trace.use_span(self.phase):
-            await node.fetch_prefix(request.tenant, prompt + resumed)
+            known = prompt + resumed  # a hand-over's last token has no KV yet: it is fed next
+            await node.fetch_prefix(request.tenant, known[:-1] if request.kv_source_node_id else known,
+                                    request.kv_source_node_id)
             if self.ended:  # cancelled while its prefix came
                 return
             await node.allocate_early(self.request_id, request.tenant, prompt + resumed,

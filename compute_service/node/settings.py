@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from compute_service.engine.config import EngineConfig
 from compute_service.node.fetch_policy import KvFetchSettings
 from kvfleet.metrics_server import metrics_port_setting
+from kvfleet.roles import MIXED, ROLES
 from kvfleet.settings import check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
 
@@ -92,6 +93,9 @@ class NodeCommand:
     etcd: str | None = setting(None, "etcd URL to register in, e.g. http://127.0.0.1:2379", unset="none, no membership",
                                metavar="URL")
     lease_ttl: int = setting(5, "etcd lease seconds", at_least=1, metavar="S")
+    role: str = setting(MIXED, "mixed: prefill and decode; prefill: compute prompts and their first token, then hand "
+                        "the sequence to a decode node; decode: continue handed-over sequences, and short prompts",
+                        choices=ROLES)
     port_file: str | None = setting(None, "write the bound port here once READY", metavar="FILE")
     metrics_port: int | None = metrics_port_setting()
     health_port: int | None = health_port_setting()

@@ -32,14 +32,19 @@ def held_by(cluster, prompt: list[int]) -> dict[str, int]:
     return {n: hot.get(n, 0) + lower.get(n, 0) for n in hot.keys() | lower.keys()}
 
 
-def published_rates(cluster) -> dict:
-    """Node id -> the KV rates its membership record carries (None: none yet)."""
+def published(cluster) -> dict:
+    """Node id -> its membership record in etcd now."""
     async def read():
         async with etcd_client(cluster.etcd.url, credentials=cluster.certs.admin()) as client:
             nodes, _ = await list_nodes(client)
-        return {n: info.kv_rates for n, info in nodes.items()}
+        return nodes
 
     return asyncio.run(read())
+
+
+def published_rates(cluster) -> dict:
+    """Node id -> the KV rates its membership record carries (None: none yet)."""
+    return {n: info.kv_rates for n, info in published(cluster).items()}
 
 
 def test_a_prefix_prefilled_on_one_node_is_fetched_by_the_other(start_cluster):
