@@ -1,6 +1,6 @@
 """``kvfleet blocks``: who holds the KV blocks, asked of block_service (read-only).
 
-    kvfleet blocks [--block-service ADDR] [--node N ...] [--top 5] [--json]
+    kvfleet blocks [--block-service ADDR] [--etcd URL] [--node N ...] [--top 5] [--json]
 
 Without ``--block-service`` it asks the local cluster ``kvfleet up`` runs (its state file; with two
 replicas, the leader its etcd names), else 127.0.0.1:50051.
@@ -11,6 +11,8 @@ age, the internal waste of partly filled last blocks; per tenant: blocks charged
 lower-tier blocks charged against the lower-tier cap, and refusals of each. It asks block_service
 directly rather than the router: block_service holds
 the page table, and the router's public Inference service has no operator call to proxy it through.
+Each node's role (mixed, prefill, decode) comes from its membership record in etcd (``--etcd``, by
+default the local cluster's), when etcd answers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-service", default=None, metavar="ADDR",
                         help="block_service address (default: the leader of the local cluster `kvfleet up` runs, "
                              f"else {DEFAULT_ADDRESS})")
+    parser.add_argument("--etcd", default=None, metavar="URL",
+                        help="etcd, for the nodes' roles (default: the local cluster's; none: roles not shown)")
     parser.add_argument("--node", action="append", default=[], metavar="NODE", help="only this node (repeatable)")
     parser.add_argument("--top", type=int, default=5, metavar="K", help="top holders per node (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -62,11 +66,35 @@ def _etcd_leader(url: str) -> str | None:
     return asyncio.run(leader_address(url))
 
 
-async def _fetch(args: argparse.Namespace):
+async def _fetch(args: argparse.Namespace, credentials):
     from block_service.client import BlockManagerClient
 
     async with BlockManagerClient(args.block_service, timeout_s=args.timeout_s) as client:
-        return await client.blocks(args.node, args.top)
+        report = await client.blocks(args.node, args.top)
+    if args.etcd:
+        report = with_roles(report, await _roles(args.etcd, credentials))
+    return report
+
+
+def with_roles(report, roles: dict[str, str]):
+    """``report`` with each node's role as etcd lists it (a node etcd does not list: none)."""
+    from dataclasses import replace
+
+    return replace(report, nodes=[replace(n, role=roles.get(n.stats.node_id, "")) for n in report.nodes])
+
+
+async def _roles(url: str, credentials) -> dict[str, str]:
+    """Node id -> role from etcd's membership records; empty (one line on stderr) when etcd does not answer."""
+    from kvfleet.backoff import error_line
+    from kvfleet.membership import etcd_client, list_nodes
+
+    try:
+        async with etcd_client(url, timeout=5.0, credentials=credentials) as client:
+            nodes, _ = await list_nodes(client)
+    except Exception as e:  # the pools are the report; roles are a label on them
+        print(f"kvfleet blocks: etcd at {url} did not answer ({error_line(e)}): roles not shown", file=sys.stderr)
+        return {}
+    return {node_id: info.role for node_id, info in nodes.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,13 +108,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state = ClusterState.read()
     try:
-        use_admin(args.certs, state.certs if state is not None else None)
+        credentials = use_admin(args.certs, state.certs if state is not None else None)
     except ValueError as err:
         print(f"kvfleet blocks: {err}", file=sys.stderr)
         return 2
     args.block_service = block_service_address(args.block_service, state, _etcd_leader)
+    args.etcd = args.etcd or (state.etcd if state is not None else None)
     try:
-        report = asyncio.run(_fetch(args))
+        report = asyncio.run(_fetch(args, credentials))
     except grpc.aio.AioRpcError as err:
         print(f"kvfleet blocks: block_service at {args.block_service}: {err.code().name}: {err.details()}",
               file=sys.stderr)

@@ -153,6 +153,7 @@ def exported_names() -> set[str]:
     from compute_service.engine.stats import EngineStats
     from compute_service.kv.tier_index import TierCounts
     from compute_service.node import metrics as node_metrics
+    from compute_service.node.fetch_figures import FetchFigures
     from kvfleet.allocator import AllocatorStats
     from kvfleet.latency_histogram import LatencyHistogram
     from kvfleet.metric_families import registry_of
@@ -168,8 +169,9 @@ def exported_names() -> set[str]:
                 num_running=0, num_waiting=0, max_num_seqs_live=4, generated_tokens=0, prompt_tokens_computed=0,
                 num_preemptions=0, busy_seconds=0.0, blocks=AllocatorStats(8, 8, 0, 0, 0, 0),
                 tiers=TierCounts(0, 0, 0, 0, 0), queue_time=LatencyHistogram().snapshot(),
-                prefill_time=LatencyHistogram().snapshot()))))),
-        generate_latest(registry_of(router_metrics.families(router_metrics.RouterSample([], {}, 0)))),
+                prefill_time=LatencyHistogram().snapshot()), fetch=FetchFigures().reading())))),
+        generate_latest(registry_of(router_metrics.families(router_metrics.RouterSample(
+            [], {}, 0, handover_seconds=LatencyHistogram().snapshot())))),
         generate_latest(router_metrics.RequestMetrics().registry),
     ]
     names = set()

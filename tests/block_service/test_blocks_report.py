@@ -92,3 +92,11 @@ def test_fetches_from_peers_under_way_show_as_transfers_in_flight() -> None:
     assert "transfers in flight: 2 fetches from peers holding 7 blocks" in render(report)
     table.release([FETCH_SEQ_PREFIX + "1"])
     assert table.node_stats("n0").transfers_in_flight == 1
+
+
+def test_a_node_role_from_membership_labels_its_pool() -> None:
+    table = _filled()
+    report = BlocksReport([NodeBlocks(table.node_stats("n0"), role="prefill")], [])
+    assert render(report).startswith("node n0 (prefill): 32 blocks of 16 tokens")
+    assert to_json(report)["nodes"][0]["role"] == "prefill"
+    assert to_json(BlocksReport([NodeBlocks(table.node_stats("n0"))], []))["nodes"][0]["role"] is None

@@ -6,7 +6,10 @@ tenant's quota charged once. A prefill node killed before the hand-over costs a 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -69,6 +72,12 @@ def test_a_short_prompt_runs_where_it_lands(start_cluster):
     chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=6, ignore_eos=True))
     assert {c.node_id for c in chunks} == {"node-1"}  # the decode node, never the prefill node
     assert metric(node_metrics(cluster, "router"), "kvfleet:router_handovers_total") == 0
+    shown = subprocess.run([sys.executable, "-m", "kvfleet_cli", "blocks", "--json", "--block-service",
+                            cluster.block_service_address, "--etcd", cluster.etcd.url,
+                            "--certs", str(cluster.certs.root / "admin")], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert {n["node_id"]: n["role"] for n in json.loads(shown.stdout)["nodes"]} == {"node-0": "prefill",
+                                                                                   "node-1": "decode"}
 
 
 def test_a_prefill_node_killed_before_the_hand_over_costs_a_retry(start_cluster):
