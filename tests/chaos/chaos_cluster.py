@@ -50,11 +50,13 @@ ETCD_DOWN = FaultPolicy("etcd down", "membership may lapse for new requests; str
                         excused=frozenset({"UNAVAILABLE"}))
 
 
-def start_cluster(model_dir, work_dir, num_nodes: int = 2) -> LocalCluster:
+def start_cluster(model_dir, work_dir, num_nodes: int = 2, **kw) -> LocalCluster:
+    """``kw``: LocalCluster's own (roles, router_args)."""
     tenants = work_dir / "tenants.yaml"
     tenants.write_text(TENANTS)
     cluster = LocalCluster(model_dir, num_nodes, tenants_file=tenants, work_dir=work_dir, block_size=BLOCK_SIZE,
-                           kv_cache_memory=KV_CACHE_MEMORY, dtype="float32", compute_args=("--lease-ttl", str(LEASE_TTL_S)))
+                           kv_cache_memory=KV_CACHE_MEMORY, dtype="float32",
+                           compute_args=("--lease-ttl", str(LEASE_TTL_S)), **kw)
     return cluster.start()
 
 
