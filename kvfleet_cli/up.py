@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from block_service.settings import EvictionSettings
 from compute_service.node.settings import NodeSettings
 from kvfleet import settings
 from kvfleet.settings import setting
@@ -91,7 +92,10 @@ class UpSettings:
                                           "that takes over when it dies), elected through the cluster's etcd")
     insecure_internal: bool = setting(False, "plaintext between the services, no identities (a benchmark); by "
                                       "default they speak mutual TLS under a CA made in --work-dir/certs")
+    start_timeout_s: float = setting(300.0, "how long the cluster may take to serve (a loaded machine loads models "
+                                     "slowly; a child that exits fails the start at once)", above=0, metavar="S")
     node: NodeSettings = field(default_factory=local_node_settings)
+    eviction: EvictionSettings = field(default_factory=EvictionSettings)  # block_service's, passed on
 
     def __post_init__(self) -> None:
         settings.check(self)
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster(model, up.nodes, up.tenants, up.work_dir, node=up.node,
                            block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal,
-                           roles=node_roles(up.nodes, up.prefill_nodes, up.decode_nodes))
+                           roles=node_roles(up.nodes, up.prefill_nodes, up.decode_nodes), eviction=up.eviction)
     stop = False
 
     def on_signal(*_):
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     state = None
     try:
         try:
-            cluster.start()
+            cluster.start(timeout=up.start_timeout_s)
         except (RuntimeError, TimeoutError) as err:  # which child, and the end of its log
             print(f"kvfleet up: the cluster did not start: {err}", file=sys.stderr)
             return 1
