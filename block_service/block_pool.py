@@ -3,10 +3,11 @@ the prefix index, reference counts.
 
 Every block is in exactly one of three states (docs/design.md invariant 1)::
 
-    state    ref   hash[b]   held in
-    free     0     None      _free     stack; holds nothing
-    cached   0     h         _policy   the next victim first (``eviction``); the index maps (h, this node) to b
-    used     > 0   h / None  the block tables of live sequences (kept by the page table)
+    state    ref   hash[b]   held in                                                            owner
+    free     0     None      _free     stack; holds nothing                                     nobody
+    cached   0     h         _policy   the next victim first (``eviction``); the index maps     the last one charged
+                                       (h, this node) to b                                      (evictions' label)
+    used     > 0   h / None  the block tables of live sequences (kept by the page table)      the one charged
 
 A used block may carry a hash without being indexed when another block of the node already holds
 that content; such a block goes back to the free list when released, since no lookup could find it.
@@ -75,7 +76,7 @@ class BlockPool:
     __slots__ = (
         "num_blocks", "block_size", "bytes_per_block", "slot",
         "ref", "hash", "_owner", "_owners", "_codes", "_free", "_policy", "_facts", "_index",
-        "_indexed",
+        "_indexed", "_evicted",
     )
 
     def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int,
@@ -96,6 +97,7 @@ class BlockPool:
         self._facts = BlockFacts(num_blocks) if policy.needs_facts else None
         self._index = index if index is not None else PrefixIndex()
         self._indexed = bytearray(num_blocks)  # 1 where the index names this block for its hash
+        self._evicted: dict[tuple[int, str], int] = {}  # (owner code, reason) -> evictions since start
 
     # ---- figures -------------------------------------------------------------------------------
 
@@ -130,16 +132,25 @@ class BlockPool:
 
     def owner(self, block: int) -> str | None:
         """The tenant charged for ``block`` (None unless it is used)."""
-        return self._owners[self._owner[block]]
+        return self._owners[self._owner[block]] if self.ref[block] else None
 
     def charged(self) -> dict[str, int]:
         """Used blocks per tenant charged."""
         per: dict[str, int] = {}
         owners = self._owners
-        for code in self._owner:
-            if code:
+        for code, r in zip(self._owner, self.ref):
+            if r:
                 t = owners[code]
                 per[t] = per.get(t, 0) + 1
+        return per
+
+    def evictions(self) -> dict[str, dict[str, int]]:
+        """Cached blocks evicted since start, per tenant last charged ("": not known, cached before a
+        restore from an older snapshot) and the policy's reason (not durable, like every counter)."""
+        per: dict[str, dict[str, int]] = {}
+        for (code, reason), n in sorted(self._evicted.items()):
+            by = per.setdefault(self._owners[code] or "", {})
+            by[reason] = by.get(reason, 0) + n
         return per
 
     # ---- prefix index --------------------------------------------------------------------------
@@ -201,13 +212,16 @@ class BlockPool:
                 taken = free.tolist()
                 taken.reverse()
                 del free[:]
-            evict, index, hashes, indexed, slot = self._policy.evict, self._index, self.hash, self._indexed, self.slot
+            policy, index, hashes, indexed, slot, evicted = (
+                self._policy, self._index, self.hash, self._indexed, self.slot, self._evicted)
             for _ in range(n - num_free):
-                b = evict()
+                b = policy.evict()
                 index.remove(hashes[b], slot)
                 hashes[b] = None
                 indexed[b] = 0
                 taken.append(b)
+                why = (owners[b], policy.reason)
+                evicted[why] = evicted.get(why, 0) + 1
         for b in taken:
             ref[b] = 1
             owners[b] = code
@@ -230,13 +244,13 @@ class BlockPool:
             ref[b] = r
             if r:
                 continue
+            t = names[owners[b]]
             if indexed[b]:
-                cached.append(b)
+                cached.append(b)  # (its owner stays: the tenant an eviction of it is counted for)
             else:
                 hashes[b] = None
                 free.append(b)
-            t = names[owners[b]]
-            owners[b] = 0
+                owners[b] = 0
             uncharged[t] = uncharged.get(t, 0) + 1
         if cached:
             self._policy.cached(cached, facts.cached(cached, blocks, tenants, depth, self.block_size)
@@ -335,8 +349,7 @@ class BlockPool:
         pool._owners = [None, *s.owners]
         pool._codes = {t: i for i, t in enumerate(pool._owners) if i}
         policy = policy_class(eviction)
-        pool._policy = policy.from_state(n, s.eviction)
-        pool._facts = None
+        pool._policy, pool._facts, pool._evicted = policy.from_state(n, s.eviction), None, {}
         if policy.needs_facts:
             pool._facts = BlockFacts.from_state(n, s.facts) if s.facts is not None else BlockFacts(n)
         chunks = np.frombuffer(s.hashes, dtype=f"V{HASH_BYTES}").tolist()  # bytes objects, made in C
@@ -370,11 +383,10 @@ class BlockPool:
         )
         index, slot = self._index, self.slot
         for b in free:
-            assert self.hash[b] is None and self.owner(b) is None, f"free block {b} holds data"
+            assert self.hash[b] is None and not self._owner[b], f"free block {b} holds data"
         for b in cached:
             h = self.hash[b]
             assert h is not None and index.block(h, slot) == b, f"cached block {b} is not indexed"
-            assert self.owner(b) is None, f"cached block {b} is still charged"
         for b in used:
             assert self.owner(b) is not None, f"used block {b} is charged to nobody"
         indexed = 0

@@ -68,10 +68,11 @@ async def serve(config: BlockServiceSettings) -> int:
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if config.durability == "off":
-        store = DurablePageTable(PageTable(), None)
+        store = DurablePageTable(PageTable(config.eviction.eviction_policy), None)
     else:
         try:
-            store, report = DurablePageTable.open(config.state_dir, fsync=config.durability == "fsync")
+            store, report = DurablePageTable.open(config.state_dir, fsync=config.durability == "fsync",
+                                                  eviction=config.eviction.eviction_policy)
         except RecoveryError as err:  # never start from a stale state: say why, exit non-zero
             log.error("cannot start: %s", err)
             return 2
@@ -110,8 +111,8 @@ async def serve(config: BlockServiceSettings) -> int:
         log.error("%s", err)
         await server.stop(grace=0)
         return 2
-    log.info("block_service listening on %s (durability %s, state %s)", config.listen, config.durability,
-             config.state_dir)
+    log.info("block_service listening on %s (durability %s, state %s, eviction %s)", config.listen, config.durability,
+             config.state_dir, store.table.eviction)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

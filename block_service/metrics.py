@@ -6,7 +6,8 @@ The nodes export vLLM's names for their own pools (``kvfleet:kv_cache_usage_perc
 cache); block_service exports what vLLM has not, under ``pool_*`` names so that the two are never
 summed: every pool by state and fragmentation, the committed blocks each node keeps below its pool
 by tier (``lower_tier_blocks``: host, disk), per-tenant blocks charged against the quota and against
-the lower-tier cap, refusals by tenant and reason (pool, quota, lower_tier), the write-ahead log and
+the lower-tier cap, refusals by tenant and reason (pool, quota, lower_tier), evictions by tenant and
+the eviction policy's reason (``block_evictions_total``: lru, value, over_share, within_share), the write-ahead log and
 the snapshot's age. Operations by kind
 and the log's write latency are observed as they happen (``BlockServiceMetrics``): an RPC interceptor
 counts calls, the durable store reports each group commit's write + fsync time.
@@ -85,6 +86,11 @@ def families(s: BlockServiceSample) -> Iterator[Metric]:
                   [((t.tenant, t.node_id, reason), v) for t in s.tenants
                    for reason, v in (("pool", t.counters.refusals_pool), ("quota", t.counters.refusals_quota),
                                      ("lower_tier", t.counters.refusals_lower_tier))])
+    yield counter("block_evictions",
+                  "Cached blocks evicted, by the tenant last charged for them, node and the eviction policy's "
+                  "reason (lru, value, over_share: its tenant held more cached blocks than its share, within_share)",
+                  ("tenant", "node", "reason"),
+                  [((t.tenant, t.node_id, reason), v) for t in s.tenants for reason, v in sorted(t.counters.evictions.items())])
     yield counter("wal_records", "Write-ahead log records durable since the first start", (), [((), s.log_records)])
     yield gauge("wal_bytes", "Size of the write-ahead log since the last snapshot", (), [((), s.log_bytes)])
     if s.snapshot_age_s is not None:

@@ -27,7 +27,7 @@ def node_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], lower_tie
         num_free=pool.num_free, num_cached=pool.num_cached, num_used=pool.num_used,
         lower_tier=lower_tier, num_sequences=len(node.seq_ids),
         tokens_stored=pool.num_used * bs - tail_waste,
-        token_capacity=pool.num_used * bs, counters=replace(node.counters),
+        token_capacity=pool.num_used * bs, counters=replace(node.counters, evictions=_by_reason(pool.evictions())),
         transfers_in_flight=len(fetches), transfer_blocks_in_flight=sum(len(s.block_ids) for s in fetches),
     )
 
@@ -36,9 +36,9 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
                  lower: dict[str, int], caps: dict[str, int]) -> list[TenantStats]:
     """Per tenant configured (``tenants``) or active on the node; ``lower`` the blocks each has in
     the node's lower tiers, ``caps`` their caps there."""
-    bs, ledger = node.pool.block_size, node.ledger
+    bs, ledger, evictions = node.pool.block_size, node.ledger, node.pool.evictions()
     per: dict[str, list[int]] = {t: [0, 0, 0] for t in tenants}
-    for t in list(ledger.charged) + list(node.tenant_counters) + list(lower):
+    for t in list(ledger.charged) + list(node.tenant_counters) + list(lower) + list(evictions):
         per.setdefault(t, [0, 0, 0])
     for seq in seqs:
         acc = per.setdefault(seq.tenant, [0, 0, 0])
@@ -51,10 +51,19 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
             blocks_allowed=ledger.allowed.get(t), blocks_reserved=ledger.reserved.get(t, 0),
             lower_tier_blocks=lower.get(t, 0), lower_tier_allowed=caps.get(t),
             num_sequences=n_seqs, tokens_stored=tokens, token_capacity=capacity,
-            counters=replace(node.tenant_counters.get(t) or Counters()),
+            counters=replace(node.tenant_counters.get(t) or Counters(), evictions=evictions.get(t, {})),
         )
         for t, (n_seqs, tokens, capacity) in per.items()
     ]
+
+
+def _by_reason(evictions: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The pool's evictions per reason, all tenants together."""
+    out: dict[str, int] = {}
+    for by in evictions.values():
+        for reason, n in by.items():
+            out[reason] = out.get(reason, 0) + n
+    return out
 
 
 def top_holders(block_size: int, seqs: Sequence[SeqState], limit: int) -> list[Holder]:

@@ -21,7 +21,7 @@ from block_service.pool_codec import pool_from_dict, pool_to_dict
 from block_service.prefix_index import PrefixIndex
 from block_service.sequence import SeqState
 from block_service.stats import Counters
-from block_service.tenants import QuotaLedger
+from block_service.tenants import QuotaLedger, cache_shares
 from kvfleet.allocator import DROPPED, Refusal
 from kvfleet.tenants import Tenant
 
@@ -42,10 +42,11 @@ class NodePool:
     suppressed_warnings: int = 0  # pool refusals not logged since the last line (the interval)
 
     def configure(self, tenants: Iterable[Tenant]) -> None:
-        """The tenants' quotas and reserved shares in this pool's blocks, for the ledger and the
-        eviction policy."""
+        """The tenants' quotas and reserved shares in this pool's blocks for the ledger, their shares
+        of its cached blocks for the eviction policy."""
+        tenants = list(tenants)
         self.ledger.configure(tenants)
-        self.pool.set_shares(self.ledger.allowed)
+        self.pool.set_shares(cache_shares(tenants, self.pool.bytes_per_block))
 
     def to_dict(self) -> dict:
         """The pool and its ledger (not the counters), for a snapshot; ``from_dict`` restores them."""
@@ -55,9 +56,10 @@ class NodePool:
     def from_dict(cls, d: dict, index: PrefixIndex, slot: int, tenants: Iterable[Tenant], eviction: str) -> NodePool:
         """The node ``to_dict`` described, its hashes staged in ``index`` (``PrefixIndex.settle``)."""
         pool = pool_from_dict(d["pool"], index, slot, eviction)
+        tenants = list(tenants)
         ledger = QuotaLedger(pool.bytes_per_block)
         ledger.restore(d["ledger"], tenants)
-        pool.set_shares(ledger.allowed)
+        pool.set_shares(cache_shares(tenants, pool.bytes_per_block))
         return cls(pool, ledger)
 
     def check(self, node_id: str, seqs: Iterable[SeqState]) -> int:

@@ -4,6 +4,8 @@ binary blobs beside its JSON (``snapshot``, format 2).
     {"shape": [num_blocks, block_size, bytes_per_block], "v": 3,
      "used": u32[] blocks with a reference, "ref": u32[] their counts,
      "owner": u16[] their tenants (1 + an index into "owners"), "owners": [tenant, ...],
+     "cached_owner": u16[] the tenant last charged for each cached block (a hashed block without a
+             reference), in ascending block order, for the evictions' labels (absent: none known),
      "free": u32[] the free stack  or  "free_runs": u32[first, length, ...] the same stack as runs
              first, first - 1, ..., first - length + 1 (whichever is smaller),
      the eviction policy's own fields (``EvictionPolicy.to_state``; the LRU's:
@@ -93,6 +95,9 @@ def pool_to_dict(pool: BlockPool) -> dict:
         "hashed": np.packbits(bits, bitorder="little").tobytes(),
         "hashes": s.hashes, "unindexed": np.asarray(s.unindexed, dtype=U32).tobytes(),
     }
+    cached = s.hashed[ref[s.hashed] == 0]
+    if len(cached) and owner[cached].any():
+        d["cached_owner"] = owner[cached].astype(U16).tobytes()
     if len(runs) < len(free):
         d["free_runs"] = runs.astype(U32).tobytes()
     else:
@@ -130,6 +135,11 @@ def _state_v3(d: dict, eviction: dict) -> PoolState:
     if not len(used) == len(counts) == len(owners) or (len(used) and int(used.max()) >= n):
         raise ValueError("a pool's used blocks, their counts and their owners do not fit together")
     ref[used], owner[used] = counts, owners
+    if "cached_owner" in d:
+        cached, last = hashed[ref[hashed] == 0], _values(d["cached_owner"], U16)
+        if len(cached) != len(last) or (len(last) and int(last.max()) > len(d["owners"])):
+            raise ValueError(f"a pool's {len(cached)} cached blocks and their {len(last)} last owners do not fit")
+        owner[cached] = last
     free = runs_stack(_values(d["free_runs"], U32)) if "free_runs" in d else _values(d["free"], U32)
     if len(free) and int(free.max()) >= n:
         raise ValueError(f"a free block is outside the pool of {n} blocks")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from block_service.eviction import DEFAULT_POLICY, NAMES
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
@@ -34,6 +35,20 @@ def _duration_of(flag: str):
         except ValueError as err:
             raise ValueError(f"{flag}: {err}") from None
     return parse
+
+
+@dataclass(slots=True)
+class EvictionSettings:
+    """Which cached block a full pool gives up (``block_service.eviction``): block_service's own
+    setting, and ``kvfleet up``'s, which passes it on."""
+
+    eviction_policy: str = setting(DEFAULT_POLICY, "which cached KV block a full pool evicts: lru, value (hits x "
+                                   "prefill saved, aged), fair (the tenant furthest over its cache_share_mib first), "
+                                   "fair+value; a state directory keeps the policy it was written under",
+                                   choices=NAMES)
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 @dataclass(slots=True)
@@ -68,6 +83,7 @@ class BlockServiceSettings:
     metrics_port: int | None = metrics_port_setting()
     health_port: int | None = health_port_setting()
     tls: InternalTls = field(default_factory=InternalTls)
+    eviction: EvictionSettings = field(default_factory=EvictionSettings)
 
     def __post_init__(self) -> None:
         check(self)

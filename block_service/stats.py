@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Counters:
-    """Events since start (not durable): prefix lookups, refusals, reconciliations."""
+    """Events since start (not durable): prefix lookups, refusals, reconciliations, evictions."""
 
     prefix_queries: int = 0  # block hashes looked up by allocations
     prefix_hits: int = 0     # of those, found committed
@@ -19,6 +19,7 @@ class Counters:
     refusals_quota: int = 0
     reconciled_releases: int = 0  # sequences released because their node no longer listed them
     refusals_lower_tier: int = 0  # demotions refused: the tenant's lower-tier cap was full
+    evictions: dict[str, int] = field(default_factory=dict)  # cached blocks evicted, by the policy's reason
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -19,7 +19,8 @@ from kvfleet.tenants import Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
-_RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent", "lower_tier_quota_mib")
+_RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent", "lower_tier_quota_mib",
+                  "cache_share_mib")
 
 
 def tenant_to_record(t: Tenant) -> dict:
@@ -30,6 +31,13 @@ def tenant_to_record(t: Tenant) -> dict:
 def tenant_from_record(d: Mapping) -> Tenant:
     """Reads the record form, and the older one too (``TenantConfig``'s, with an empty ``api_key``)."""
     return Tenant(**{f: d[f] for f in _RECORD_FIELDS if f in d})
+
+
+def cache_shares(tenants: Iterable[Tenant], bytes_per_block: int) -> dict[str, int]:
+    """Each tenant's share of a node's cached blocks, for its eviction policy (``set_shares``);
+    tenants without one are absent."""
+    shares = {t.name: t.cache_share_blocks(bytes_per_block) for t in tenants}
+    return {name: n for name, n in shares.items() if n}
 
 
 def load_tenants_without_keys(path: str) -> list[Tenant]:

@@ -186,13 +186,14 @@ def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, byte
 def tenant_to_pb(t: Tenant) -> pb.TenantQuota:
     return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
                           paid_level=t.paid_level, max_concurrent=t.max_concurrent,
-                          lower_tier_quota_mib=t.lower_tier_quota_mib)
+                          lower_tier_quota_mib=t.lower_tier_quota_mib, cache_share_mib=t.cache_share_mib)
 
 
 def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
     return Tenant(name=m.name, quota_mib=m.quota_mib if m.HasField("quota_mib") else None,
                   reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent,
-                  lower_tier_quota_mib=m.lower_tier_quota_mib if m.HasField("lower_tier_quota_mib") else None)
+                  lower_tier_quota_mib=m.lower_tier_quota_mib if m.HasField("lower_tier_quota_mib") else None,
+                  cache_share_mib=m.cache_share_mib if m.HasField("cache_share_mib") else None)
 
 
 # ---- figures and tables -------------------------------------------------------------------------
@@ -200,13 +201,15 @@ def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
 def _counters_to_pb(c: Counters) -> pb.BlockCounters:
     return pb.BlockCounters(prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
                             refusals_pool=c.refusals_pool, refusals_quota=c.refusals_quota,
-                            reconciled_releases=c.reconciled_releases, refusals_lower_tier=c.refusals_lower_tier)
+                            reconciled_releases=c.reconciled_releases, refusals_lower_tier=c.refusals_lower_tier,
+                            evictions=c.evictions)
 
 
 def _counters_from_pb(m: pb.BlockCounters) -> Counters:
     return Counters(prefix_queries=m.prefix_queries, prefix_hits=m.prefix_hits,
                     refusals_pool=m.refusals_pool, refusals_quota=m.refusals_quota,
-                    reconciled_releases=m.reconciled_releases, refusals_lower_tier=m.refusals_lower_tier)
+                    reconciled_releases=m.reconciled_releases, refusals_lower_tier=m.refusals_lower_tier,
+                    evictions=dict(m.evictions))
 
 
 def node_stats_to_pb(s: NodeStats) -> pb.NodePoolStats:

@@ -12,6 +12,8 @@ block_service (memory quota per tenant), so the type and its parser live here, s
         max_concurrent: 8       # requests running at once (0: no limit); more wait in the queue
         lower_tier_quota_mib: 2048  # optional: KV the tenant may keep in a node's host and disk tiers
                                     # (blocks demoted out of the device pool; default unlimited)
+        cache_share_mib: 128    # optional: its share of a node's cached (evictable) KV under the
+                                # fair eviction policies (default: reserved_mib); see block_service.eviction.fair
 
 ``Tenant`` is both the router's entry (with its key) and block_service's (``without_key()``: keys
 never reach block_service's log or snapshots). A quota of ``None`` is unlimited: block_service's
@@ -32,7 +34,7 @@ from kvfleet.errors import InvalidArgument
 from kvfleet.ids import check_id
 
 _REQUIRED = ("name", "api_key", "quota_mib", "paid_level", "max_concurrent")
-_OPTIONAL = ("reserved_mib", "lower_tier_quota_mib")
+_OPTIONAL = ("reserved_mib", "lower_tier_quota_mib", "cache_share_mib")
 MIB = 1 << 20
 MAX_MIB = float(1 << 40)  # more is a typo, not a quota
 # a node's own warm-up requests run under this name: internal, never in a tenants file, never shown to users
@@ -60,6 +62,9 @@ class Tenant:
     # > 0; None: unlimited. A cap of its own for the node's lower tiers (host memory, disk): the
     # quota above charges only blocks in the device pool.
     lower_tier_quota_mib: float | None = None
+    # >= 0; None: reserved_mib. Its share of a node's cached blocks under the fair eviction policies
+    # (a weight: shares summing past a node's pool need no scaling, block_service.eviction.fair).
+    cache_share_mib: float | None = None
 
     def __post_init__(self) -> None:
         check_id("tenant name", self.name)
@@ -73,6 +78,9 @@ class Tenant:
         lq = self.lower_tier_quota_mib
         if lq is not None and not (isinstance(lq, (int, float)) and not isinstance(lq, bool) and 0 < lq < MAX_MIB):
             raise InvalidArgument(f"tenant {self.name!r}: lower_tier_quota_mib must be > 0, got {lq}")
+        cs = self.cache_share_mib
+        if cs is not None and not (isinstance(cs, (int, float)) and not isinstance(cs, bool) and 0 <= cs < MAX_MIB):
+            raise InvalidArgument(f"tenant {self.name!r}: cache_share_mib must be >= 0, got {cs}")
         r, most = self.reserved_mib, MAX_MIB if q is None else q
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= most):
             raise InvalidArgument(
@@ -103,6 +111,11 @@ class Tenant:
 
     def reserved_blocks(self, bytes_per_block: int) -> int:
         return int(self.reserved_mib * MIB) // bytes_per_block
+
+    def cache_share_blocks(self, bytes_per_block: int) -> int:
+        """Its share of a node's cached blocks: ``cache_share_mib``, else ``reserved_mib``, in blocks."""
+        mib = self.reserved_mib if self.cache_share_mib is None else self.cache_share_mib
+        return int(mib * MIB) // bytes_per_block
 
 
 def _number(entry: Mapping, field: str, kind: type, where: str) -> float | int:
@@ -150,6 +163,8 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
                     max_concurrent=_number(entry, "max_concurrent", int, where),
                     lower_tier_quota_mib=(_number(entry, "lower_tier_quota_mib", float, where)
                                           if "lower_tier_quota_mib" in entry else None),
+                    cache_share_mib=(_number(entry, "cache_share_mib", float, where)
+                                     if "cache_share_mib" in entry else None),
                 )
             )
         except ValueError as e:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from block_service.settings import EvictionSettings
 from compute_service.node.settings import NodeSettings
 from kvfleet import parent_death, settings
 from kvfleet.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
@@ -84,6 +85,7 @@ class LocalCluster:
         node: NodeSettings | None = None,
         insecure_internal: bool = False,
         roles: dict[str, str] | None = None,  # node id -> kvfleet.roles (local_nodes.node_roles); else mixed
+        eviction: EvictionSettings | None = None,  # block_service's eviction policy; else its default
     ):
         """Every node takes ``node`` (``kvfleet up``'s; else the local defaults) with the engine values
         given here in place of its own; ``compute_args`` follow on each node's command line and win."""
@@ -98,7 +100,7 @@ class LocalCluster:
             tenants_file = self.work_dir / "tenants.yaml"
             Path(tenants_file).write_text(DEMO_TENANTS)
         self.tenants_file = str(tenants_file)
-        self.with_block_service = with_block_service
+        self.with_block_service, self.eviction = with_block_service, eviction or EvictionSettings()
         self.compute_args = tuple(compute_args)
         self.router_args = tuple(router_args)
         # mutual TLS between the services, under a CA of the work directory's (made on first start)
@@ -179,7 +181,7 @@ class LocalCluster:
         port = free_port()
         argv = ["block-service", "--listen", f"127.0.0.1:{port}", "--tenants", self.tenants_file,
                 "--state-dir", str(self.work_dir / state), *self._metrics_args(name),
-                *self.certs.args(BLOCK_SERVICE_ID)]
+                *self.certs.args(BLOCK_SERVICE_ID), *settings.to_argv(self.eviction)]
         if self.standby:
             argv += ["--etcd", self.etcd.url, "--sync-standby", "--lease-ttl", str(self.lease_ttl_s), *extra]
         return self._spawn(name, argv, port)

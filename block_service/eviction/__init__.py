@@ -1,8 +1,14 @@
 """Which cached block a full pool gives up: a policy behind a small pure interface
 (``policy.EvictionPolicy``), chosen by name from the one table below.
 
-    lru   the least recently used cached block first; a release caches a table deepest block
-          first, so the deepest block of the least recently released prefix goes first (``lru``)
+    lru         the least recently used cached block first; a release caches a table deepest
+                block first, so the deepest block of the least recently released prefix goes
+                first (``lru``)
+    value       the cached block worth least first: clock + (1 + hits) x prefill tokens saved, the
+                clock rising to each victim's (GreedyDual-Size-Frequency; ``value``)
+    fair        the tenant furthest over its share of the cached blocks loses its least recently
+                used one (``fair``)
+    fair+value  fair's choice of tenant, value's choice within it (``fair``)
 
 A page table uses one policy for all its pools (``PageTable(eviction=...)``); the name is part of
 its durable state, and a state directory written under one policy is refused by a block_service
@@ -11,14 +17,17 @@ configured with another (``recovery``), since the same log would evict other blo
 
 from __future__ import annotations
 
+from block_service.eviction.fair import FairShare, FairValue
 from block_service.eviction.lru import BlockLru
 from block_service.eviction.policy import CachedFacts, EvictionPolicy
+from block_service.eviction.value import BlockValue
 from kvfleet.errors import InvalidArgument
 
 DEFAULT_POLICY = BlockLru.name
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (BlockLru,)}
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (BlockLru, BlockValue, FairShare, FairValue)}
+NAMES = tuple(POLICIES)  # the names a block_service accepts (the tests register more in POLICIES)
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "CachedFacts", "EvictionPolicy", "policy_class"]
+__all__ = ["DEFAULT_POLICY", "NAMES", "POLICIES", "CachedFacts", "EvictionPolicy", "policy_class"]
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:

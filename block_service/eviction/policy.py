@@ -7,15 +7,17 @@ the blocks no table holds whose content the prefix index still finds. The pool t
     revived(blocks)         a prefix hit took them back into use: they leave the cached set
     discard(block)          it left the cached set without a hit (a node's sync claimed it)
     evict()                 the pool needs a block: take the next victim out and name it
+    reason                  why that victim went (a metrics label: ``lru``, ``value``, ``over_share``...)
 
-and ``set_shares`` tells it each limited tenant's quota on the node. A policy that sets
+and ``set_shares`` tells it each tenant's share of the node's cached blocks (``cache_share_mib``,
+else ``reserved_mib``: ``kvfleet.tenants.Tenant.cache_share_blocks``). A policy that sets
 ``needs_facts`` is handed, per block becoming cached, its tenant, its prefix hits, the prefill
 tokens a hit reaching it saves and the pool's tick (``CachedFacts``); LRU needs none of it and the
 pool then keeps no facts at all.
 
 Replay depends on it: a policy is a pure function of the calls it was told about, with no wall
 clock, no randomness and no iteration over a hash order, its ties broken by a stable key (the block
-id), so that replaying the write-ahead log, or restoring a snapshot (``to_state`` / ``from_state``),
+id, or the order blocks became cached), so that replaying the write-ahead log, or restoring a snapshot (``to_state`` / ``from_state``),
 evicts exactly the blocks the live table evicted. The name of the policy is part of the durable
 state (``PageTable.to_dict``); recovery refuses a state written under another policy
 (``recovery``) rather than evict differently from the table that wrote it.
@@ -64,6 +66,12 @@ class EvictionPolicy(ABC):
     def evict(self) -> int:
         """Take the next victim out of the cached set (not empty) and return it."""
 
+    @property
+    def reason(self) -> str:
+        """Why the block ``evict`` last returned went (a metrics label, from a short fixed set):
+        the policy's name unless it says more."""
+        return self.name
+
     @abstractmethod
     def victims(self, n: int) -> list[int]:
         """The next ``n`` blocks ``evict`` would return, in order; changes nothing."""
@@ -79,9 +87,9 @@ class EvictionPolicy(ABC):
         """The cached blocks (eviction order where the policy keeps one)."""
 
     def set_shares(self, shares: Mapping[str, int]) -> None:
-        """Each limited tenant's quota on this pool, in blocks (unlimited tenants are absent); told
-        again on every change of the tenants' configuration. Not part of ``to_state``: the page
-        table tells a restored policy its shares again."""
+        """Each tenant's share of this pool's cached blocks, in blocks (tenants without one are
+        absent); told again on every change of the tenants' configuration. Not part of
+        ``to_state``: the page table tells a restored policy its shares again."""
 
     @abstractmethod
     def to_state(self) -> dict[str, bytes]:

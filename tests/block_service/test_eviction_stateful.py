@@ -4,7 +4,9 @@ counts = the tables holding them, no tenant charged past its quota and grace: ``
 and a state rebuilt from the write-ahead log or from a snapshot that equals the live one and evicts
 the same blocks next.
 
-Besides the registered policies, ``Cheapest`` runs too: a policy that only the tests register, the
+The machine also changes tenants' shares of the cached blocks (``cache_share_mib``, a share past
+the pool included), which the fair policies read. Besides the registered policies (``lru``,
+``value``, ``fair``, ``fair+value``), ``Cheapest`` runs too: a policy that only the tests register, the
 kind the interface is shaped for (it asks for facts and reads tenants' shares), so that the path
 the LRU never takes — facts kept per block, a policy state that is not an order, shares told again
 on restore — is held to the same invariants.
@@ -26,6 +28,7 @@ from block_service.page_table import PageTable
 from block_service.recovery import RecoveryError, recover
 from block_service.snapshot import decode_snapshot, encode_snapshot
 from kvfleet.allocator import AllocateRequest, Allocation
+from kvfleet.tenants import Tenant
 from tests.block_service.test_page_table_stateful import BPB, NODES, TENANTS, PageTableMachine, family_hash
 from tests.examples import examples
 
@@ -139,6 +142,13 @@ class EvictionMachine(PageTableMachine):
             self.store.commit([(seq_id, i, h) for i, h in enumerate(hashes)])
             self.store.release([seq_id])
 
+    @rule(tenant=st.sampled_from(TENANTS), quota=st.sampled_from([1, 3, None]),
+          share=st.sampled_from([None, 0, 0.5, 1, 2.5, 40]))
+    def share(self, tenant: str, quota: float | None, share: float | None) -> None:
+        """A tenant's share of the cached blocks (``cache_share_mib``: four blocks per MiB here;
+        None: its reserve, none), told to the policy again; a share past the pool included."""
+        self.store.configure_tenants([Tenant(tenant, quota_mib=quota, cache_share_mib=share)])
+
     @rule()
     def restored_and_replayed_evict_alike(self) -> None:
         """A snapshot's table and the log's replay equal the live table, name the same next
@@ -185,5 +195,5 @@ def test_a_state_written_under_one_policy_is_refused_under_another(tmp_path) -> 
 
 
 def test_an_unknown_policy_is_refused_with_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown eviction policy 'mru'; known: lru"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; known: fair, fair\+value, lru, .*value"):
         PageTable("mru")
