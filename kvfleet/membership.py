@@ -12,7 +12,8 @@ every watcher sees the delete. The value is JSON::
 ``max_num_seqs`` is the node's live cap on running sequences (its ``--max-num-seqs``, or lower while
 its P99 batch controller holds it down); routers without ``--capacity`` admit the sum of the READY
 nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
-``role`` (``kvfleet.roles``: mixed, prefill, decode; absent: mixed) is what the router may send it.
+``role`` (``kvfleet.roles``: mixed, prefill, decode; absent: mixed) is what the router may send it;
+``fetches_kv`` false (``--kv-fetch off``) tells the router a block only another node holds is a miss there.
 ``kv_rates`` (``kvfleet.kv_rates``: 0 = not measured) is what the node measured of its prefill, its
 copies from its lower tiers and its fetches from other nodes; the router weighs its cost with them.
 Absent (not measured yet, or an older node): the router's configured weights; malformed: the same,
@@ -67,6 +68,7 @@ class NodeInfo:
     max_num_seqs: int = 0  # live cap on running sequences; 0: not published
     kv_rates: KvRates | None = None  # measured rates; None: not published
     role: str = MIXED                # kvfleet.roles: mixed, prefill or decode
+    fetches_kv: bool = True          # it fetches prompts' KV from peers (--kv-fetch is not off)
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -91,6 +93,7 @@ class NodeInfo:
             max_num_seqs=int(fields.get("max_num_seqs", 0)),
             kv_rates=_kv_rates(node_id, fields.get("kv_rates")),
             role=check_role(fields.get("role", MIXED)),
+            fetches_kv=bool(fields.get("fetches_kv", True)),
         )
 
 

@@ -55,8 +55,9 @@ class RouterNode:
         """What the picker weighs of this node for a prompt it holds ``hit`` of: its load, and the
         weights of its lower-tier and fetched blocks from the rates it publishes (``kvfleet.kv_rates``)."""
         rates = self.info.kv_rates
+        fetched = peer_weight(rates) if self.info.fetches_kv else 0.0  # a node that never fetches: a miss
         return NodeLoad(self.node_id, self.active_blocks, hit.hot, self.ready_since, hit.lower, self.prefill_blocks,
-                        hit.peer, lower_tier_weight(rates), peer_weight(rates))
+                        hit.peer, lower_tier_weight(rates), fetched)
 
     def full_blocks(self, num_tokens: int) -> int:
         """How many whole blocks of this node ``num_tokens`` tokens fill."""

@@ -217,7 +217,8 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         log.info("node %s: registering in etcd at %s", node_id, command.etcd)
         parts.client = etcd_client(command.etcd)
         await parts.client.connect()
-        info = NodeInfo(node_id, command.advertise or "", command.model, 0, 0, NodeState.WARMING, role=command.role)
+        info = NodeInfo(node_id, command.advertise or "", command.model, 0, 0, NodeState.WARMING, role=command.role,
+                        fetches_kv=settings.kv_fetch.kv_fetch != "off" and bool(command.block_service))
         registration = parts.registration = NodeRegistration(parts.client, info, ttl=command.lease_ttl)
         await registration.start()
     remote = None

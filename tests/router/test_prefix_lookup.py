@@ -123,3 +123,10 @@ def test_a_node_s_load_carries_its_prefix_and_the_weights_its_rates_give():
     assert (load.lower_tier_weight, load.peer_weight) == (pytest.approx(0.75), pytest.approx(0.5))
     plain = node("p").load()
     assert (plain.lower_tier_weight, plain.peer_weight, plain.peer_prefix_blocks) == (None, None, 0)
+
+
+def test_a_node_that_never_fetches_counts_a_peer_held_block_as_a_miss():
+    info = NodeInfo("off", "x:1", "m", 64, 16, NodeState.READY, fetches_kv=False)
+    assert RouterNode(info, None, None, 0.0).load(PrefixHit(0, 0, 3)).peer_weight == 0.0
+    assert NodeInfo.from_json("off", info.to_json()).fetches_kv is False
+    assert NodeInfo.from_json("old", NodeInfo("old", "x:1", "m", 64, 16, NodeState.READY).to_json()).fetches_kv
