@@ -3,7 +3,8 @@ node that holds them, instead of recomputing their tokens.
 
     engine thread:  a temporary sequence for the chain, charged to the tenant (kv/chain_import.py):
                     the leading blocks this pool holds come back cached, the rest fresh
-    event loop:     ask the peer for the rest; keep the leading blocks that pass every check
+    event loop:     ask the peer for the rest, its chunks as the frames gRPC receives (no protobuf
+                    parse); a worker thread keeps the leading blocks that pass every check
                     (node/block_chunks.py), until the stream ends, fails or the deadline passes
     engine thread:  write the verified blocks into the fresh ones, commit them under the same
                     hashes (block_service records the copy), release the sequence
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,12 +38,12 @@ from kvfleet.block_hash import HASH_BYTES
 from kvfleet.identity import Identity
 from kvfleet.ids import FETCH_SEQ_PREFIX
 from kvfleet.v1 import compute_pb2 as pb
-from kvfleet.v1 import compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# the stub's method: (request, timeout=seconds) -> the stream of chunks
-FetchCall = Callable[..., AsyncIterator[pb.BlockChunk]]
+# the stub's method: (request, timeout=seconds) -> the stream of chunks (frames, or messages: a test's double)
+FetchCall = Callable[..., AsyncIterator[bytes | pb.BlockChunk]]
+FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Compute'].full_name}/FetchBlocks"
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,8 +77,9 @@ async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes
         log.warning("KV fetch from node %s at %s: cannot dial (%s)", peer_node_id, peer_address, e)
         return Fetched(0, 0, reason="peer")
     async with channel:
-        stub = compute_pb2_grpc.ComputeStub(channel)
-        return await fetch_over(stub.FetchBlocks, f"node {peer_node_id}", tenant, hashes, engine, deadline_s)
+        frames = channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchBlocksRequest.SerializeToString,
+                                      response_deserializer=None)
+        return await fetch_over(frames, f"node {peer_node_id}", tenant, hashes, engine, deadline_s)
 
 
 async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[bytes], engine: AsyncEngine,
@@ -142,7 +145,7 @@ async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[
     try:
         async with asyncio.timeout(left):
             async for chunk in stream:
-                reader.feed(chunk)
+                await _feed(reader, chunk)
         reader.finish()
     except TransferRefused as e:
         return "checksum", str(e)
@@ -159,6 +162,24 @@ async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[
         if cancel is not None:
             cancel()
     return None
+
+
+async def _feed(reader: RunReader, chunk: bytes | pb.BlockChunk) -> None:
+    """``reader.feed(chunk)`` in a worker thread (its checksums and copy keep the loop free); however
+    the wait ends (a deadline, a cancellation), the feed has ended too when this returns or raises,
+    so nothing else reads the reader while it is fed."""
+    feeding, abandoned = threading.Lock(), False
+
+    def feed() -> None:
+        with feeding:
+            if not abandoned:
+                reader.feed(chunk)
+
+    try:
+        await asyncio.to_thread(feed)
+    finally:
+        with feeding:  # a feed under way ends first (one chunk's checks); one not begun never begins
+            abandoned = True
 
 
 def _open(engine, fetch: _Fetch, tenant: str, hashes: list[bytes]) -> tuple[OpenChain, RunReader] | Refusal:

@@ -2,8 +2,9 @@
 chain of KV blocks, this node streams the leading run it holds for that tenant.
 
     engine thread:  which blocks (kv/held_run.py) ─▶ one copy out per tier (kv/block_rows.gather)
-    a worker thread: rows in order, a CRC-32 per block
-    event loop:      chunks of whole blocks (node/block_chunks.py), gRPC's flow control paces them
+    a worker thread: rows in order; then frame by frame (node/block_chunks.py: whole blocks, a
+                     CRC-32 per block), each made while the one before it is on the wire
+    event loop:      the frames as they are (``serve``), gRPC's flow control paces them
 
 The copy is taken on the engine thread between steps, so it is what the pool held at one moment;
 everything after works on the copy. A hash held for another tenant ends the run, and is logged once
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.kv.block_rows import Gathered, gather, layout_of
 from compute_service.kv.held_run import HeldRun, leading_run
-from compute_service.node.block_chunks import DEFAULT_CHUNK_BYTES, encode, split_hashes
+from compute_service.node.block_chunks import DEFAULT_CHUNK_BYTES, frames, split_hashes
 from kvfleet import rpc
 from kvfleet.access_guard import caller
 from kvfleet.v1 import compute_pb2 as pb
@@ -38,8 +39,9 @@ class BlockHolder:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def serve(self, request: pb.FetchBlocksRequest) -> AsyncIterator[pb.BlockChunk]:
-        """The chunks of the run this node serves for ``request``; ``InvalidFetch`` for bad input."""
+    async def serve(self, request: pb.FetchBlocksRequest) -> AsyncIterator[bytes]:
+        """The frames (encoded ``BlockChunk`` messages) of the run this node serves for ``request``;
+        ``InvalidFetch`` for bad input."""
         try:
             hashes = split_hashes(request.block_hashes)
         except ValueError as e:
@@ -56,9 +58,21 @@ class BlockHolder:
         if got.why_short is not None:
             log.warning("FetchBlocks for tenant %r: %s; serving the %d blocks before it", tenant, got.why_short, got.n)
         rows = await asyncio.to_thread(got.rows)
-        checksums = await asyncio.to_thread(rows.checksums)
-        for chunk in encode(got.layout, run.blocks[:got.n], rows, checksums, max_chunk):
-            yield chunk
+        async for data in _made_ahead(frames(got.layout, run.blocks[:got.n], rows, max_chunk)):
+            yield data
+
+
+async def _made_ahead(made: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``made``'s items, each made in a worker thread while the one before it is sent. Closed early
+    (the caller went away), it makes nothing more: the frame being made is dropped when done."""
+    end = object()
+    ahead = asyncio.ensure_future(asyncio.to_thread(next, made, end))
+    try:
+        while (data := await ahead) is not end:
+            ahead = asyncio.ensure_future(asyncio.to_thread(next, made, end))
+            yield data
+    finally:
+        ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure goes unheard
 
 
 def _take(engine, tenant: str, hashes: list[bytes]) -> tuple[HeldRun, Gathered]:

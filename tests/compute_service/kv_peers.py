@@ -19,7 +19,7 @@ from compute_service.kv.pool import bytes_per_block
 from compute_service.model.config import ModelConfig
 from compute_service.node.context import NodeContext, NodeStatus
 from compute_service.node.kv_fetch import fetch_blocks, fetch_over
-from compute_service.node.server import ComputeServicer
+from compute_service.node.server import ComputeServicer, add_to_server
 from kvfleet import rpc
 from kvfleet.block_hash import block_hashes, cluster_seed, tenant_extra_key
 from kvfleet.identity import Identity
@@ -85,12 +85,13 @@ Wrap = Callable[[Callable[..., AsyncIterator]], Callable[..., AsyncIterator]]
 
 
 @contextlib.asynccontextmanager
-async def peers(holder: LLMEngine, receiver: LLMEngine):
+async def peers(holder: LLMEngine, receiver: LLMEngine, register: Callable = add_to_server):
     """``(holder's address, receiver's AsyncEngine)``: the holder serving ``Compute`` over loopback
-    (under this process's TLS credentials at the time, if any); both engines' threads stopped after."""
+    (under this process's TLS credentials at the time, if any), registered by ``register``; both
+    engines' threads stopped after."""
     h, r = AsyncEngine(holder), AsyncEngine(receiver)
     server = rpc.server(internal=True)
-    compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(NodeContext(NodeStatus(HOLDER), h, BS)), server)
+    register(ComputeServicer(NodeContext(NodeStatus(HOLDER), h, BS)), server)
     port = rpc.bind_internal(server, "127.0.0.1:0")
     await server.start()
     try:
@@ -102,11 +103,11 @@ async def peers(holder: LLMEngine, receiver: LLMEngine):
 
 
 def fetch(holder: LLMEngine, receiver: LLMEngine, tenant: str, hashes: list[bytes], wrap: Wrap | None = None,
-          deadline_s: float = 30.0, address: str | None = None) -> int:
+          deadline_s: float = 30.0, address: str | None = None, register: Callable = add_to_server) -> int:
     """Serve ``holder`` and have ``receiver`` fetch ``hashes`` for ``tenant`` (through ``wrap``'s
     double of the stream when given; from ``address`` instead when given); the blocks held after it."""
     async def main() -> int:
-        async with peers(holder, receiver) as (served_at, r):
+        async with peers(holder, receiver, register) as (served_at, r):
             if wrap is None:
                 return (await fetch_blocks(address or served_at, HOLDER, tenant, hashes, r, deadline_s)).blocks
             async with rpc.channel(served_at, max_receive_bytes=rpc.MAX_MESSAGE_BYTES,

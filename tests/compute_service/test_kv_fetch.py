@@ -13,6 +13,7 @@ import logging
 import pytest
 
 from compute_service.node.kv_fetch import fetch_over
+from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.conftest import random_prompt
 from tests.compute_service.kv_peers import (
     BS,
@@ -78,6 +79,14 @@ def test_a_fetched_prefix_is_byte_identical_and_generates_as_computed(llama_dir,
     assert out.new_token_ids == again.new_token_ids
     if kv_cache_dtype == "auto":  # float32: the cached prefix changes nothing
         assert out.new_token_ids == alone.new_token_ids == computed.new_token_ids
+
+
+def test_a_holder_registered_by_the_generated_code_serves_the_same_blocks_as_messages(llama_dir, tmp_path):
+    holder, _, written = holder_with_prompt(llama_dir, tmp_path, kv_cache_dtype="fp8_e4m3")
+    receiver = make_engine(llama_dir, 64, "fp8_e4m3")
+    assert fetch(holder, receiver, "default", HASHES, register=compute_pb2_grpc.add_ComputeServicer_to_server) == 4
+    fetched = rows(receiver, HASHES)
+    assert fetched.keys() == written.keys() and all(identical(fetched[h], written[h]) for h in HASHES)
 
 
 def test_the_holder_serves_the_leading_run_it_has_and_the_receiver_asks_only_for_what_it_lacks(llama_dir, tmp_path):
