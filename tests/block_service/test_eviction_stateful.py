@@ -146,7 +146,9 @@ class EvictionMachine(PageTableMachine):
           share=st.sampled_from([None, 0, 0.5, 1, 2.5, 40]))
     def share(self, tenant: str, quota: float | None, share: float | None) -> None:
         """A tenant's share of the cached blocks (``cache_share_mib``: four blocks per MiB here;
-        None: its reserve, none), told to the policy again; a share past the pool included."""
+        None: its reserve, none), told to the policy again; a share past the pool included. ``c``
+        stays unlimited: the restore rule's probe allocates as ``c``."""
+        quota = None if tenant == "c" else quota
         self.store.configure_tenants([Tenant(tenant, quota_mib=quota, cache_share_mib=share)])
 
     @rule()
