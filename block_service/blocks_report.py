@@ -56,7 +56,7 @@ def to_json(report: BlocksReport) -> dict:
         "reserved": t.blocks_reserved, "num_sequences": t.num_sequences,
         "refusals_pool": t.counters.refusals_pool, "refusals_quota": t.counters.refusals_quota,
         "lower_tier": t.lower_tier_blocks, "lower_tier_quota": t.lower_tier_allowed,
-        "refusals_lower_tier": t.counters.refusals_lower_tier,
+        "refusals_lower_tier": t.counters.refusals_lower_tier, "evictions": dict(t.counters.evictions),
     } for t in report.tenants]
     return {"nodes": nodes, "tenants": tenants, "log_records": report.log_records}
 
@@ -102,10 +102,11 @@ def render(report: BlocksReport) -> str:
         lines.append("tenants (blocks):")
         lines += ["  " + line for line in _table(
             ["tenant", "node", "charged", "quota", "reserved", "sequences", "refused pool", "refused quota",
-             "lower tier", "lower cap", "refused lower"],
+             "lower tier", "lower cap", "refused lower", "evicted"],
             [[t.tenant, t.node_id, str(t.blocks_charged), _limit(t.blocks_allowed), str(t.blocks_reserved),
               str(t.num_sequences), str(t.counters.refusals_pool), str(t.counters.refusals_quota),
-              str(t.lower_tier_blocks), _limit(t.lower_tier_allowed), str(t.counters.refusals_lower_tier)]
+              str(t.lower_tier_blocks), _limit(t.lower_tier_allowed), str(t.counters.refusals_lower_tier),
+              str(sum(t.counters.evictions.values()))]
              for t in report.tenants])]
     if any(h.age_at_least for n in report.nodes for h in n.holders):
         lines.append("(>: allocated before block_service's last start; the age counts from that start)")

@@ -181,3 +181,25 @@ def test_evictions_are_a_metric_by_tenant_node_and_reason() -> None:
 
     assert evictions("fair", "b", "over_share") == 20 and evictions("fair", "a", "over_share") is None
     assert evictions("lru", "a", "lru") == 4 and evictions("lru", "b", "lru") == 16
+
+
+def test_evictions_reach_kvfleet_blocks_over_the_wire() -> None:
+    from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+    from block_service.wire import node_stats_from_pb, node_stats_to_pb, tenant_stats_from_pb, tenant_stats_to_pb
+
+    table = flood("fair").table
+    node = node_stats_from_pb(node_stats_to_pb(table.node_stats("n")))
+    tenants = [tenant_stats_from_pb(tenant_stats_to_pb(t)) for t in table.tenant_stats("n")]
+    assert node.counters.evictions == {"over_share": 20}
+    report = BlocksReport([NodeBlocks(node)], tenants)
+    assert {t["tenant"]: t["evictions"] for t in to_json(report)["tenants"]} == {"a": {}, "b": {"over_share": 20}}
+    assert "refused lower  evicted" in render(report)
+
+
+def test_a_reload_of_the_tenants_file_keeps_what_is_cached() -> None:
+    calls = flood("fair")
+    before = calls.table.next_victims("n", 16)
+    calls.table.configure_tenants([Tenant("b", cache_share_mib=100), Tenant("a")], replace_all=True)
+    assert calls.table.node_stats("n").num_cached == 16 and calls.cached_run(chain("a-system", 4)) == 4
+    after = calls.table.next_victims("n", 16)  # b's 12 blocks went first, a's 4 (within its share) last;
+    assert after == before[12:] + before[:12]  # now a has no share and b one: a's first, each in its own order
