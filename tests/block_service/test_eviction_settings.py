@@ -18,7 +18,6 @@ from block_service.wire import tenant_from_pb, tenant_to_pb
 from kvfleet.settings import SettingError, build, to_argv
 from kvfleet.tenants import MIB, Tenant, TenantsFileError, parse_tenants
 from kvfleet_cli import up
-from kvfleet_cli.local_cluster import LocalCluster
 
 
 def parsed(add_arguments, argv: list[str]) -> argparse.Namespace:
@@ -44,11 +43,13 @@ def test_a_bad_policy_is_one_line_naming_the_choices() -> None:
         assert str(refused.value) == "--eviction-policy must be one of lru, value, fair, fair+value, got 'mru'"
 
 
-def test_the_local_cluster_passes_the_policy_to_block_service(tmp_path) -> None:
-    cluster = LocalCluster(tmp_path / "model", work_dir=tmp_path / "work", insecure_internal=True,
-                           eviction=EvictionSettings("fair+value"))
-    assert to_argv(cluster.eviction) == ["--eviction-policy", "fair+value"]
-    assert to_argv(LocalCluster(tmp_path / "model", work_dir=tmp_path / "w2", insecure_internal=True).eviction) == []
+def test_up_passes_on_the_flags_block_service_reads_back() -> None:
+    """``kvfleet up`` hands its ``EvictionSettings`` to the local cluster, which puts ``to_argv`` of
+    them on block_service's command line (``bench/tenant_fairness.py`` runs clusters that way)."""
+    ups = build(up.UpSettings, parsed(up.add_arguments, ["--eviction-policy", "fair+value"]))
+    argv = to_argv(ups.eviction)
+    assert argv == ["--eviction-policy", "fair+value"] and to_argv(EvictionSettings()) == []
+    assert build(BlockServiceSettings, parsed(block_service_main.add_arguments, argv)).eviction == ups.eviction
 
 
 def entry(**over) -> dict:
