@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.kvfleet-kernels-built
 # the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
 REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos model demo test test-fast bench bench-peers clean
+.PHONY: setup protos model demo test test-fast bench bench-peers image deploy-check clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -73,6 +73,18 @@ $(PEERS_VENV)/.vllm-installed:
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
+
+# the kvfleet image, kvfleet:cpu (VARIANT=cuda: kvfleet:cuda), with Docker's BuildKit: deploy/image.sh finds
+# the base (python:3.11-slim, else a Debian base it makes with debootstrap), torch's CPU wheel on this disk
+# and the certificate pip trusts here (a build secret, in no layer). Rebuilds reuse the layer cache.
+image:
+	sh deploy/image.sh
+
+# the compose cluster built, brought up, asked through both doors, broken (a node, the block_service leader),
+# restarted and brought down, one JSON line last (deploy/deploy_check.py). Not part of `make test`: it needs a
+# Docker engine and takes a while; a user or a release job runs it.
+deploy-check: setup protos
+	$(PY) deploy/deploy_check.py
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) kvfleet/v1 models build
