@@ -90,7 +90,6 @@ async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[b
         log.warning("KV fetch from %s refused: %s", peer, "no hashes" if not hashes else
                     "no tenant" if not tenant else f"a hash that is not {HASH_BYTES} bytes")
         return Fetched(0, 0, reason="refused")
-    deadline = time.monotonic() + deadline_s
     fetch = _Fetch(f"{FETCH_SEQ_PREFIX}{uuid.uuid4().hex[:16]}")
     try:
         try:
@@ -105,7 +104,9 @@ async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[b
         held = chain.num_cached
         if held == len(hashes):
             return Fetched(held, held)
-        stopped = await _receive(call, reader, tenant, hashes[held:], deadline)
+        # the clock starts once the blocks are taken: waiting for the engine's step in progress is a
+        # wait a prefill would have had too (seen: a loaded node's long step spent a small fetch's deadline)
+        stopped = await _receive(call, reader, tenant, hashes[held:], time.monotonic() + deadline_s)
         try:
             now = await engine.call(lambda e: _commit(e, chain, reader, tenant))
         except Exception as e:
