@@ -203,11 +203,10 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
 
     from compute_service.engine.async_engine import AsyncEngine
     from compute_service.node.context import NodeContext, NodeStatus
-    from compute_service.node.server import ComputeServicer, warm_up
+    from compute_service.node.server import ComputeServicer, add_to_server, warm_up
     from kvfleet import rpc
     from kvfleet.health_port import Readiness
     from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client
-    from kvfleet.v1 import compute_pb2_grpc
 
     node_id, settings = command.node_id, command.settings
     # etcd first (WARMING, pool size unknown yet), block_service second: a previous run's lease
@@ -246,7 +245,7 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         _serve_metrics(command, node, status, pool.block_size)
     server = parts.server = rpc.server(internal=True)
     servicer = ComputeServicer(node)
-    compute_pb2_grpc.add_ComputeServicer_to_server(servicer, server)
+    add_to_server(servicer, server)  # FetchBlocks sends its frames as they are
     # "" answers while the process does (liveness); kvfleet.v1.Compute is SERVING while READY
     health = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
