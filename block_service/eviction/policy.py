@@ -17,10 +17,10 @@ pool then keeps no facts at all.
 
 Replay depends on it: a policy is a pure function of the calls it was told about, with no wall
 clock, no randomness and no iteration over a hash order, its ties broken by a stable key (the block
-id, or the order blocks became cached), so that replaying the write-ahead log, or restoring a snapshot (``to_state`` / ``from_state``),
-evicts exactly the blocks the live table evicted. The name of the policy is part of the durable
-state (``PageTable.to_dict``); recovery refuses a state written under another policy
-(``recovery``) rather than evict differently from the table that wrote it.
+id, or the order blocks became cached), so that replaying the write-ahead log, or restoring a
+snapshot (``to_state`` / ``from_state``), evicts exactly the blocks the live table evicted. The
+name of the policy is part of the durable state (``PageTable.to_dict``); recovery refuses a state
+written under another policy (``recovery``) rather than evict differently from the table that wrote it.
 """
 
 from __future__ import annotations
