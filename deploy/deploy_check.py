@@ -7,8 +7,9 @@ question through the official ``openai`` client (the HTTP door) and through gRPC
 it back) and then the block_service leader's (the standby takes over), asking again after each,
 restarts the whole cluster (every container killed at once, as by a host losing power, and removed;
 the volumes kept), block_service first and alone, whose page table (the nodes' pools, the blocks the
-asks left cached) and tenants' charges must come back from its volume as they were, then the rest, and brings it down with nothing left running. Steps
-are told on stderr; the last line on stdout is one JSON object.
+asks left cached) and tenants' charges must come back from its volume as they were, then the rest,
+and brings it down with nothing left running. Steps are told on stderr; the last line on stdout is
+one JSON object.
 
 Its own compose project (``kvfleet-check``): a cluster a user runs from deploy/ (project ``deploy``) is
 not touched, but the router's host ports must be free (KVFLEET_GRPC_PORT, KVFLEET_HTTP_PORT).
