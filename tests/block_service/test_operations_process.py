@@ -126,9 +126,9 @@ def test_an_exhausted_pool_is_logged_once_a_second_and_kvfleet_blocks_names_its_
     assert "waste: 12 token slots unused in partly filled last blocks" in out
     assert re.search(r"^    a-2\s+a\s+7\s+100\s+12\s+\d+s$", out, re.M)
     assert re.search(r"^    b-1\s+b\s+6\s+96\s+0\s+\d+s$", out, re.M)
-    # charged vs quota, then the lower tiers' charge vs its cap: none held, unlimited
-    assert re.search(r"^  a\s+n0\s+7\s+64\s+0\s+1\s+1\s+0\s+0\s+unlimited\s+0$", out, re.M)
-    assert re.search(r"^  b\s+n0\s+6\s+16\s+0\s+1\s+200\s+0\s+0\s+unlimited\s+0$", out, re.M)
+    # charged vs quota, then the lower tiers' charge vs its cap (none held, unlimited), then evicted
+    assert re.search(r"^  a\s+n0\s+7\s+64\s+0\s+1\s+1\s+0\s+0\s+unlimited\s+0\s+\d+$", out, re.M)
+    assert re.search(r"^  b\s+n0\s+6\s+16\s+0\s+1\s+200\s+0\s+0\s+unlimited\s+0\s+\d+$", out, re.M)
     assert re.search(r"^  host\s+0\s+0\s+0$", out, re.M) and re.search(r"^  disk\s+0\s+0\s+0$", out, re.M)
 
     assert as_json.returncode == 0, as_json.stderr
