@@ -37,14 +37,14 @@ class DisaggConfig:
         check(self)
 
 
-def serving_nodes(nodes: Sequence, role_of=lambda n: n.info.role) -> list:
+def serving_nodes(nodes: Sequence) -> list:
     """The nodes a whole request (or a hand-over) goes to: all but the prefill nodes (when none is
     left, the caller lets the prefill nodes serve whole requests rather than none)."""
-    return [n for n in nodes if role_of(n) != PREFILL]
+    return [n for n in nodes if n.info.role != PREFILL]
 
 
-def prefill_nodes(nodes: Sequence, role_of=lambda n: n.info.role) -> list:
-    return [n for n in nodes if role_of(n) == PREFILL]
+def prefill_nodes(nodes: Sequence) -> list:
+    return [n for n in nodes if n.info.role == PREFILL]
 
 
 def hand_over(config: DisaggConfig, num_prompt_tokens: int, best_cached_tokens: int, num_prefill_nodes: int,

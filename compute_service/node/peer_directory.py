@@ -31,6 +31,10 @@ class PeerDirectory:
         info = self.peers.get(node_id)
         return info.address if info is not None and info.state in SERVING and info.address else None
 
+    def any_serving(self) -> bool:
+        """Whether any peer could be fetched from now (none: no lookup is worth making)."""
+        return any(info.state in SERVING and info.address for info in self.peers.values())
+
     def apply(self, node_id: str, info: NodeInfo | None) -> None:
         if node_id == self.node_id:
             return

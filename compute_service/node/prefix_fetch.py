@@ -60,8 +60,8 @@ class PrefixFetcher:
         if source:
             await self._take_over(source, tenant, hashes)
             return
-        if len(hashes) < settings.kv_fetch_min_blocks:
-            return
+        if len(hashes) < settings.kv_fetch_min_blocks or not self.peers.any_serving():
+            return  # a node alone asks block_service nothing on its requests' way in
         try:
             hot, lower = await asyncio.wait_for(self.match(hashes), LOOKUP_TIMEOUT_S)
         except Exception as e:  # block_service away: prefill, as without peers
