@@ -1,6 +1,6 @@
 """Chained block hashes: the names of full KV blocks, identical on every service.
 
-    h_0 = H(seed; b"",  tokens[0:bs],   extra)      extra = tenant unless sharing across tenants
+    h_0 = H(seed; b"",  tokens[0:bs],   extra)      extra = tenant, or its prefix group (tenant_extra_key)
     h_i = H(seed; h_{i-1}, tokens[i*bs:(i+1)*bs])
 
 H is keyed BLAKE2b with a 128-bit digest; the key is the cluster-wide seed, so a hash names the
@@ -72,6 +72,13 @@ def reusable_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
-def tenant_extra_key(tenant: str, share_across_tenants: bool = False) -> bytes:
-    """The extra key of a sequence's first block: its tenant, unless prefixes are shared by config."""
-    return b"" if share_across_tenants else tenant.encode()
+GROUP_MARK = b"\x00group\x00"  # no tenant name holds a NUL (kvfleet.ids.check_id): a group never salts as a tenant
+
+
+def tenant_extra_key(tenant: str, share_across_tenants: bool = False, prefix_group: str = "") -> bytes:
+    """The extra key (salt) of a sequence's first block: its tenant; its prefix group when it has one
+    (the group's tenants share cached prefixes, ``kvfleet.tenants``); nothing when the whole cluster
+    shares prefixes by config. The router decides the group from the tenant's credentials."""
+    if share_across_tenants:
+        return b""
+    return GROUP_MARK + prefix_group.encode() if prefix_group else tenant.encode()

@@ -14,6 +14,10 @@ block_service (memory quota per tenant), so the type and its parser live here, s
                                     # (blocks demoted out of the device pool; default unlimited)
         cache_share_mib: 128    # optional: its share of a node's cached (evictable) KV under the
                                 # fair eviction policies (default: reserved_mib); see block_service.eviction.fair
+        pinned_mib: 16          # optional: KV it may pin on each node (requests' ``cache.pin``;
+                                # default 0: no pins)
+        prefix_group: acme-org  # optional: share cached prefixes with the group's other tenants
+    prefix_groups: [acme-org]   # optional: the groups tenants may name (a typo is an error, not a group)
 
 ``Tenant`` is both the router's entry (with its key) and block_service's (``without_key()``: keys
 never reach block_service's log or snapshots). A quota of ``None`` is unlimited: block_service's
@@ -34,7 +38,8 @@ from kvfleet.errors import InvalidArgument
 from kvfleet.ids import check_id
 
 _REQUIRED = ("name", "api_key", "quota_mib", "paid_level", "max_concurrent")
-_OPTIONAL = ("reserved_mib", "lower_tier_quota_mib", "cache_share_mib")
+_OPTIONAL = ("reserved_mib", "lower_tier_quota_mib", "cache_share_mib", "pinned_mib", "prefix_group")
+_TOP_LEVEL = ("tenants", "prefix_groups")
 MIB = 1 << 20
 MAX_MIB = float(1 << 40)  # more is a typo, not a quota
 # a node's own warm-up requests run under this name: internal, never in a tenants file, never shown to users
@@ -65,11 +70,18 @@ class Tenant:
     # >= 0; None: reserved_mib. Its share of a node's cached blocks under the fair eviction policies
     # (a weight: shares summing past a node's pool need no scaling, block_service.eviction.fair).
     cache_share_mib: float | None = None
+    # >= 0: KV the tenant may pin on each node (0: it may not pin). Pins outlive floods until their TTL.
+    pinned_mib: float = 0.0
+    # None: its prefix chains are salted with its own name (isolated). A group: salted with the group,
+    # so the group's tenants share cached prefixes (and only they: ``kvfleet.block_hash.cache_salt``).
+    prefix_group: str | None = None
 
     def __post_init__(self) -> None:
         check_id("tenant name", self.name)
         if not self.name.strip():
             raise InvalidArgument(f"tenant name must not be blank, got {self.name!r}")
+        if any(ord(c) < 32 for c in self.name):  # a NUL would let a name salt like a group (block_hash.GROUP_MARK)
+            raise InvalidArgument(f"tenant name must not hold control characters, got {self.name!r}")
         if not isinstance(self.api_key, str) or any(c.isspace() for c in self.api_key):
             raise InvalidArgument(f"tenant {self.name!r}: api_key must be a string without spaces")
         q = self.quota_mib
@@ -81,6 +93,13 @@ class Tenant:
         cs = self.cache_share_mib
         if cs is not None and not (isinstance(cs, (int, float)) and not isinstance(cs, bool) and 0 <= cs < MAX_MIB):
             raise InvalidArgument(f"tenant {self.name!r}: cache_share_mib must be >= 0, got {cs}")
+        pm = self.pinned_mib
+        if not (isinstance(pm, (int, float)) and not isinstance(pm, bool) and 0 <= pm < MAX_MIB):
+            raise InvalidArgument(f"tenant {self.name!r}: pinned_mib must be >= 0, got {pm}")
+        if self.prefix_group is not None:
+            if not isinstance(self.prefix_group, str):
+                raise InvalidArgument(f"tenant {self.name!r}: prefix_group must be a string, got {self.prefix_group!r}")
+            check_id("prefix group", self.prefix_group)
         r, most = self.reserved_mib, MAX_MIB if q is None else q
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= most):
             raise InvalidArgument(
@@ -117,6 +136,10 @@ class Tenant:
         mib = self.reserved_mib if self.cache_share_mib is None else self.cache_share_mib
         return int(mib * MIB) // bytes_per_block
 
+    def pinned_blocks(self, bytes_per_block: int) -> int:
+        """The blocks it may pin on a node whose blocks take ``bytes_per_block`` bytes."""
+        return int(self.pinned_mib * MIB) // bytes_per_block
+
 
 def _number(entry: Mapping, field: str, kind: type, where: str) -> float | int:
     value = entry[field]
@@ -131,6 +154,10 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
     """Tenants from the parsed YAML document ``data``; raises ``TenantsFileError``."""
     if not isinstance(data, Mapping) or "tenants" not in data:
         raise TenantsFileError(f"{source}: expected a mapping with a 'tenants:' list at the top")
+    unknown_top = sorted(set(map(str, data)) - set(_TOP_LEVEL))
+    if unknown_top:
+        raise TenantsFileError(f"{source}: unknown top-level field(s) {', '.join(unknown_top)}")
+    groups = _prefix_groups(data.get("prefix_groups", []), source)
     entries = data["tenants"]
     if not isinstance(entries, list) or not entries:
         raise TenantsFileError(f"{source}: 'tenants' must be a non-empty list")
@@ -150,6 +177,12 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
         for field in ("name", "api_key"):
             if not isinstance(entry[field], str):
                 raise TenantsFileError(f"{where}: {field} must be a string, got {entry[field]!r}")
+        group = entry.get("prefix_group")
+        if group is not None and not isinstance(group, str):
+            raise TenantsFileError(f"{where}: prefix_group must be a string, got {group!r}")
+        if group is not None and group not in groups:
+            raise TenantsFileError(f"{where}: prefix_group {group!r} is not one of the file's prefix_groups "
+                                   f"({', '.join(sorted(groups)) or 'none declared'})")
         if not entry["api_key"]:
             raise TenantsFileError(f"{where}: api_key must not be empty: the router finds tenants by key")
         try:
@@ -165,6 +198,8 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
                                           if "lower_tier_quota_mib" in entry else None),
                     cache_share_mib=(_number(entry, "cache_share_mib", float, where)
                                      if "cache_share_mib" in entry else None),
+                    pinned_mib=_number(entry, "pinned_mib", float, where) if "pinned_mib" in entry else 0.0,
+                    prefix_group=group,
                 )
             )
         except ValueError as e:
@@ -174,6 +209,20 @@ def parse_tenants(data: object, source: str = "tenants file") -> list[Tenant]:
             raise TenantsFileError(f"{where}: {why}") from None
     _check_unique(tenants, source)
     return tenants
+
+
+def _prefix_groups(value: object, source: str) -> set[str]:
+    """The declared group names (a list of distinct ids)."""
+    if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
+        raise TenantsFileError(f"{source}: prefix_groups must be a list of names, got {value!r}")
+    for g in value:
+        try:
+            check_id("prefix group", g)
+        except ValueError as e:
+            raise TenantsFileError(f"{source}: prefix_groups: {e}") from None
+    if len(set(value)) != len(value):
+        raise TenantsFileError(f"{source}: prefix_groups names a group twice")
+    return set(value)
 
 
 def _check_unique(tenants: Iterable[Tenant], source: str) -> None:
