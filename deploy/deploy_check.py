@@ -245,6 +245,19 @@ def durable_part(table: dict) -> dict:
             "tenants": [{k: t[k] for k in DURABLE_TENANT} for t in table["tenants"]]}
 
 
+def differences(before: dict, after: dict) -> list[str]:
+    """Each row of the durable tables that is not the same after as before, both sides shown."""
+    lines = []
+    for part in ("nodes", "tenants"):
+        rows_before, rows_after = before[part], after[part]
+        for i in range(max(len(rows_before), len(rows_after))):
+            b = rows_before[i] if i < len(rows_before) else None
+            a = rows_after[i] if i < len(rows_after) else None
+            if a != b:
+                lines.append(f"{part}[{i}]: before {json.dumps(b)}, after {json.dumps(a)}")
+    return lines
+
+
 # ---- the check ---------------------------------------------------------------------------------
 
 def port_free(port: int) -> bool:
@@ -312,6 +325,8 @@ def check(result: dict) -> None:
     wait_healthy(CORE)
     cached = sum(n["cached"] for n in before["nodes"])  # the prefix cache the asks above left
     say(f"{len(before['nodes'])} pools, {cached} cached blocks, {len(before['tenants'])} tenant rows, before and after")
+    for line in differences(before, after):
+        say(f"not as before: {line}")
     result["state_survived_restart"] = before == after and cached > 0 and served_both("after the restart")
 
 
