@@ -9,7 +9,8 @@ public ``GenerateRequest`` says. Pure: JSON in, a dataclass out, or an ``ApiErro
 
 What kvfleet does not do (several choices, tools, log probabilities, penalties, ...) is refused
 with 400 rather than ignored: a client must not believe it got what it asked for. Unknown fields
-are refused as OpenAI refuses them. ``top_k`` and ``ignore_eos`` are accepted as vLLM accepts them.
+are refused as OpenAI refuses them. ``top_k`` and ``ignore_eos`` are accepted as vLLM accepts them;
+vLLM's ``cache_salt`` is refused with its own line: the salt is decided from the API key.
 """
 
 from __future__ import annotations
@@ -130,7 +131,14 @@ def _sampling(body: dict, kind: str) -> SamplingParams:
         raise ApiError(400, str(e)) from None
 
 
+# vLLM's per-request prefix-cache salt: kvfleet's salt is the router's decision, never the client's
+CACHE_SALT_REFUSED = ("cache_salt is not taken from clients: kvfleet salts a request's cached prefixes by its "
+                      "API key's tenant (or that tenant's prefix_group in the tenants file)")
+
+
 def _check_fields(body: dict, kind: str) -> None:
+    if "cache_salt" in body:
+        raise bad("cache_salt", CACHE_SALT_REFUSED)
     for name in body:
         if name not in FIELDS[kind]:
             raise bad(name, f"Unrecognized request argument supplied: {name}")

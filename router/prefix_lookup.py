@@ -1,7 +1,7 @@
 """The router's link to block_service: how much of a prompt each node holds, and dead nodes' blocks.
 
 The prompt's full blocks are hashed exactly as the nodes hash them (``kvfleet.block_hash``, with
-the tenant as the first block's extra key), once per block size in use, and block_service's prefix
+the tenant, or its prefix group, as the first block's extra key), once per block size in use, and block_service's prefix
 index answers per node how many leading blocks are committed there (hot), and how many more the
 node keeps below its pool, in host memory or on disk (valued less than hot). It is asked about every
 node it knows, not only the candidates: the blocks past a candidate's own run that another node
@@ -44,10 +44,13 @@ class BlockServicePrefixLookup:
         self.failing = False              # lookups fail now (said once)
         self._to_forget: set[str] = set()  # nodes gone while block_service did not answer
 
-    def _hashes(self, tenant: str, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-        return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants))
+    def _hashes(self, tenant: str, token_ids: Sequence[int], block_size: int, prefix_group: str = "") -> list[bytes]:
+        """The prompt's full blocks' hashes as a node computes them for ``tenant`` (salted with its
+        ``prefix_group`` when it has one: the router's decision, from the tenant's API key)."""
+        return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants, prefix_group))
 
-    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, PrefixHit]:
+    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode],
+                    prefix_group: str = "") -> dict[str, PrefixHit]:
         """Per node, the prompt's leading blocks it holds hot and, past them, in a lower tier, then
         those only other nodes hold (only nodes with some). A recent route counts as hot (its blocks
         are being computed there now), though not for the others: nothing is there to fetch yet."""
@@ -56,7 +59,7 @@ class BlockServicePrefixLookup:
             by_size.setdefault(node.info.block_size, []).append(node.node_id)
         cached: dict[str, PrefixHit] = {}
         for block_size, node_ids in by_size.items():
-            hashes = self._hashes(tenant, token_ids, block_size)
+            hashes = self._hashes(tenant, token_ids, block_size, prefix_group)
             if not hashes:
                 continue
             held = await self._committed(hashes) if self.client is not None else {}
@@ -93,9 +96,9 @@ class BlockServicePrefixLookup:
         """``node_id`` is listed again: its pool is its own to sync, not to drop."""
         self._to_forget.discard(node_id)
 
-    def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode) -> None:
+    def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode, prefix_group: str = "") -> None:
         """``token_ids`` were just sent to ``node``: its blocks count as cached there for a while."""
-        self.recent.record(node.node_id, self._hashes(tenant, token_ids, node.info.block_size))
+        self.recent.record(node.node_id, self._hashes(tenant, token_ids, node.info.block_size, prefix_group))
 
     async def forget_node(self, node_id: str) -> None:
         self.recent.forget_node(node_id)

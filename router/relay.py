@@ -79,11 +79,12 @@ class NodeStalled(Exception):
 
 
 class PrefixLookup(Protocol):
-    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode]) -> dict[str, PrefixHit]:
+    async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode],
+                    prefix_group: str = "") -> dict[str, PrefixHit]:
         """Per node id, how many leading full blocks of ``token_ids`` are (about to be) cached there,
-        hot and, past those, in a lower tier."""
+        hot and, past those, in a lower tier (the chain salted with ``prefix_group`` when given)."""
 
-    def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode) -> None:
+    def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode, prefix_group: str = "") -> None:
         """``token_ids`` were just sent to ``node``."""
 
 
@@ -115,7 +116,7 @@ class Relay:
             cached: dict[str, PrefixHit] = {}
             if len(ready) > 1:  # one candidate is the answer whatever is cached where
                 try:
-                    cached = await self.prefix.match(tenant.name, ids, ready)
+                    cached = await self.prefix.match(tenant.name, ids, ready, prefix_group=tenant.prefix_group or "")
                 except Exception as e:  # routing without prefix knowledge still serves the request
                     log.warning("prefix lookup failed, routing by load only: %s", e)
             best = max((_held_tokens(n, cached.get(n.node_id, NO_HIT)) for n in serving), default=0)
@@ -134,7 +135,7 @@ class Relay:
             span.set_attribute("kvfleet.peer_prefix_blocks", hit.peer)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
             node = self.nodes.get(decision.node_id)
-            self.prefix.routed(tenant.name, ids, node)
+            self.prefix.routed(tenant.name, ids, node, prefix_group=tenant.prefix_group or "")
             return node, decision.cached_prefix_blocks, only_prefill
 
     async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
@@ -195,6 +196,7 @@ class Relay:
             request_id=progress.attempt_id(req.seq_id),
             tenant=tenant.name, priority=tenant.paid_level,
             prompt_token_ids=ids, num_resumed_tokens=len(progress.sent), kv_source_node_id=progress.source,
+            prefix_group=tenant.prefix_group or "",  # the router's decision (the API key's tenant), on every attempt
         )
         sampling_to_proto(req.sampling, message.sampling)  # max_tokens counts the resumed tokens too
         if only_prefill:

@@ -108,7 +108,8 @@ class RemoteBlockAllocator:
     # -- a request's calls (event loop) -----------------------------------------------------------
 
     async def preallocate(self, seq_id: str, tenant: str, token_ids: list[int],
-                          share_across_tenants: bool = False, reserve_tokens: int | None = None) -> None:
+                          share_across_tenants: bool = False, reserve_tokens: int | None = None,
+                          prefix_group: str = "") -> None:
         """Ask now for the blocks the scheduler will ask for when it admits ``seq_id``: the same
         hashes ``KVCacheManager.allocate`` sends (full blocks, the last token's left to compute),
         or with ``reserve_tokens`` (contiguous layout) that many slots and no hashes. A refusal is
@@ -119,7 +120,7 @@ class RemoteBlockAllocator:
         if reserve_tokens is None:
             reusable = block_hash.reusable_blocks(len(token_ids), self.block_size)
             hashes = block_hash.block_hashes(token_ids, self.block_size,
-                                             block_hash.tenant_extra_key(tenant, share_across_tenants),
+                                             block_hash.tenant_extra_key(tenant, share_across_tenants, prefix_group),
                                              max_blocks=reusable)
         done = self._sender.waiter(seq_id)
         with self._lock:

@@ -45,12 +45,12 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                      on_output: Callable[[RequestOutput], None], tenant: str = "default",
                      priority: int = 0, generated: list[int] | tuple[int, ...] = (),
-                     arrival_s: float | None = None) -> None:
+                     arrival_s: float | None = None, prefix_group: str = "") -> None:
         """Add a request; returns once the engine accepted it (bad input raises ``ValueError``).
         ``on_output`` runs on the calling event loop, the outputs of one step in one callback round,
         possibly before this coroutine has returned. ``generated``: output already delivered by a
         node that failed (see ``LLMEngine.add_request``); ``arrival_s``: when it reached the node
-        (``time.monotonic``; default now)."""
+        (``time.monotonic``; default now); ``prefix_group``: the group salting its chain."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
@@ -60,7 +60,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, sampling, tenant, priority, deliver, generated, arrival_s)
+                self.engine.add_request(request_id, prompt, sampling, tenant, priority, deliver, generated, arrival_s,
+                                        prefix_group)
             except Exception as exc:  # handed to the caller's task, which re-raises it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
             else:

@@ -143,14 +143,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                     tenant: str = "default", priority: int = 0,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    generated: list[int] | tuple[int, ...] = (), arrival_s: float | None = None) -> None:
+                    generated: list[int] | tuple[int, ...] = (), arrival_s: float | None = None,
+                    prefix_group: str = "") -> None:
         """Queue a request; bad input raises ``ValueError`` naming the problem (nothing is queued).
 
         ``generated`` is output another node already produced and delivered (a request resumed
         after that node failed): it counts against ``max_tokens`` and goes through the
         detokenizer and the stop checker as if generated here, without being emitted again, so the
         text that follows is what the client would have read had nothing failed. ``arrival_s``
-        (``time.monotonic``): when the request reached the node, if before this call."""
+        (``time.monotonic``): when the request reached the node, if before this call. ``prefix_group``:
+        the tenant's group, whose salt its chain takes (the router's decision)."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be SamplingParams")
         if not request_id or request_id in self.requests:
@@ -158,7 +160,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         generated = list(generated)
         self.check_prompt(ids, generated)
-        seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority)
+        seq = Sequence(request_id, ids, sampling, tenant=tenant, priority=priority, prefix_group=prefix_group)
         if arrival_s is not None:
             seq.arrival_s = arrival_s
         eos = () if sampling.ignore_eos else self.model_config.eos_token_ids

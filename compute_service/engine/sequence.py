@@ -34,6 +34,7 @@ class Sequence:
     sampling: SamplingParams
     tenant: str = "default"
     priority: int = 0                  # higher is served first and preempted last
+    prefix_group: str = ""             # salts its chain instead of the tenant (kvfleet.block_hash.tenant_extra_key)
     arrival: int = field(default_factory=lambda: next(_arrival))
     arrival_s: float = field(default_factory=time.monotonic)  # reached the node (request_phases.py)
     first_scheduled_s: float | None = None                     # its first step began

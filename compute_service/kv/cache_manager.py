@@ -46,6 +46,9 @@ class KVCacheManager:
         self.usage = BlockUsage()  # what each block holds and how often it was reused (KV snapshots)
         self.tiers = tiers         # host/disk tiers below the pool (kv/tier_store.py); None: evicted is lost
         self.lookups = PrefixLookups()
+        # each tenant's prefix group as its last sequence here carried it (the router's decision): the
+        # salt its committed blocks are served under to peers (``salt_of``, node/kv_holder.py)
+        self.prefix_groups: dict[str, str] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -80,7 +83,7 @@ class KVCacheManager:
             return None
         found = [] if self.tiers is None else self.tiers.promote(seq.block_hashes[cached:reusable],
                                                                   seq.block_table[cached:reusable])
-        self.lookups.add(cached, found, reusable)
+        self.lookups.add(cached, found, reusable, seq.tenant, seq.block_hashes[:cached])
         seq.num_computed = (cached + len(found)) * self.block_size
         return None
 
@@ -190,8 +193,17 @@ class KVCacheManager:
         for seq in seqs:
             seq.block_table = []
 
+    def salt_of(self, tenant: str) -> bytes:
+        """The extra key ``tenant``'s chains are salted with here: its own name, or its prefix group
+        as its sequences on this node carried it."""
+        return tenant_extra_key(tenant, self.share_across_tenants, self.prefix_groups.get(tenant, ""))
+
+    def _salt(self, seq: Sequence) -> bytes:
+        self.prefix_groups[seq.tenant] = seq.prefix_group
+        return tenant_extra_key(seq.tenant, self.share_across_tenants, seq.prefix_group)
+
     def _record_commits(self, seq: Sequence, indexes: range) -> None:
-        bs, extra = self.block_size, tenant_extra_key(seq.tenant, self.share_across_tenants)
+        bs, extra = self.block_size, self._salt(seq)
         for i in indexes:
             if seq.block_table[i] != DROPPED:
                 self.usage.committed(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else b"",
@@ -199,7 +211,7 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size
-        extra = tenant_extra_key(seq.tenant, self.share_across_tenants)
+        extra = self._salt(seq)
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else b""
             seq.block_hashes.append(next_block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], extra, self.seed))

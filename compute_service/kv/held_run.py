@@ -6,9 +6,11 @@ holds, in any tier, for the asking tenant. Pure Python.
     run     h0 h1 h2                  the run ends at the first hash not held ...
     fence   h0 h1 [t'] ...            ... or held for another tenant (``fenced_at``: logged)
 
-A hash names content under a tenant's salted chain (``kvfleet.block_hash``), and the holder serves
-it only to that tenant: the block's recorded tenant must be the asking one. A block whose tenant is
-unknown (restored from a snapshot, which does not record it) is not served either, as if not held.
+A hash names content under a salted chain (``kvfleet.block_hash``: the tenant's name, or its prefix
+group's), and the holder serves it only under that salt: the block's recorded tenant must be the
+asking one, or one whose chains take the same salt (a mate in the asker's prefix group; the holder's
+``same_salt``). A block whose tenant is unknown (restored from a snapshot, which does not record it)
+is not served either, as if not held.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class HeldBlock:
 @dataclass(slots=True)
 class HeldRun:
     blocks: list[HeldBlock]
-    fenced_at: int | None = None  # the index of the first hash held for another tenant, if that ended the run
+    fenced_at: int | None = None  # the index of the first hash held under another salt, if that ended the run
 
     def slots_in(self, tier: str) -> tuple[list[int], list[int]]:
         """(positions in the run, slots) of the run's blocks held in ``tier``."""
@@ -45,8 +47,11 @@ class HeldRun:
 
 
 def leading_run(hashes: Sequence[bytes], tenant: str, in_pool: Callable[[bytes], CommittedBlock | None],
-                in_tiers: Callable[[bytes], TierHeld | None], max_blocks: int) -> HeldRun:
-    """The run of ``hashes`` to serve to ``tenant``, at most ``max_blocks`` long."""
+                in_tiers: Callable[[bytes], TierHeld | None], max_blocks: int,
+                same_salt: Callable[[str], bool] | None = None) -> HeldRun:
+    """The run of ``hashes`` to serve to ``tenant``, at most ``max_blocks`` long; ``same_salt(owner)``:
+    whether the blocks ``owner`` committed are salted as the asker's chain (default: ``owner`` is ``tenant``)."""
+    serves = same_salt or tenant.__eq__
     run = HeldRun([])
     for i, block_hash in enumerate(hashes[:max_blocks]):
         pool = in_pool(block_hash)
@@ -60,7 +65,7 @@ def leading_run(hashes: Sequence[bytes], tenant: str, in_pool: Callable[[bytes],
             name = lower.name
             owner, held = lower.tenant, HeldBlock(lower.tier, lower.slot, block_hash, name.parent_hash, name.token_ids,
                                                   name.extra)
-        if owner != tenant:
+        if not owner or not serves(owner):
             run.fenced_at = i if owner else None
             break
         run.blocks.append(held)

@@ -60,13 +60,14 @@ class EarlyBlocks:
     back if it ends before the scheduler claimed them. block_service calls made for a request
     join its trace, through ``trace_contexts`` (read by the remote allocator)."""
 
-    preallocate: Callable[[str, str, list[int]], Awaitable[None]]  # (seq id, tenant, token ids)
+    preallocate: Callable[..., Awaitable[None]]                    # (seq id, tenant, token ids, prefix group)
     release_blocks: Callable[[list[str]], None]                    # the allocator's release (seq ids)
     trace_contexts: dict[str, object]                              # seq id → OpenTelemetry context
 
-    async def allocate(self, seq_id: str, tenant: str, token_ids: list[int], trace_context: object) -> None:
+    async def allocate(self, seq_id: str, tenant: str, token_ids: list[int], trace_context: object,
+                       prefix_group: str = "") -> None:
         self.trace_contexts[seq_id] = trace_context
-        await self.preallocate(seq_id, tenant, token_ids)
+        await self.preallocate(seq_id, tenant, token_ids, prefix_group)
 
     def release(self, seq_id: str) -> None:
         self.trace_contexts.pop(seq_id, None)
@@ -112,16 +113,17 @@ class NodeContext:
         """``ValueError`` if the engine would refuse this prompt: checked before any block is asked for."""
         self.engine.check_prompt(prompt, generated)
 
-    async def fetch_prefix(self, tenant: str, token_ids: list[int], source: str = "") -> None:
+    async def fetch_prefix(self, tenant: str, token_ids: list[int], source: str = "", prefix_group: str = "") -> None:
         """Bring the prompt's cached prefix from the peer that holds it, when that beats a prefill
         (from ``source``, the prefill node of a hand-over, when given)."""
         if self.prefix_fetch is not None:
-            await self.prefix_fetch.before_admission(tenant, token_ids, source)
+            await self.prefix_fetch.before_admission(tenant, token_ids, source, prefix_group)
 
-    async def allocate_early(self, request_id: str, tenant: str, token_ids: list[int], trace_context: object) -> None:
+    async def allocate_early(self, request_id: str, tenant: str, token_ids: list[int], trace_context: object,
+                             prefix_group: str = "") -> None:
         """Ask block_service for the request's blocks now (a no-op with an in-process pool)."""
         if self.early_blocks is not None:
-            await self.early_blocks.allocate(request_id, tenant, token_ids, trace_context)
+            await self.early_blocks.allocate(request_id, tenant, token_ids, trace_context, prefix_group)
 
     def release_early(self, request_id: str) -> None:
         """The request ended: blocks the scheduler never claimed go back (a no-op in-process)."""
@@ -130,10 +132,12 @@ class NodeContext:
 
     async def submit(self, request_id: str, prompt: list[int], generated: list[int], sampling: SamplingParams,
                      on_output: Callable[[RequestOutput], None], tenant: str, priority: int,
-                     arrival_s: float | None = None) -> None:
+                     arrival_s: float | None = None, prefix_group: str = "") -> None:
         """Hand the request to the engine (``generated``: output a failed node already delivered;
-        ``arrival_s``: when it reached the node); bad input raises ``ValueError``."""
-        await self.engine.submit(request_id, prompt, sampling, on_output, tenant, priority, generated, arrival_s)
+        ``arrival_s``: when it reached the node; ``prefix_group``: the group salting its chain);
+        bad input raises ``ValueError``."""
+        await self.engine.submit(request_id, prompt, sampling, on_output, tenant, priority, generated, arrival_s,
+                                 prefix_group)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

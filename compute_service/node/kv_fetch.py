@@ -65,8 +65,9 @@ class Fetched:
 
 
 async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes: Sequence[bytes],
-                       engine: AsyncEngine, deadline_s: float) -> Fetched:
-    """The leading blocks of ``hashes`` (a prefix chain of ``tenant``'s) that sit in this node's
+                       engine: AsyncEngine, deadline_s: float, prefix_group: str = "") -> Fetched:
+    """The leading blocks of ``hashes`` (a prefix chain of ``tenant``'s, salted with its
+    ``prefix_group`` when it has one) that sit in this node's
     pool as cached committed blocks once it returns: those it held already, and those fetched
     from node ``peer_node_id`` at ``peer_address`` (mutual TLS insisting on that node's
     certificate). Never raises (cancellation aside): a failure is one log line and the count of
@@ -79,11 +80,11 @@ async def fetch_blocks(peer_address: str, peer_node_id: str, tenant: str, hashes
     async with channel:
         frames = channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchBlocksRequest.SerializeToString,
                                       response_deserializer=None)
-        return await fetch_over(frames, f"node {peer_node_id}", tenant, hashes, engine, deadline_s)
+        return await fetch_over(frames, f"node {peer_node_id}", tenant, hashes, engine, deadline_s, prefix_group)
 
 
 async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[bytes], engine: AsyncEngine,
-                     deadline_s: float) -> Fetched:
+                     deadline_s: float, prefix_group: str = "") -> Fetched:
     """``fetch_blocks`` over an open stub method (a test's double)."""
     hashes = list(hashes)
     if not hashes or not tenant or any(len(h) != HASH_BYTES for h in hashes):
@@ -106,7 +107,7 @@ async def fetch_over(call: FetchCall, peer: str, tenant: str, hashes: Sequence[b
             return Fetched(held, held)
         # the clock starts once the blocks are taken: waiting for the engine's step in progress is a
         # wait a prefill would have had too (seen: a loaded node's long step spent a small fetch's deadline)
-        stopped = await _receive(call, reader, tenant, hashes[held:], time.monotonic() + deadline_s)
+        stopped = await _receive(call, reader, tenant, hashes[held:], time.monotonic() + deadline_s, prefix_group)
         try:
             now = await engine.call(lambda e: _commit(e, chain, reader, tenant))
         except Exception as e:
@@ -136,9 +137,9 @@ class _Fetch:
 
 
 async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[bytes],
-                   deadline: float) -> tuple[str, str] | None:
+                   deadline: float, prefix_group: str = "") -> tuple[str, str] | None:
     """Read the peer's stream into ``reader``; (reason, why) it stopped short (None: the whole run came)."""
-    request = pb.FetchBlocksRequest(tenant=tenant, block_hashes=b"".join(asked))
+    request = pb.FetchBlocksRequest(tenant=tenant, block_hashes=b"".join(asked), prefix_group=prefix_group)
     left = deadline - time.monotonic()
     if left <= 0:
         return "deadline", "the deadline passed before the fetch began"
@@ -210,4 +211,5 @@ def _commit(engine, chain: OpenChain, reader: RunReader, tenant: str) -> int:
 
         named = [None] * chain.num_cached + reader.blocks  # by position in the chain; the held ones are not named again
         commit_chain(engine.allocator, engine.kv.usage, chain, named, upto, write, tenant)
+        engine.kv.lookups.fetched.add(b.block_hash for b in reader.blocks[:reader.verified])  # their first hit: "peer"
     return upto

@@ -7,8 +7,11 @@ chain of KV blocks, this node streams the leading run it holds for that tenant.
     event loop:      the frames as they are (``serve``), gRPC's flow control paces them
 
 The copy is taken on the engine thread between steps, so it is what the pool held at one moment;
-everything after works on the copy. A hash held for another tenant ends the run, and is logged once
-per call with the caller and the asking tenant (never whose the block is).
+everything after works on the copy. A hash held under another salt (another tenant's, outside the
+asking tenant's prefix group) ends the run, and is logged once per call with the caller and the
+asking tenant (never whose the block is). The fence is the salt, not the tenant: a block a group
+mate committed is served to the group's tenants (``FetchBlocksRequest.prefix_group``, the router's
+decision), never across groups.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from compute_service.kv.held_run import HeldRun, leading_run
 from compute_service.node.block_chunks import DEFAULT_CHUNK_BYTES, frames, split_hashes
 from kvfleet import rpc
 from kvfleet.access_guard import caller
+from kvfleet.block_hash import tenant_extra_key
 from kvfleet.v1 import compute_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -48,11 +52,11 @@ class BlockHolder:
             raise InvalidFetch(str(e)) from None
         if not request.tenant:
             raise InvalidFetch("tenant is empty: blocks are served only for the tenant whose chain named them")
-        tenant = request.tenant
+        tenant, group = request.tenant, request.prefix_group
         max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-        run, got = await self.engine.call(lambda e: _take(e, tenant, hashes))
+        run, got = await self.engine.call(lambda e: _take(e, tenant, hashes, group))
         if run.fenced_at is not None:
-            log.warning("FetchBlocks by %s for tenant %r: block %d of the %d asked for is held for another tenant; "
+            log.warning("FetchBlocks by %s for tenant %r: block %d of the %d asked for is held under another salt; "
                         "serving the %d before it", caller() or "a peer without a certificate", tenant, run.fenced_at,
                         len(hashes), run.fenced_at)
         if got.why_short is not None:
@@ -75,11 +79,14 @@ async def _made_ahead(made: Iterator[bytes]) -> AsyncIterator[bytes]:
         ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure goes unheard
 
 
-def _take(engine, tenant: str, hashes: list[bytes]) -> tuple[HeldRun, Gathered]:
-    """On the engine thread: the run to serve and its bytes, copied out."""
+def _take(engine, tenant: str, hashes: list[bytes], prefix_group: str = "") -> tuple[HeldRun, Gathered]:
+    """On the engine thread: the run to serve and its bytes, copied out: blocks whose committing
+    tenant's chains are salted as the asker's (``KVCacheManager.salt_of``)."""
     kv_cache, kv_scales, tiers = engine.runner.kv_cache, engine.runner.kv_scales, engine.tiers
     layout = layout_of(kv_cache)
     max_blocks = max(1, MAX_RUN_BYTES // (layout.kv_bytes + layout.scale_bytes))
     in_tiers = tiers.index.held if tiers is not None else (lambda _: None)
-    run = leading_run(hashes, tenant, engine.kv.usage.find, in_tiers, max_blocks)
+    salt = tenant_extra_key(tenant, engine.kv.share_across_tenants, prefix_group)
+    run = leading_run(hashes, tenant, engine.kv.usage.find, in_tiers, max_blocks,
+                      lambda owner: owner == tenant or engine.kv.salt_of(owner) == salt)
     return run, gather(kv_cache, kv_scales, tiers, run)

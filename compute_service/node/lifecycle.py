@@ -133,8 +133,8 @@ def _early_blocks(remote: RemoteAllocatorFactory, blocks: RemoteBlockAllocator, 
     share, reserve = engine.config.share_prefix_across_tenants, engine.kv.reserve_tokens
     blocks.cap_length(engine.max_model_len)
 
-    async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
-        await blocks.preallocate(seq_id, tenant, token_ids, share, reserve)
+    async def preallocate(seq_id: str, tenant: str, token_ids: list[int], prefix_group: str = "") -> None:
+        await blocks.preallocate(seq_id, tenant, token_ids, share, reserve, prefix_group)
 
     return EarlyBlocks(preallocate, blocks.release_unclaimed, remote.trace_contexts)
 
@@ -217,6 +217,7 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         parts.client = etcd_client(command.etcd)
         await parts.client.connect()
         info = NodeInfo(node_id, command.advertise or "", command.model, 0, 0, NodeState.WARMING, role=command.role,
+                        group=command.group,
                         fetches_kv=settings.kv_fetch.kv_fetch != "off" and bool(command.block_service))
         registration = parts.registration = NodeRegistration(parts.client, info, ttl=command.lease_ttl)
         await registration.start()
@@ -357,6 +358,6 @@ def _serve_metrics(command: NodeCommand, node: NodeContext, status: NodeStatus, 
     from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
 
     registry = CollectorRegistry()
-    read = partial(metrics.sample, node, status, block_size)
+    read = partial(metrics.sample, node, status, block_size, command.group)
     registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
     serve_metrics(registry, metrics_listen(command.listen, command.metrics_port), f"node {command.node_id}")

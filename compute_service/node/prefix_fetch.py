@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.node.fetch_figures import FetchFigures
@@ -37,6 +38,14 @@ MatchTiers = Callable[[Sequence[bytes]], Awaitable[tuple[dict[str, int], dict[st
 Fetch = Callable[..., Awaitable[Fetched]]
 
 
+@dataclass(slots=True, frozen=True)
+class _Chain:
+    """Whose chain is fetched: the tenant charged for it, and the group its salt is (if any)."""
+
+    tenant: str
+    prefix_group: str = ""
+
+
 class PrefixFetcher:
     def __init__(self, node_id: str, engine: AsyncEngine, match: MatchTiers, peers: PeerDirectory, cost: FetchCost,
                  seed: bytes, share_across_tenants: bool = False, fetch: Fetch = fetch_blocks) -> None:
@@ -49,16 +58,19 @@ class PrefixFetcher:
     def prefill_tokens_per_s(self) -> float | None:
         return self.engine.engine.prefill_rate.tokens_per_s
 
-    async def before_admission(self, tenant: str, token_ids: Sequence[int], source: str = "") -> None:
+    async def before_admission(self, tenant: str, token_ids: Sequence[int], source: str = "",
+                               prefix_group: str = "") -> None:
         """Fetch what a peer holds of ``token_ids``' leading blocks if that beats prefilling them;
-        from ``source`` (a prefill node that handed this sequence over) without asking where."""
+        from ``source`` (a prefill node that handed this sequence over) without asking where. The
+        chain is salted with ``prefix_group`` when the tenant has one (the router's decision)."""
         settings = self.cost.settings
         if settings.kv_fetch == "off":
             return
-        hashes = block_hashes(token_ids, self.cost.block_size, tenant_extra_key(tenant, self.share_across_tenants),
-                              self.seed)
+        salt = tenant_extra_key(tenant, self.share_across_tenants, prefix_group)
+        hashes = block_hashes(token_ids, self.cost.block_size, salt, self.seed)
+        chain = _Chain(tenant, prefix_group)
         if source:
-            await self._take_over(source, tenant, hashes)
+            await self._take_over(source, chain, hashes)
             return
         if len(hashes) < settings.kv_fetch_min_blocks or not self.peers.any_serving():
             return  # a node alone asks block_service nothing on its requests' way in
@@ -82,9 +94,9 @@ class PrefixFetcher:
             self.figures.decisions[plan] += 1
             return
         self.figures.decisions["fetch"] += 1
-        await self._fetch_once(peer, tenant, hashes[:plan.blocks], plan)
+        await self._fetch_once(peer, chain, hashes[:plan.blocks], plan)
 
-    async def _take_over(self, source: str, tenant: str, hashes: list[bytes]) -> None:
+    async def _take_over(self, source: str, chain: _Chain, hashes: list[bytes]) -> None:
         """A hand-over: ``source`` computed these blocks moments ago (block_service may not list
         them yet), so they are asked of it directly; what it cannot give is prefilled."""
         if self.peers.address(source) is None:
@@ -94,7 +106,7 @@ class PrefixFetcher:
         if not isinstance(plan, FetchPlan):
             return
         self.figures.decisions["handover"] += 1
-        await self._fetch_once(source, tenant, hashes, plan)
+        await self._fetch_once(source, chain, hashes, plan)
 
     def _best_peer(self, held: dict[str, int], local: int) -> tuple[str | None, int]:
         """The serving peer holding the longest run past ``local`` (None if none), and that run."""
@@ -107,21 +119,22 @@ class PrefixFetcher:
                 return node_id, n
         return None, run
 
-    async def _fetch_once(self, peer: str, tenant: str, hashes: list[bytes], plan: FetchPlan) -> None:
-        key = hashes[-1]  # a chain's last hash names the whole chain (and its tenant)
+    async def _fetch_once(self, peer: str, chain: _Chain, hashes: list[bytes], plan: FetchPlan) -> None:
+        key = hashes[-1]  # a chain's last hash names the whole chain (and its salt: tenant or group)
         task = self._running.get(key)
         if task is None:
-            task = asyncio.create_task(self._fetch(peer, tenant, hashes, plan))
+            task = asyncio.create_task(self._fetch(peer, chain, hashes, plan))
             self._running[key] = task
             task.add_done_callback(lambda _: self._running.pop(key, None))
         await asyncio.shield(task)  # a request cancelled meanwhile leaves the fetch to finish for the others
 
-    async def _fetch(self, peer: str, tenant: str, hashes: list[bytes], plan: FetchPlan) -> None:
-        figures = self.figures
+    async def _fetch(self, peer: str, chain: _Chain, hashes: list[bytes], plan: FetchPlan) -> None:
+        figures, tenant = self.figures, chain.tenant
         figures.in_flight += 1
         started = time.monotonic()
         try:
-            got = await self.fetch(self.peers.address(peer) or "", peer, tenant, hashes, self.engine, plan.deadline_s)
+            got = await self.fetch(self.peers.address(peer) or "", peer, tenant, hashes, self.engine, plan.deadline_s,
+                                   prefix_group=chain.prefix_group)
         finally:
             figures.in_flight -= 1
         seconds = time.monotonic() - started

@@ -114,16 +114,16 @@ class RequestStream:
         with trace.use_span(self.phase):
             known = prompt + resumed  # a hand-over's last token has no KV yet: it is fed next
             await node.fetch_prefix(request.tenant, known[:-1] if request.kv_source_node_id else known,
-                                    request.kv_source_node_id)
+                                    request.kv_source_node_id, request.prefix_group)
             if self.ended:  # cancelled while its prefix came
                 return
             await node.allocate_early(self.request_id, request.tenant, prompt + resumed,
-                                      trace.set_span_in_context(self.phase))
+                                      trace.set_span_in_context(self.phase), request.prefix_group)
         if self.ended:  # cancelled while allocating
             return
         try:
             await node.submit(self.request_id, prompt, resumed, sampling, self.on_output, request.tenant,
-                              request.priority, self.arrival_s)
+                              request.priority, self.arrival_s, request.prefix_group)
         except ValueError as e:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -22,8 +22,8 @@ def node_context(node, llama_dir):
     allocator, _, _ = node
     engine = AsyncEngine(LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=BS, kv_cache_memory=16 << 20)))
 
-    async def preallocate(seq_id: str, tenant: str, token_ids: list[int]) -> None:
-        await allocator.preallocate(seq_id, tenant, token_ids)
+    async def preallocate(seq_id: str, tenant: str, token_ids: list[int], prefix_group: str = "") -> None:
+        await allocator.preallocate(seq_id, tenant, token_ids, prefix_group=prefix_group)
 
     try:
         yield NodeContext(NodeStatus("n0", state=NodeState.READY), engine, block_size=BS,

@@ -255,10 +255,10 @@ def test_a_long_prefill_that_reports_progress_is_not_a_stall():
 class TieredLookup:
     """block_service's answer as the relay sees it: ``cold`` holds the prompt below its pool."""
 
-    async def match(self, tenant, token_ids, nodes):
+    async def match(self, tenant, token_ids, nodes, prefix_group=""):
         return {"cold": PrefixHit(0, 3)}
 
-    def routed(self, tenant, token_ids, node):
+    def routed(self, tenant, token_ids, node, prefix_group=""):
         pass
 
 
