@@ -18,9 +18,11 @@ table is told (``BlockAllocator.record_tiers``). ``kv_tier_store.KVTierStore`` p
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from compute_service.kv.tenant_lookups import FetchedBlocks, TenantLookups, counted
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
 
 if TYPE_CHECKING:
@@ -216,18 +218,25 @@ class TierIndex:
 @dataclass(slots=True)
 class PrefixLookups:
     """Blocks looked up at admission, by where they were found: the pool (hot), a lower tier
-    (promoted instead of recomputed), or nowhere (computed)."""
+    (promoted instead of recomputed), or nowhere (computed); and the same per tenant, with the
+    pool's hits that a peer fetch brought told apart (``tenant_lookups.py``). A copy
+    (``dataclasses.replace``) shares ``by_tenant``, which is replaced, never changed."""
 
     hot: int = 0
     host: int = 0
     disk: int = 0
     miss: int = 0
+    by_tenant: Mapping[str, TenantLookups] = field(default_factory=dict)
+    fetched: FetchedBlocks = field(default_factory=FetchedBlocks, init=False, repr=False, compare=False)
 
-    def add(self, hot: int, found: list[str], looked_up: int) -> None:
+    def add(self, hot: int, found: list[str], looked_up: int, tenant: str = "",
+            hot_hashes: list[bytes] | None = None) -> None:
         self.hot += hot
         self.host += found.count(TIER_HOST)
         self.disk += found.count(TIER_DISK)
         self.miss += looked_up - hot - len(found)
+        if tenant:
+            self.by_tenant = counted(self.by_tenant, tenant, looked_up, hot_hashes or [], found, self.fetched)
 
 
 class LowerTiers(Protocol):

@@ -4,12 +4,14 @@
 
 The engine is vLLM's counterpart, so its figures take vLLM's names with the ``kvfleet:`` prefix:
 requests running and waiting, the KV cache's usage, prefix-cache queries and hits (in tokens: the
-cache works in whole blocks, so both count ``block_size`` tokens per block), preemptions. Request
+cache works in whole blocks, so both count ``block_size`` tokens per block; per ``tenant``, hits also
+per ``tier``), preemptions. Request
 level counts (prompt and generation tokens as the client was charged, latencies) are the router's,
 where a request's whole life, failovers included, is seen; the node's token counters are named
 ``node_*`` so that a sum over both never counts a token twice. The pool's figures come from the
 node's allocator, which for a remote pool asks block_service (the reading costs the engine thread
-one small RPC per scrape). Every family carries the ``node`` label.
+one small RPC per scrape). Every family carries the ``node`` label; tenant labels are the tenants
+file's names.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class NodeSample:
     engine: EngineStats
     fetch: FetchReading | None = None  # KV fetched from peers (None: the node fetches none)
     role: str = "mixed"           # kvfleet.roles
+    group: str = "stable"         # kvfleet.groups
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -52,10 +55,7 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield gauge("kv_cache_blocks", "The node's KV blocks by state (used + cached + free = total)", ("node", "state"),
                 [((s.node_id, state), v) for state, v in (("used", b.num_used), ("cached", b.num_cached),
                                                           ("free", b.num_free))])
-    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)", node,
-                  [(key, b.prefix_queries * s.block_size)])
-    yield counter("prefix_cache_hits", "Of those, tokens found cached (whole blocks)", node,
-                  [(key, b.prefix_hits * s.block_size)])
+    yield from _prefix_cache_families(s)
     yield counter("num_preemptions", "Running sequences preempted to free blocks", node, [(key, e.num_preemptions)])
     yield counter("node_generation_tokens", "Tokens the node's engine generated (warm-up included)", node,
                   [(key, e.generated_tokens)])
@@ -77,8 +77,22 @@ def families(s: NodeSample) -> Iterator[Metric]:
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_role", "1 for the node's role (mixed, prefill, decode): join on node for per-role figures",
                 ("node", "role"), [((s.node_id, s.role), 1)])
+    yield gauge("node_group", "1 for the node's group (the configuration it runs: stable, canary): join on node "
+                "to compare a canary's figures with the rest", ("node", "group"), [((s.node_id, s.group), 1)])
     yield gauge("node_state", "1 for the node's lifecycle state", ("node", "state"),
                 [((s.node_id, s.state), 1)])
+
+
+def _prefix_cache_families(s: NodeSample) -> Iterator[Metric]:
+    """vLLM's prefix-cache queries and hits per tenant (``kv/tenant_lookups.py``), hits by the tier
+    they came from; ``sum by (node)`` is the node's figure (its warm-up excluded)."""
+    bs, counts = s.block_size, sorted(s.engine.lookups.by_tenant.items())
+    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission (whole "
+                  "blocks), per tenant", ("node", "tenant"), [((s.node_id, t), c.queries * bs) for t, c in counts])
+    yield counter("prefix_cache_hits", "Of those, tokens not prefilled (whole blocks), per tenant and the tier "
+                  "they were found in: device (the pool), host or disk (promoted), peer (fetched from another node "
+                  "for this prompt)", ("node", "tenant", "tier"),
+                  [((s.node_id, t, tier), n * bs) for t, c in counts for tier, n in c.hits().items()])
 
 
 def _tier_families(s: NodeSample) -> Iterator[Metric]:
@@ -126,8 +140,9 @@ def _fetch_families(s: NodeSample) -> Iterator[Metric]:
                   ("node", "reason"), [((s.node_id, r), n) for r, n in sorted(f.fallbacks.items())])
 
 
-async def sample(node, status, block_size: int) -> NodeSample:
-    """The node's figures now (a ``NodeContext`` and its ``NodeStatus``); run on the node's loop."""
+async def sample(node, status, block_size: int, group: str = "stable") -> NodeSample:
+    """The node's figures now (a ``NodeContext`` and its ``NodeStatus``, in node group ``group``); run on
+    the node's loop."""
     fetch = node.prefix_fetch.figures.reading() if node.prefix_fetch is not None else None
     return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats(),
-                      fetch, status.role)
+                      fetch, status.role, group)

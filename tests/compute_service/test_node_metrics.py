@@ -28,10 +28,19 @@ def test_vllm_names_carry_the_engine_figures():
     assert r.get_sample_value("kvfleet:node_state", {**node, "state": "READY"}) == 1
 
 
-def test_prefix_cache_counts_tokens_of_whole_blocks():
-    r = registry_of(metrics.families(_sample(block_size=32)))
-    assert r.get_sample_value("kvfleet:prefix_cache_queries_total", {"node": "node-0"}) == 10 * 32
-    assert r.get_sample_value("kvfleet:prefix_cache_hits_total", {"node": "node-0"}) == 6 * 32
+def test_prefix_cache_counts_tokens_of_whole_blocks_per_tenant_and_tier():
+    from compute_service.kv.tenant_lookups import TenantLookups
+    from compute_service.kv.tier_index import PrefixLookups
+
+    lookups = PrefixLookups(by_tenant={"a": TenantLookups(queries=10, device=4, host=1, disk=0, peer=1),
+                                       "b": TenantLookups(queries=3)})
+    r = registry_of(metrics.families(_sample(block_size=32, lookups=lookups)))
+    a, b = {"node": "node-0", "tenant": "a"}, {"node": "node-0", "tenant": "b"}
+    assert r.get_sample_value("kvfleet:prefix_cache_queries_total", a) == 10 * 32
+    assert r.get_sample_value("kvfleet:prefix_cache_queries_total", b) == 3 * 32
+    assert [r.get_sample_value("kvfleet:prefix_cache_hits_total", {**a, "tier": t})
+            for t in ("device", "host", "disk", "peer")] == [4 * 32, 32, 0, 32]
+    assert r.get_sample_value("kvfleet:prefix_cache_hits_total", {**b, "tier": "device"}) == 0
 
 
 def test_blocks_by_state_add_up_and_an_empty_pool_is_not_a_division_by_zero():
