@@ -22,6 +22,7 @@ class NodeBlocks:
     tiers: list[TierBlocks] = field(default_factory=list)
     holders: list[Holder] = field(default_factory=list)
     role: str = ""  # mixed, prefill or decode, from membership ("": not known)
+    group: str = ""  # kvfleet.groups: stable, canary, ..., from membership ("": not known)
 
     @property
     def waste_tokens(self) -> int:
@@ -42,7 +43,8 @@ def to_json(report: BlocksReport) -> dict:
     for n in report.nodes:
         s = n.stats
         nodes.append({
-            "node_id": s.node_id, "role": n.role or None, "num_blocks": s.num_blocks, "block_size": s.block_size,
+            "node_id": s.node_id, "role": n.role or None, "group": n.group or None,
+            "num_blocks": s.num_blocks, "block_size": s.block_size,
             "bytes_per_block": s.bytes_per_block, "used": s.num_used, "cached": s.num_cached, "free": s.num_free,
             "num_sequences": s.num_sequences, "tiers": [asdict(t) for t in n.tiers],
             "waste_tokens": n.waste_tokens, "waste_frac": round(s.fragmentation, 4),
@@ -81,7 +83,8 @@ def render(report: BlocksReport) -> str:
     lines: list[str] = []
     for n in report.nodes:
         s = n.stats
-        lines.append(f"node {s.node_id}{f' ({n.role})' if n.role else ''}: {s.num_blocks} blocks of {s.block_size} tokens, "
+        label = ", ".join(x for x in (n.role, f"group {n.group}" if n.group else "") if x)
+        lines.append(f"node {s.node_id}{f' ({label})' if label else ''}: {s.num_blocks} blocks of {s.block_size} tokens, "
                      f"{s.num_sequences} sequences, refusals pool={s.counters.refusals_pool} "
                      f"quota={s.counters.refusals_quota}")
         lines += ["  " + line for line in _table(

@@ -5,7 +5,7 @@ node keeps alive. A node that dies stops refreshing; etcd deletes its key when t
 every watcher sees the delete. The value is JSON::
 
     {"address": "127.0.0.1:7001", "model": "/models/x", "num_blocks": 512, "block_size": 256,
-     "state": "READY", "max_num_seqs": 64, "role": "mixed",
+     "state": "READY", "max_num_seqs": 64, "role": "mixed", "group": "stable",
      "kv_rates": {"prefill_tokens_per_s": 9000.0, "copy_in_bytes_per_s": 2.4e10,
                   "fetch_bytes_per_s": 1.1e9, "bytes_per_token": 131072.0}}
 
@@ -13,6 +13,7 @@ every watcher sees the delete. The value is JSON::
 its P99 batch controller holds it down); routers without ``--capacity`` admit the sum of the READY
 nodes' caps. 0 (a record written before the field existed): unknown, so no limit from that node.
 ``role`` (``kvfleet.roles``: mixed, prefill, decode; absent: mixed) is what the router may send it;
+``group`` (``kvfleet.groups``; absent: stable) is the configuration it runs, for a canary;
 ``fetches_kv`` false (``--kv-fetch off``) tells the router a block only another node holds is a miss there.
 ``kv_rates`` (``kvfleet.kv_rates``: 0 = not measured) is what the node measured of its prefill, its
 copies from its lower tiers and its fetches from other nodes; the router weighs its cost with them.
@@ -42,6 +43,7 @@ from kvfleet import tls
 from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
+from kvfleet.groups import STABLE, check_group
 from kvfleet.kv_rates import KvRates
 from kvfleet.roles import MIXED, check_role
 from kvfleet.tls import Credentials
@@ -69,6 +71,7 @@ class NodeInfo:
     kv_rates: KvRates | None = None  # measured rates; None: not published
     role: str = MIXED                # kvfleet.roles: mixed, prefill or decode
     fetches_kv: bool = True          # it fetches prompts' KV from peers (--kv-fetch is not off)
+    group: str = STABLE              # kvfleet.groups: the configuration it runs (stable, canary, ...)
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -94,6 +97,7 @@ class NodeInfo:
             kv_rates=_kv_rates(node_id, fields.get("kv_rates")),
             role=check_role(fields.get("role", MIXED)),
             fetches_kv=bool(fields.get("fetches_kv", True)),
+            group=check_group(fields.get("group", STABLE)),
         )
 
 

@@ -11,8 +11,8 @@ age, the internal waste of partly filled last blocks; per tenant: blocks charged
 lower-tier blocks charged against the lower-tier cap, and refusals of each. It asks block_service
 directly rather than the router: block_service holds
 the page table, and the router's public Inference service has no operator call to proxy it through.
-Each node's role (mixed, prefill, decode) comes from its membership record in etcd (``--etcd``, by
-default the local cluster's), when etcd answers.
+Each node's role (mixed, prefill, decode) and group (stable, canary, ...) come from its membership
+record in etcd (``--etcd``, by default the local cluster's), when etcd answers.
 """
 
 from __future__ import annotations
@@ -72,19 +72,22 @@ async def _fetch(args: argparse.Namespace, credentials):
     async with BlockManagerClient(args.block_service, timeout_s=args.timeout_s) as client:
         report = await client.blocks(args.node, args.top)
     if args.etcd:
-        report = with_roles(report, await _roles(args.etcd, credentials))
+        report = with_roles(report, *await _roles(args.etcd, credentials))
     return report
 
 
-def with_roles(report, roles: dict[str, str]):
-    """``report`` with each node's role as etcd lists it (a node etcd does not list: none)."""
+def with_roles(report, roles: dict[str, str], groups: dict[str, str] | None = None):
+    """``report`` with each node's role and group as etcd lists them (a node etcd does not list: none)."""
     from dataclasses import replace
 
-    return replace(report, nodes=[replace(n, role=roles.get(n.stats.node_id, "")) for n in report.nodes])
+    groups = groups or {}
+    return replace(report, nodes=[replace(n, role=roles.get(n.stats.node_id, ""), group=groups.get(n.stats.node_id, ""))
+                                  for n in report.nodes])
 
 
-async def _roles(url: str, credentials) -> dict[str, str]:
-    """Node id -> role from etcd's membership records; empty (one line on stderr) when etcd does not answer."""
+async def _roles(url: str, credentials) -> tuple[dict[str, str], dict[str, str]]:
+    """Node id -> role, and node id -> group, from etcd's membership records; empty (one line on
+    stderr) when etcd does not answer."""
     from kvfleet.backoff import error_line
     from kvfleet.membership import etcd_client, list_nodes
 
@@ -93,8 +96,9 @@ async def _roles(url: str, credentials) -> dict[str, str]:
             nodes, _ = await list_nodes(client)
     except Exception as e:  # the pools are the report; roles are a label on them
         print(f"kvfleet blocks: etcd at {url} did not answer ({error_line(e)}): roles not shown", file=sys.stderr)
-        return {}
-    return {node_id: info.role for node_id, info in nodes.items()}
+        return {}, {}
+    return ({node_id: info.role for node_id, info in nodes.items()},
+            {node_id: info.group for node_id, info in nodes.items()})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, replace
 
 from compute_service.engine.config import EngineConfig
 from compute_service.node.fetch_policy import KvFetchSettings
+from kvfleet.groups import STABLE, check_group
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.roles import MIXED, ROLES
-from kvfleet.settings import check, setting
+from kvfleet.settings import SettingError, check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
 
 DEFAULT_SNAPSHOT_BLOCKS = 128
@@ -96,6 +97,9 @@ class NodeCommand:
     role: str = setting(MIXED, "mixed: prefill and decode; prefill: compute prompts and their first token, then hand "
                         "the sequence to a decode node; decode: continue handed-over sequences, and short prompts",
                         choices=ROLES)
+    group: str = setting(STABLE, "the node group (the configuration it runs): the router sends the nodes of group "
+                         "canary the share of conversations `kvfleet canary start` sets, the others the rest",
+                         metavar="NAME")
     port_file: str | None = setting(None, "write the bound port here once READY", metavar="FILE")
     metrics_port: int | None = metrics_port_setting()
     health_port: int | None = health_port_setting()
@@ -107,6 +111,10 @@ class NodeCommand:
 
     def __post_init__(self) -> None:
         check(self)
+        try:
+            check_group(self.group)
+        except ValueError as e:
+            raise SettingError(f"--{e}") from None
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings, under this node's id."""
