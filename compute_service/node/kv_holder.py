@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.kv.block_rows import Gathered, gather, layout_of
@@ -86,7 +86,13 @@ def _take(engine, tenant: str, hashes: list[bytes], prefix_group: str = "") -> t
     layout = layout_of(kv_cache)
     max_blocks = max(1, MAX_RUN_BYTES // (layout.kv_bytes + layout.scale_bytes))
     in_tiers = tiers.index.held if tiers is not None else (lambda _: None)
-    salt = tenant_extra_key(tenant, engine.kv.share_across_tenants, prefix_group)
-    run = leading_run(hashes, tenant, engine.kv.usage.find, in_tiers, max_blocks,
-                      lambda owner: owner == tenant or engine.kv.salt_of(owner) == salt)
+    run = leading_run(hashes, tenant, engine.kv.usage.find, in_tiers, max_blocks, same_salt(engine.kv, tenant, prefix_group))
     return run, gather(kv_cache, kv_scales, tiers, run)
+
+
+def same_salt(kv, tenant: str, prefix_group: str) -> Callable[[str], bool]:
+    """Whether the blocks a tenant committed here (``KVCacheManager`` ``kv``) may be served to
+    ``tenant`` asking with ``prefix_group``: its own, or a tenant's whose chains take the same salt
+    (a mate of its group; every tenant when prefixes are shared by config), never across groups."""
+    salt = tenant_extra_key(tenant, kv.share_across_tenants, prefix_group)
+    return lambda owner: owner == tenant or kv.salt_of(owner) == salt
