@@ -7,8 +7,9 @@ cache); block_service exports what vLLM has not, under ``pool_*`` names so that 
 summed: every pool by state and fragmentation, the committed blocks each node keeps below its pool
 by tier (``lower_tier_blocks``: host, disk), per-tenant blocks charged against the quota and against
 the lower-tier cap, refusals by tenant and reason (pool, quota, lower_tier), evictions by tenant and
-the eviction policy's reason (``block_evictions_total``: lru, value, over_share, within_share), the write-ahead log and
-the snapshot's age. Operations by kind
+the eviction policy's reason (``block_evictions_total``: lru, value, over_share, within_share), the
+cached blocks each tenant holds against its share of them (``cached_blocks``, ``cache_share_blocks``),
+the write-ahead log and the snapshot's age. Operations by kind
 and the log's write latency are observed as they happen (``BlockServiceMetrics``): an RPC interceptor
 counts calls, the durable store reports each group commit's write + fsync time.
 Labels are node ids and tenant names, both bounded by configuration.
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from block_service.stats import NodeStats, TenantStats
+from block_service.tenants import cache_shares
 from kvfleet.metric_families import PREFIX, counter, gauge
 from kvfleet.metrics_server import FSYNC_BUCKETS
 
@@ -35,6 +37,7 @@ class BlockServiceSample:
     log_records: int                # records durable since the first start
     log_bytes: int                  # size of the current log (since the last snapshot)
     snapshot_age_s: float | None    # None: durability off, no snapshots
+    shares: dict[str, dict[str, int]] = field(default_factory=dict)  # node -> tenant -> its cache share, blocks
 
 
 def sample(store, now: float | None = None) -> BlockServiceSample:
@@ -42,11 +45,13 @@ def sample(store, now: float | None = None) -> BlockServiceSample:
     table = store.table
     node_ids = table.node_ids()
     now = time.monotonic() if now is None else now
+    nodes, tenants = [table.node_stats(n) for n in node_ids], table.tenants()
     return BlockServiceSample(
-        nodes=[table.node_stats(n) for n in node_ids],
+        nodes=nodes,
         tenants=[t for n in node_ids for t in table.tenant_stats(n)],
         log_records=store.durable_lsn, log_bytes=store.log_bytes,
         snapshot_age_s=now - store.last_snapshot if store.state_dir else None,
+        shares={n.node_id: cache_shares(tenants, n.bytes_per_block) for n in nodes},
     )
 
 
@@ -91,6 +96,12 @@ def families(s: BlockServiceSample) -> Iterator[Metric]:
                   "reason (lru, value, over_share: its tenant held more cached blocks than its share, within_share)",
                   ("tenant", "node", "reason"),
                   [((t.tenant, t.node_id, reason), v) for t in s.tenants for reason, v in sorted(t.counters.evictions.items())])
+    yield gauge("cached_blocks", "Cached (evictable) blocks on the node, by the tenant last charged for them "
+                "(\"\": not known)", tenant, [((t.tenant, t.node_id), t.cached_blocks) for t in s.tenants])
+    yield gauge("cache_share_blocks", "The tenant's share of the node's cached blocks under the fair eviction "
+                "policies (cache_share_mib, else reserved_mib; absent: none). Shares are weights: they may sum past "
+                "the pool", tenant, [((t, node), n) for node, shares in sorted(s.shares.items())
+                                     for t, n in sorted(shares.items())])
     yield counter("wal_records", "Write-ahead log records durable since the first start", (), [((), s.log_records)])
     yield gauge("wal_bytes", "Size of the write-ahead log since the last snapshot", (), [((), s.log_bytes)])
     if s.snapshot_age_s is not None:

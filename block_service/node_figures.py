@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+from block_service.cache_figures import cached_by_tenant
 from block_service.node_pool import NodePool
 from block_service.sequence import SeqState
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
@@ -37,8 +38,9 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
     """Per tenant configured (``tenants``) or active on the node; ``lower`` the blocks each has in
     the node's lower tiers, ``caps`` their caps there."""
     bs, ledger, evictions = node.pool.block_size, node.ledger, node.pool.evictions()
+    cached = cached_by_tenant(node.pool)
     per: dict[str, list[int]] = {t: [0, 0, 0] for t in tenants}
-    for t in list(ledger.charged) + list(node.tenant_counters) + list(lower) + list(evictions):
+    for t in list(ledger.charged) + list(node.tenant_counters) + list(lower) + list(evictions) + list(cached):
         per.setdefault(t, [0, 0, 0])
     for seq in seqs:
         acc = per.setdefault(seq.tenant, [0, 0, 0])
@@ -49,7 +51,7 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
         TenantStats(
             tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
             blocks_allowed=ledger.allowed.get(t), blocks_reserved=ledger.reserved.get(t, 0),
-            lower_tier_blocks=lower.get(t, 0), lower_tier_allowed=caps.get(t),
+            lower_tier_blocks=lower.get(t, 0), lower_tier_allowed=caps.get(t), cached_blocks=cached.get(t, 0),
             num_sequences=n_seqs, tokens_stored=tokens, token_capacity=capacity,
             counters=replace(node.tenant_counters.get(t) or Counters(), evictions=evictions.get(t, {})),
         )

@@ -62,6 +62,7 @@ class TenantStats:
     counters: Counters = field(default_factory=Counters)
     lower_tier_blocks: int = 0              # blocks charged to its lower-tier cap on the node
     lower_tier_allowed: int | None = None   # that cap in blocks (None: unlimited)
+    cached_blocks: int = 0                  # cached blocks last charged to it (block_service.cache_figures)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
