@@ -192,6 +192,20 @@ def test_the_dashboard_reads_only_metrics_the_services_export():
     assert all(p["datasource"]["uid"] == uid for p in dashboard["panels"] if p["type"] != "row")
 
 
+def test_the_dashboard_has_a_cache_row_per_tenant():
+    """Hit rate with its denominator per tenant (and by tier), evictions by reason, cached blocks
+    against the share: every series of the row grouped by tenant."""
+    panels = json.loads((DEPLOY / "grafana" / "dashboards" / "kvfleet.json").read_text())["panels"]
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Cache per tenant")
+    end = next((i for i in range(row + 1, len(panels)) if panels[i]["type"] == "row"), len(panels))
+    exprs = [t["expr"] for p in panels[row + 1:end] for t in p["targets"]]
+    assert all("by (tenant" in e for e in exprs), exprs
+    for name in ("prefix_cache_hits_total", "prefix_cache_queries_total", "block_evictions_total", "cached_blocks",
+                 "cache_share_blocks", "prompt_tokens_cached_total"):
+        assert any(f"kvfleet:{name}" in e for e in exprs), name
+    assert any("by (tenant, tier)" in e for e in exprs)
+
+
 # ---- Kubernetes: what kustomize builds, the API server's schema accepts -----------------------
 
 # the oldest release the manifests are for: gRPC probes are GA since 1.27, sidecar-free otherwise
