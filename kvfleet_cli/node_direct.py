@@ -26,10 +26,12 @@ class NodeAnswer:
 
 
 async def generate_on(cluster, node_id: str, request_id: str, prompt: list[int], max_tokens: int,
-                      tenant: str = "gold") -> NodeAnswer:
-    """One greedy request on node ``node_id`` of ``cluster`` (a LocalCluster), to its end."""
+                      tenant: str = "gold", prefix_group: str = "") -> NodeAnswer:
+    """One greedy request on node ``node_id`` of ``cluster`` (a LocalCluster), to its end
+    (``prefix_group``: the tenant's, as the router would have decided it)."""
     as_router = tls.Credentials.load(certs.identity_dir(cluster.certs.root, ROUTER_ID), ROUTER_ID)
-    request = compute_pb2.ComputeRequest(request_id=request_id, tenant=tenant, prompt_token_ids=prompt)
+    request = compute_pb2.ComputeRequest(request_id=request_id, tenant=tenant, prompt_token_ids=prompt,
+                                         prefix_group=prefix_group)
     request.sampling.max_tokens = max_tokens
     request.sampling.ignore_eos = True
     answer = NodeAnswer([], 0)

@@ -1,0 +1,74 @@
+"""Prefix groups through a real cluster (processes): two tenants of one group share a system prompt's
+cached blocks (the router sends the second to the node holding them, its chain salted with the group
+the API key names), a tenant outside the group prefills the same prompt in full, a client cannot
+choose the salt, and sharing changes no token. Between nodes, a group mate's blocks are fetched."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2 as httpx
+from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
+from node_direct import generate_on, metric, node_metrics
+
+GROUPS = """\
+prefix_groups: [acme]
+tenants:
+  - {name: acme-a, api_key: sk-a, quota_mib: 64, paid_level: 1, max_concurrent: 4, prefix_group: acme}
+  - {name: acme-b, api_key: sk-b, quota_mib: 64, paid_level: 1, max_concurrent: 4, prefix_group: acme}
+  - {name: other, api_key: sk-c, quota_mib: 64, paid_level: 1, max_concurrent: 4}
+"""
+SYSTEM_BLOCKS = 6
+
+
+def answer(cluster, prompt: list[int], key: str) -> tuple[list[int], int, str]:
+    """(tokens, cached prompt tokens, node) of one greedy request through the router's gRPC door."""
+    chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=12, ignore_eos=True), api_key=key)
+    return tokens_of(chunks), chunks[-1].usage.cached_tokens, chunks[-1].node_id
+
+
+def test_a_group_shares_a_system_prompt_and_nobody_else_does(start_cluster, tmp_path):
+    tenants = tmp_path / "groups.yaml"
+    tenants.write_text(GROUPS)
+    cluster = start_cluster(2, tenants_file=tenants, compute_args=("--kv-fetch", "off"))
+    prompt = random_prompt(SYSTEM_BLOCKS * BLOCK_SIZE + 5, seed=307)
+
+    alone, cached, node = answer(cluster, prompt, "sk-a")
+    assert cached == 0 and len(alone) == 12
+    mate, mate_cached, mate_node = answer(cluster, prompt, "sk-b")
+    assert mate_node == node                            # routed by the group's chain to its blocks
+    assert mate_cached == SYSTEM_BLOCKS * BLOCK_SIZE   # a's system prompt, not prefilled again
+    assert mate == alone                                # float32: a shared prefix changes no token
+    outsider, outsider_cached, _ = answer(cluster, prompt, "sk-c")
+    assert outsider_cached == 0 and outsider == alone  # same prompt, its own salt: a full prefill
+    again, again_cached, _ = answer(cluster, prompt, "sk-c")
+    assert again_cached == SYSTEM_BLOCKS * BLOCK_SIZE and again == alone  # its own chain still hits
+
+    body = {"model": "x", "prompt": prompt, "max_tokens": 2, "cache_salt": "acme"}
+    refused = httpx.post(cluster.http_url + "/completions", json=body, headers={"Authorization": "Bearer sk-c"})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "cache_salt"
+    assert "API key" in error["message"] and "prefix_group" in error["message"] and "\n" not in error["message"]
+    pools = block_pools(cluster)
+    assert all(p.num_used == 0 for p in pools.values())  # every request ended: nothing left charged
+
+
+def test_a_group_mates_blocks_are_fetched_from_the_peer_holding_them(start_cluster, tmp_path):
+    tenants = tmp_path / "groups.yaml"
+    tenants.write_text(GROUPS)
+    cluster = start_cluster(2, tenants_file=tenants, compute_args=("--kv-fetch", "always"))
+    prompt = random_prompt(SYSTEM_BLOCKS * BLOCK_SIZE + 5, seed=311)
+
+    def on(node_id, rid, tenant, group=""):
+        return asyncio.run(generate_on(cluster, node_id, rid, prompt, 12, tenant=tenant, prefix_group=group))
+
+    first = on("node-0", "a-1", "acme-a", "acme")
+    assert not first.error and first.cached_tokens == 0
+    outsider = on("node-1", "c-1", "other")              # its chain is not the group's: nothing to fetch
+    assert not outsider.error and outsider.cached_tokens == 0 and outsider.tokens == first.tokens
+    mate = on("node-1", "b-1", "acme-b", "acme")         # node-0 serves the group's blocks to a group mate
+    assert not mate.error and mate.tokens == first.tokens
+    assert mate.cached_tokens == SYSTEM_BLOCKS * BLOCK_SIZE
+    assert metric(node_metrics(cluster, "node-1"), "kvfleet:kv_fetch_blocks_total") == SYSTEM_BLOCKS
+    pools = block_pools(cluster)
+    assert pools["node-0"].num_used == pools["node-1"].num_used == 0
