@@ -14,6 +14,7 @@ from block_service.node_pool import NodePool
 from block_service.sequence import SeqState
 from block_service.stats import Counters, Holder, NodeStats, TenantStats
 from kvfleet.ids import is_fetch
+from kvfleet.tenants import WARMUP_TENANT
 
 
 def node_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], lower_tier: dict[str, int]) -> NodeStats:
@@ -36,7 +37,8 @@ def node_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], lower_tie
 def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants: Iterable[str],
                  lower: dict[str, int], caps: dict[str, int]) -> list[TenantStats]:
     """Per tenant configured (``tenants``) or active on the node; ``lower`` the blocks each has in
-    the node's lower tiers, ``caps`` their caps there."""
+    the node's lower tiers, ``caps`` their caps there. The nodes' own warm-up shows only while it
+    holds blocks (the pool's figures must add up), never for its counters: it is not a tenant."""
     bs, ledger, evictions = node.pool.block_size, node.ledger, node.pool.evictions()
     cached = cached_by_tenant(node.pool)
     per: dict[str, list[int]] = {t: [0, 0, 0] for t in tenants}
@@ -47,6 +49,9 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
         acc[0] += 1
         acc[1] += seq.num_tokens - seq.num_dropped * bs
         acc[2] += len(seq.held) * bs
+    if per.get(WARMUP_TENANT) == [0, 0, 0] and not (ledger.charged.get(WARMUP_TENANT) or cached.get(WARMUP_TENANT)
+                                                  or lower.get(WARMUP_TENANT)):
+        del per[WARMUP_TENANT]
     return [
         TenantStats(
             tenant=t, node_id=node_id, blocks_charged=ledger.charged.get(t, 0),
