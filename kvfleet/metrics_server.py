@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -88,12 +88,19 @@ class MetricsEndpoint:
         self.server.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, listen: str, service: str) -> MetricsEndpoint:
+def serve_metrics(registry: CollectorRegistry, listen: str, service: str,
+                  json_paths: Mapping[str, Callable[[], object]] | None = None) -> MetricsEndpoint:
     """Serve ``registry`` as Prometheus text at ``http://listen/metrics`` from a daemon thread;
-    port 0 picks a free one. Logs the URL (the one line an operator looks for)."""
+    port 0 picks a free one. Logs the URL (the one line an operator looks for). ``json_paths``:
+    paths answered with the JSON of what their function returns (``kvfleet.json_endpoint``)."""
     host, port = listen.rsplit(":", 1)
     host = host.strip("[]")
-    server, _thread = start_http_server(int(port), addr=host, registry=registry)
+    if json_paths:
+        from kvfleet.json_endpoint import start_server
+
+        server = start_server(int(port), host, registry, json_paths)
+    else:
+        server, _thread = start_http_server(int(port), addr=host, registry=registry)
     endpoint = MetricsEndpoint(f"http://{host}:{server.server_port}/metrics", server)
     log.info("%s metrics at %s", service, endpoint.url)
     return endpoint

@@ -19,6 +19,8 @@ from opentelemetry import trace
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import inference_pb2
 from router.admission import Admission, Shed
+from router.canary_split import conversation_key
+from router.canary_watch import CanaryRouting
 from router.metrics import RequestMetrics, RequestTimer
 from router.model_text import NoTokenizer, TokenizerSource
 from router.relay import Relay, RelayError
@@ -48,22 +50,32 @@ class Generations:
     """The router's requests in flight: who runs which request id, and whose turn it is."""
 
     def __init__(self, tenants: TenantDirectory, admission: Admission, relay: Relay, tokenizers: TokenizerSource,
-                 metrics: RequestMetrics | None = None):
+                 metrics: RequestMetrics | None = None, canary: CanaryRouting | None = None):
         self.tenants = tenants
         self.admission = admission
         self.relay = relay
         self.tokenizers = tokenizers
         self.metrics = metrics
+        self.canary = canary
         self.running = RunningIds()
 
     @contextlib.asynccontextmanager
-    async def generation(self, tenant: Tenant, request) -> AsyncIterator[AsyncIterator]:
+    async def generation(self, tenant: Tenant, request, conversation: str = "") -> AsyncIterator[AsyncIterator]:
         """The chunks of ``request`` (a ``kvfleet.v1.GenerateRequest``) once it has its turn.
-        Leaving the block early (the client left) cancels it on its node and frees its turn."""
+        Leaving the block early (the client left) cancels it on its node and frees its turn.
+        ``conversation``: the client's conversation id (OpenAI ``prompt_cache_key`` or ``user``), which
+        keeps a conversation in one group of a canary split (``router/canary_split.py``)."""
         timer = self.metrics.request(tenant.name, time.monotonic()) if self.metrics is not None else None
         parsed = await self._admit(tenant, request, timer)
         try:
-            relayed = self.relay.run(parsed, tenant) if timer is None else self._timed(parsed, tenant, timer)
+            group = None
+            if self.canary is not None:
+                chat = [(m.role, m.content) for m in request.chat.messages] if request.HasField("chat") else ()
+                group = self.canary.group_for(tenant.name, conversation_key(conversation, chat, parsed.prompt_ids))
+            relayed = self.relay.run(parsed, tenant, group) if timer is None else self._timed(parsed, tenant, timer,
+                                                                                              group)
+            if group is not None:
+                relayed = self._observed(relayed, group)
             async with contextlib.aclosing(relayed) as chunks:
                 yield chunks
         finally:
@@ -74,9 +86,34 @@ class Generations:
         model = await self.tokenizers.get()
         return parse_request(request, model.tokenizer, model.chat, model.end_of_turn)
 
-    async def _timed(self, parsed: ParsedRequest, tenant: Tenant, timer: RequestTimer) -> AsyncIterator:
+    async def _observed(self, chunks: AsyncIterator, group: str) -> AsyncIterator:
+        """``chunks``, each seen by the canary's outcome timer of ``group``; the outcome recorded at the
+        end, an error with its status name (a client that left records nothing: not the group's doing)."""
+        timer = self.canary.timer(group)
+        error, finished = "", False
+        try:
+            async with contextlib.aclosing(chunks) as inner:
+                async for chunk in inner:
+                    usage = chunk.usage
+                    last = chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
+                    timer.chunk(len(chunk.token_ids), (usage.prompt_tokens, usage.cached_tokens,
+                                                       usage.completion_tokens) if last else None)
+                    finished = finished or last
+                    yield chunk
+        except Exception as e:
+            error = status_name(e) or type(e).__name__
+            raise
+        except BaseException:  # cancelled, or the consumer closed the stream: the client left (unless done)
+            error = "" if finished else "CANCELLED"
+            raise
+        finally:
+            if error != "CANCELLED":
+                self.canary.record(timer.done(error))
+
+    async def _timed(self, parsed: ParsedRequest, tenant: Tenant, timer: RequestTimer,
+                     group: str | None = None) -> AsyncIterator:
         """The relay's chunks, each seen by ``timer`` (latencies, and the usage of the last)."""
-        async with contextlib.aclosing(self.relay.run(parsed, tenant)) as chunks:
+        async with contextlib.aclosing(self.relay.run(parsed, tenant, group)) as chunks:
             async for chunk in chunks:
                 now = time.monotonic()
                 timer.tokens(len(chunk.token_ids), now)

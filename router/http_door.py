@@ -183,7 +183,8 @@ class Door:
         """Wait for the request's turn and its first chunk: (the chunks, the first)."""
         with trace.use_span(span, end_on_exit=False):
             async with asyncio.timeout_at(deadline):
-                chunks = await stack.enter_async_context(self.generations.generation(tenant, generate_request(call)))
+                chunks = await stack.enter_async_context(self.generations.generation(
+                    tenant, generate_request(call), call.conversation))
                 return chunks, await anext(chunks)
 
     @staticmethod

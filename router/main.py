@@ -24,6 +24,7 @@ async def serve(config: RouterSettings) -> None:
     from kvfleet.health_port import Readiness
     from kvfleet.membership import etcd_client, watch_nodes
     from router.admission import Admission
+    from router.canary_watch import CanaryRouting
     from router.generation import Generations
     from router.model_text import TokenizerSource
     from router.nodes import NodeTable
@@ -42,8 +43,11 @@ async def serve(config: RouterSettings) -> None:
     picker = NodePicker(config.routing)
     prefix = await connect_prefix_lookup(config.block_service, config.etcd)
     relay = Relay(nodes, picker, prefix, stall_timeout_s=config.stall_timeout_s, disagg=config.disagg)
-    request_metrics = _serve_metrics(config, tenants, queue, relay) if config.metrics_port is not None else None
-    generations = Generations(tenants, admission, relay, TokenizerSource(nodes, config.model), request_metrics)
+    canary = CanaryRouting()
+    request_metrics = _serve_metrics(config, tenants, queue, relay, canary) if config.metrics_port is not None \
+        else None
+    generations = Generations(tenants, admission, relay, TokenizerSource(nodes, config.model), request_metrics,
+                              canary)
     server = await build_server(config.listen, generations, nodes, unix_socket=config.listen_unix,
                                 tls=_public_tls(config))
     readiness = await Readiness.start(server.health, SERVICE_NAME, config.listen, config.health_port,
@@ -72,6 +76,7 @@ async def serve(config: RouterSettings) -> None:
 
     async with etcd_client(config.etcd) as client:
         watcher = asyncio.create_task(follow_membership(client))
+        canary_watcher = asyncio.create_task(canary.follow(client))  # the split, changed while running
         await server.server.start()
         host = config.listen.rsplit(":", 1)[0]
         log.info("router serving kvfleet.v1.Inference on %s:%d%s (%d tenants)", host, server.port,
@@ -89,9 +94,10 @@ async def serve(config: RouterSettings) -> None:
         if http is not None:
             await http.stop()
         await server.server.stop(grace=5)
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, canary_watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await nodes.close()
         await prefix.close()
 
@@ -105,12 +111,13 @@ def _public_tls(config: RouterSettings):
     return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
 
 
-def _serve_metrics(config: RouterSettings, tenants, queue, relay):
-    """The metrics endpoint started; returns the ``RequestMetrics`` the requests are observed into."""
+def _serve_metrics(config: RouterSettings, tenants, queue, relay, canary):
+    """The metrics endpoint started (with the canary's per-request outcomes at ``/canary/samples``);
+    returns the ``RequestMetrics`` the requests are observed into."""
     import time
     from collections import Counter
 
-    from kvfleet.metrics_server import LoopCollector, metrics_listen, serve_metrics
+    from kvfleet.metrics_server import LoopCollector, metrics_listen, read_on_loop, serve_metrics
     from router import metrics
 
     request_metrics = metrics.RequestMetrics()
@@ -124,8 +131,14 @@ def _serve_metrics(config: RouterSettings, tenants, queue, relay):
         return metrics.RouterSample(waiting, dict(picker.decisions), len(ready), queue.capacity, weights,
                                     dict(roles), relay.handovers, relay.handover_seconds.snapshot())
 
-    request_metrics.registry.register(LoopCollector(asyncio.get_running_loop(), read, metrics.families))
-    serve_metrics(request_metrics.registry, metrics_listen(config.listen, config.metrics_port), "router")
+    loop = asyncio.get_running_loop()
+    request_metrics.registry.register(LoopCollector(loop, read, metrics.families))
+
+    async def samples() -> dict:
+        return canary.samples_json([n.info.group for n in relay.nodes.ready()])
+
+    serve_metrics(request_metrics.registry, metrics_listen(config.listen, config.metrics_port), "router",
+                  {"/canary/samples": lambda: read_on_loop(loop, samples)})
     return request_metrics
 
 

@@ -35,7 +35,7 @@ NEUTRAL = {
 }
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "web_search_options")
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "top_k", "ignore_eos", *IGNORED, *NEUTRAL)
+          "top_k", "ignore_eos", "prompt_cache_key", *IGNORED, *NEUTRAL)
 FIELDS = {"completion": {"prompt", *COMMON}, "chat": {"messages", "max_completion_tokens", *COMMON}}
 
 
@@ -68,6 +68,7 @@ class OpenAICall:
     messages: tuple[ChatMessage, ...] = field(default_factory=tuple)  # chat
     stream: bool = False
     include_usage: bool = False                 # stream_options.include_usage
+    conversation: str = ""                      # prompt_cache_key, else user: keeps a canary split sticky
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -202,6 +203,17 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
+def _conversation(body: dict) -> str:
+    """The client's conversation id: ``prompt_cache_key``, else ``user`` (strings; "" when neither)."""
+    for name in ("prompt_cache_key", "user"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad(name, f"{name} must be a string")
+        if value:
+            return value
+    return ""
+
+
 def parse_call(body, kind: str) -> OpenAICall:
     """Check a decoded JSON body of ``kind`` ("completion" or "chat"); raises ``ApiError``."""
     if not isinstance(body, dict):
@@ -214,7 +226,7 @@ def parse_call(body, kind: str) -> OpenAICall:
     if options is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     call = dict(kind=kind, model=body["model"], sampling=_sampling(body, kind), stream=stream,
-                include_usage=_flag(options or {}, "include_usage"))
+                include_usage=_flag(options or {}, "include_usage"), conversation=_conversation(body))
     if kind == "chat":
         return OpenAICall(messages=_messages(body), **call)
     text, token_ids = _prompt(body)

@@ -39,6 +39,7 @@ from kvfleet.latency_histogram import LatencyHistogram
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
 from kvfleet.wire import sampling_to_proto
+from router.canary_split import in_group
 from router.disagg import DisaggConfig, hand_over, prefill_nodes, serving_nodes
 from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
@@ -104,11 +105,12 @@ class Relay:
         self.handover_seconds = LatencyHistogram()
 
     async def _route(self, req: ParsedRequest, tenant: Tenant, ids: list[int],
-                     progress: Progress) -> tuple[RouterNode, int, bool]:
+                     progress: Progress, group: str | None = None) -> tuple[RouterNode, int, bool]:
         """The node for this attempt, how many of the prompt's leading blocks it holds, and whether
-        it only prefills (the sequence is handed over after its first token)."""
+        it only prefills (the sequence is handed over after its first token); among ``group``'s side
+        of a canary split (``router/canary_split.py``) while that side has a candidate."""
         with tracer.start_as_current_span("route") as span:
-            ready = [n for n in self.nodes.ready() if n.node_id not in progress.excluded]
+            ready = in_group([n for n in self.nodes.ready() if n.node_id not in progress.excluded], group)
             if not ready:
                 tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
@@ -138,7 +140,8 @@ class Relay:
             self.prefix.routed(tenant.name, ids, node, prefix_group=tenant.prefix_group or "")
             return node, decision.cached_prefix_blocks, only_prefill
 
-    async def run(self, req: ParsedRequest, tenant: Tenant) -> AsyncIterator[inference_pb2.GenerateChunk]:
+    async def run(self, req: ParsedRequest, tenant: Tenant,
+                  group: str | None = None) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
         handed_at: float | None = None
         while True:
@@ -146,7 +149,7 @@ class Relay:
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
-            node, cached_blocks, only_prefill = await self._route(req, tenant, ids, progress)
+            node, cached_blocks, only_prefill = await self._route(req, tenant, ids, progress, group)
             try:
                 async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks,
                                                              only_prefill)) as chunks:
