@@ -61,7 +61,7 @@ async def serve(config: BlockServiceSettings) -> int:
 
     from block_service.durable import DurablePageTable, RecoveryError
     from block_service.page_table import PageTable
-    from block_service.server import BlockManagerServicer
+    from block_service.server import BlockManagerServicer, tenant_misfits
     from block_service.tenants import load_tenants_without_keys
     from kvfleet import rpc
     from kvfleet.health_port import Readiness
@@ -90,6 +90,9 @@ async def serve(config: BlockServiceSettings) -> int:
             store.configure_tenants(tenants, replace_all=True)
             await store.flush()
             log.info("configured %d tenants from %s", len(tenants), config.tenants)
+            refused, warned = tenant_misfits(store.table, tenants)  # the nodes recovered: logged, not refused
+            if refused or warned:
+                log.warning("the recovered nodes' pools cannot honour %s: %s", config.tenants, "; ".join(refused + warned))
 
     replication = _replication(config, store) if config.etcd else None
     if replication is None:

@@ -19,12 +19,27 @@ from block_service.durable import DurablePageTable
 from block_service.replication_source import ReplicationSource
 from block_service.role import Role
 from block_service.standby_acks import StandbyAcks
+from block_service.tenants import PoolShape, configured, pool_misfits
 from kvfleet import access, access_guard
 from kvfleet.errors import BlockServiceError, InvalidArgument, PermissionDenied
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+def tenant_misfits(table, tenants, node_ids=None) -> tuple[list[str], list[str]]:
+    """``pool_misfits`` of ``tenants`` against the registered nodes' pools (or those named)."""
+    stats = map(table.node_stats, table.node_ids() if node_ids is None else node_ids)
+    return pool_misfits(tenants, [PoolShape(s.node_id, s.num_blocks, s.bytes_per_block) for s in stats])
+
+
+def log_misfits(table, node_id: str) -> None:
+    """At a node's registration: one line if its pool cannot honour the tenants (nothing refused)."""
+    refused, warned = tenant_misfits(table, table.tenants(), [node_id])
+    if refused or warned:
+        log.warning("node %s registered; its pool cannot honour the tenants file: %s", node_id,
+                    "; ".join(refused + warned))
 
 def _answers(handler):
     """Map the page table's errors to gRPC status codes; anything else is a bug: INTERNAL."""
@@ -150,6 +165,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         created = self.store.register_node(request.node_id, request.num_blocks, request.block_size,
                                            request.bytes_per_block)
         await self._durable()
+        if created:
+            log_misfits(self.table, request.node_id)
         return pb.RegisterNodeResponse(created=created)
 
     @_answers
@@ -157,6 +174,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.role.check_writable()
         result = self.store.sync_node(*wire.sync_request_from_pb(request))
         await self._durable()
+        if result.registered:
+            log_misfits(self.table, request.pool.node_id)
         if result.refused:
             log.warning("sync of node %s refused %d sequences: %s", request.pool.node_id, len(result.refused),
                         "; ".join(f"{s!r}: {why}" for s, why in result.refused[:5]))
@@ -173,7 +192,12 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     async def ConfigureTenants(self, request, context):
         self.role.check_writable()
         configs = [wire.tenant_from_pb(t) for t in request.tenants]
+        refused, warned = tenant_misfits(self.table, configured(self.table.tenants(), configs, request.replace_all))
+        if refused:  # a reload that cannot fit is answered, and changes nothing
+            raise InvalidArgument(f"tenants not configured: {'; '.join(refused)}")
         self.store.configure_tenants(configs, request.replace_all)
+        if warned:
+            log.warning("tenants configured; %s", "; ".join(warned))
         await self._durable()
         return pb.ConfigureTenantsResponse()
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-from kvfleet.tenants import Tenant, load_tenants
+from kvfleet.tenants import MIB, Tenant, load_tenants
 
 log = logging.getLogger(__name__)
 
 _RECORD_FIELDS = ("name", "quota_mib", "reserved_mib", "paid_level", "max_concurrent", "lower_tier_quota_mib",
-                  "cache_share_mib")
+                  "cache_share_mib", "pinned_mib")
 
 
 def tenant_to_record(t: Tenant) -> dict:
@@ -38,6 +39,58 @@ def cache_shares(tenants: Iterable[Tenant], bytes_per_block: int) -> dict[str, i
     tenants without one are absent."""
     shares = {t.name: t.cache_share_blocks(bytes_per_block) for t in tenants}
     return {name: n for name, n in shares.items() if n}
+
+
+@dataclass(slots=True, frozen=True)
+class PoolShape:
+    """What the tenants' MiB are checked against: one registered node's pool."""
+
+    node_id: str
+    num_blocks: int
+    bytes_per_block: int
+
+
+def pool_misfits(tenants: Iterable[Tenant], pools: Iterable[PoolShape]) -> tuple[list[str], list[str]]:
+    """What the nodes' pools cannot honour of ``tenants``, one line each: ``(refused, warned)``.
+
+    Refused: a tenant's ``pinned_mib`` past a node's whole pool (it could pin every block and
+    starve everyone: a typo, not a budget); ``ConfigureTenants`` answers it ``INVALID_ARGUMENT``
+    and changes nothing. Warned (logged, applied): cache shares summing past a pool (they are
+    weights: the fair policies order by held / share, so they need no scaling), reserved shares
+    summing past a pool (a tenant without a reservation may then be refused every block), pin
+    budgets summing past a pool (pins may then hold every cached block). A node's pool is known
+    only once it registers, so at start-up and at a registration both kinds are only logged."""
+    tenants = list(tenants)
+    refused: list[str] = []
+    warned: list[str] = []
+    for p in pools:
+        where = f"node {p.node_id}'s pool of {p.num_blocks} blocks ({p.num_blocks * p.bytes_per_block / MIB:g} MiB)"
+        for t in tenants:
+            n = t.pinned_blocks(p.bytes_per_block)
+            if n > p.num_blocks:
+                refused.append(f"tenant {t.name!r}: pinned_mib {t.pinned_mib:g} is {n} blocks, past {where}")
+        explicit = any(t.cache_share_mib is not None for t in tenants)  # else shares are the reservations
+        for what, total in (("cache shares", sum(cache_shares(tenants, p.bytes_per_block).values()) if explicit else 0),
+                            ("reserved shares", sum(t.reserved_blocks(p.bytes_per_block) for t in tenants)),
+                            ("pin budgets", sum(t.pinned_blocks(p.bytes_per_block) for t in tenants))):
+            if total > p.num_blocks:
+                warned.append(f"tenants' {what} sum to {total} blocks, past {where}: {_CONSEQUENCE[what]}")
+    return refused, warned
+
+
+_CONSEQUENCE = {
+    "cache shares": "they act as weights (the fair policies need no scaling)",
+    "reserved shares": "a tenant without a reservation may be refused every block",
+    "pin budgets": "pins may hold every cached block",
+}
+
+
+def configured(current: Iterable[Tenant], configs: Iterable[Tenant], replace_all: bool) -> list[Tenant]:
+    """The tenants a configuration leaves: ``configs`` alone (``replace_all``), else ``current``
+    with ``configs`` added or updated (``Fleet.configure_tenants``' rule)."""
+    tenants = {} if replace_all else {t.name: t for t in current}
+    tenants.update((t.name, t) for t in configs)
+    return list(tenants.values())
 
 
 def load_tenants_without_keys(path: str) -> list[Tenant]:

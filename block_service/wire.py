@@ -186,14 +186,16 @@ def commit_request_from_pb(m: pb.CommitManyRequest) -> list[tuple[str, int, byte
 def tenant_to_pb(t: Tenant) -> pb.TenantQuota:
     return pb.TenantQuota(name=t.name, quota_mib=t.quota_mib, reserved_mib=t.reserved_mib,
                           paid_level=t.paid_level, max_concurrent=t.max_concurrent,
-                          lower_tier_quota_mib=t.lower_tier_quota_mib, cache_share_mib=t.cache_share_mib)
+                          lower_tier_quota_mib=t.lower_tier_quota_mib, cache_share_mib=t.cache_share_mib,
+                          pinned_mib=t.pinned_mib)
 
 
 def tenant_from_pb(m: pb.TenantQuota) -> Tenant:
     return Tenant(name=m.name, quota_mib=m.quota_mib if m.HasField("quota_mib") else None,
                   reserved_mib=m.reserved_mib, paid_level=m.paid_level, max_concurrent=m.max_concurrent,
                   lower_tier_quota_mib=m.lower_tier_quota_mib if m.HasField("lower_tier_quota_mib") else None,
-                  cache_share_mib=m.cache_share_mib if m.HasField("cache_share_mib") else None)
+                  cache_share_mib=m.cache_share_mib if m.HasField("cache_share_mib") else None,
+                  pinned_mib=m.pinned_mib)
 
 
 # ---- figures and tables -------------------------------------------------------------------------
