@@ -9,7 +9,7 @@ import urllib.request
 
 import grpc
 import pytest
-from cluster_helpers import random_prompt, request, stream
+from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream
 from prometheus_client.parser import text_string_to_metric_families
 
 from block_service.client import BlockManagerClient
@@ -118,3 +118,30 @@ def test_block_service_figures_are_its_stats(start_cluster):
     assert total(samples, "kvfleet:block_service_operations_total", operation="Stats") >= 1
     assert total(samples, "kvfleet:wal_fsync_seconds_count") > 0
     assert total(samples, "kvfleet:snapshot_age_seconds") >= 0
+
+
+def test_a_nodes_prefix_cache_is_counted_per_tenant_and_tier(start_cluster):
+    """The same prompt twice per tenant on one node: each tenant's second finds its first's whole
+    blocks (hits = queries of one request), never the other tenant's (their chains are salted
+    apart); the warm-up is no tenant; all tenants together are what the page table counted."""
+    cluster = start_cluster(1)
+    (node,) = cluster.nodes
+    url = cluster.metrics_urls[node]
+    before, pool_before = scrape(url), block_stats(cluster.block_service_address)[0][0].counters
+    prompt = random_prompt(3 * BLOCK_SIZE + 5, seed=8)  # three full blocks looked up, the rest computed
+    cached = [stream(cluster.router_address, request(tokens=prompt, max_tokens=2), key)[-1].usage.cached_tokens
+              for key in ("sk-gold", "sk-gold", "sk-free", "sk-free")]
+    after, pool_after = scrape(url), block_stats(cluster.block_service_address)[0][0].counters
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, node=node, **labels) - total(before, name, node=node, **labels)
+
+    assert cached == [0, 3 * BLOCK_SIZE] * 2
+    for tenant in ("gold", "free"):
+        assert delta("kvfleet:prefix_cache_queries_total", tenant=tenant) == 2 * 3 * BLOCK_SIZE
+        assert [delta("kvfleet:prefix_cache_hits_total", tenant=tenant, tier=tier)
+                for tier in ("device", "host", "disk", "peer")] == [3 * BLOCK_SIZE, 0, 0, 0]
+    assert not any(dict(labels).get("tenant") == "__warmup__" for _, labels in after)
+    assert delta("kvfleet:prefix_cache_queries_total") == (pool_after.prefix_queries - pool_before.prefix_queries) \
+        * BLOCK_SIZE
+    assert delta("kvfleet:prefix_cache_hits_total") == (pool_after.prefix_hits - pool_before.prefix_hits) * BLOCK_SIZE
