@@ -11,6 +11,11 @@ import httpx2 as httpx
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 from node_direct import generate_on, metric, node_metrics
 
+from kvfleet import certs, rpc, tls
+from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.identity import Identity
+from kvfleet.v1 import compute_pb2, compute_pb2_grpc
+
 GROUPS = """\
 prefix_groups: [acme]
 tenants:
@@ -25,6 +30,23 @@ def answer(cluster, prompt: list[int], key: str) -> tuple[list[int], int, str]:
     """(tokens, cached prompt tokens, node) of one greedy request through the router's gRPC door."""
     chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=12, ignore_eos=True), api_key=key)
     return tokens_of(chunks), chunks[-1].usage.cached_tokens, chunks[-1].node_id
+
+
+def served_by(cluster, holder: str, tenant: str, group: str, hashes: list[bytes]) -> int:
+    """How many of ``hashes`` ``holder`` serves to a peer (node-1's certificate) asking for ``tenant``
+    with ``group``: its FetchBlocks run's length."""
+    asker = Identity.node("node-1")
+    creds = tls.Credentials.load(certs.identity_dir(cluster.certs.root, asker), asker)
+
+    async def ask():
+        address = f"127.0.0.1:{cluster.nodes[holder].port}"
+        async with rpc.channel(address, peer=Identity.node(holder), credentials=creds,
+                               max_receive_bytes=rpc.MAX_MESSAGE_BYTES) as channel:
+            request = compute_pb2.FetchBlocksRequest(tenant=tenant, block_hashes=b"".join(hashes), prefix_group=group)
+            chunks = [c async for c in compute_pb2_grpc.ComputeStub(channel).FetchBlocks(request, timeout=60)]
+        return len(chunks[0].header.blocks)
+
+    return asyncio.run(ask())
 
 
 def test_a_group_shares_a_system_prompt_and_nobody_else_does(start_cluster, tmp_path):
@@ -64,6 +86,11 @@ def test_a_group_mates_blocks_are_fetched_from_the_peer_holding_them(start_clust
 
     first = on("node-0", "a-1", "acme-a", "acme")
     assert not first.error and first.cached_tokens == 0
+    chain = block_hashes(prompt, BLOCK_SIZE, tenant_extra_key("acme-a", prefix_group="acme"))[:SYSTEM_BLOCKS]
+    assert served_by(cluster, "node-0", "acme-b", "acme", chain) == SYSTEM_BLOCKS  # a group mate's salt
+    assert served_by(cluster, "node-0", "other", "", chain) == 0       # asked outside the group: fenced
+    assert served_by(cluster, "node-0", "other", "globex", chain) == 0  # asked from another group: fenced
+    assert "held under another salt" in cluster.nodes["node-0"].log_path.read_text()
     outsider = on("node-1", "c-1", "other")              # its chain is not the group's: nothing to fetch
     assert not outsider.error and outsider.cached_tokens == 0 and outsider.tokens == first.tokens
     mate = on("node-1", "b-1", "acme-b", "acme")         # node-0 serves the group's blocks to a group mate
