@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "init, issue NAME, show"),
     "etcd-auth": ("kvfleet_cli.etcd_auth_command", "give etcd the fleet's users and roles (a node writes only "
                   "its own key) and turn its client-certificate auth on"),
+    "canary": ("kvfleet_cli.canary_command", "a share of new conversations on the canary group: start, stop, "
+               "report (bootstrap verdicts per metric), promote, rollback"),
     "models": ("kvfleet_cli.models_pull", "named models: `models pull smollm2` downloads and converts one"),
 }
 

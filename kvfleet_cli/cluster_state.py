@@ -34,6 +34,7 @@ class ClusterState:
     block_service: tuple[str, ...] = ()  # its replicas' host:port (two with a standby)
     etcd: str = ""                       # its etcd's URL, which names the block_service leader
     certs: str = ""                      # its certificates directory ("": plaintext); admin/ is the operator's
+    router_metrics: str = ""             # the router's metrics base URL (``kvfleet canary report``)
 
     def write(self, path: Path | None = None) -> Path:
         path = path or state_file()

@@ -24,6 +24,7 @@ from block_service.settings import EvictionSettings
 from compute_service.node.settings import NodeSettings
 from kvfleet import settings
 from kvfleet.settings import setting
+from kvfleet_cli.canary_cluster import CanaryNodes, CanaryPlan
 from kvfleet_cli.cluster_state import ClusterState
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.local_nodes import LOCAL_NODE_DEFAULTS, local_node_settings, node_roles
@@ -94,6 +95,10 @@ class UpSettings:
                                       "default they speak mutual TLS under a CA made in --work-dir/certs")
     start_timeout_s: float = setting(300.0, "how long the cluster may take to serve (a loaded machine loads models "
                                      "slowly; a child that exits fails the start at once)", above=0, metavar="S")
+    canary_config: str | None = setting(None, "the canary's configuration: a file as --config takes, its values over "
+                                        "the cluster's (kvfleet canary)", unset="no canary", metavar="FILE")
+    canary_nodes: int = setting(0, "nodes (of --nodes) that run --canary-config, in group canary", at_least=0,
+                                metavar="N")
     node: NodeSettings = field(default_factory=local_node_settings)
     eviction: EvictionSettings = field(default_factory=EvictionSettings)  # block_service's, passed on
 
@@ -150,7 +155,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a setting's rule, one between settings (the KV tiers), or no model there
         print(f"kvfleet up: {e}", file=sys.stderr)
         return 2
-    cluster = LocalCluster(model, up.nodes, up.tenants, up.work_dir, node=up.node,
+    if up.canary_nodes and (up.canary_config is None or up.canary_nodes >= up.nodes):
+        print("kvfleet up: --canary-nodes needs --canary-config FILE and fewer canary nodes than --nodes",
+              file=sys.stderr)
+        return 2
+    plan = CanaryPlan.load(up.canary_config, UpSettings, vars(args)) if up.canary_nodes else None
+    stable_nodes = up.nodes - up.canary_nodes
+    cluster = LocalCluster(model, stable_nodes, up.tenants, up.work_dir, node=up.node,
                            block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal,
                            roles=node_roles(up.nodes, up.prefill_nodes, up.decode_nodes), eviction=up.eviction)
     stop = False
@@ -168,12 +179,17 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError) as err:  # which child, and the end of its log
             print(f"kvfleet up: the cluster did not start: {err}", file=sys.stderr)
             return 1
+        canary = None
+        if plan is not None:
+            canary = CanaryNodes(cluster, plan, [f"node-{i}" for i in range(stable_nodes, up.nodes)])
+            canary.start(up.start_timeout_s)
         _log_to(cluster.work_dir / "supervisor.log")
         key = "sk-gold" if up.tenants is None else None
         replicas = tuple(f"127.0.0.1:{c.port}" for c in (cluster.block_service, cluster.block_service_standby)
                          if c is not None)
         state = ClusterState(cluster.router_address, os.getpid(), key, str(cluster.work_dir), replicas,
-                             cluster.etcd.url, str(cluster.certs.root or ""))
+                             cluster.etcd.url, str(cluster.certs.root or ""),
+                             cluster.metrics_urls.get("router", "").removesuffix("/metrics"))
         state_path = state.write()
         print(f"kvfleet is up: router at {cluster.router_address}, {up.nodes} compute nodes serving {model}, "
               f"etcd at {cluster.etcd.url}, logs in {cluster.work_dir}")
@@ -183,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         if up.block_service_standby:
             print(f"block_service: two replicas electing their leader in etcd (leader {cluster.block_service_address}, "
                   f"a synchronous standby that takes over when it dies)")
+        if plan is not None:
+            print(f"canary: {up.canary_nodes} nodes on {plan.config_name}, split 0 until `kvfleet canary start "
+                  f"--share S`" if not plan.problem else f"canary: NOT running ({plan.problem}); serving on stable")
         if cluster.router_unix_address:
             print(f"clients on this machine can use {cluster.router_unix_address}")
         print(f"OpenAI-compatible HTTP API at {cluster.http_url} (model {Path(model).name!r})")
@@ -196,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             if supervisor.poll() is not None:
                 status = 1
                 break
+            if canary is not None:
+                canary.poll()
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         pass
