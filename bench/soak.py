@@ -11,12 +11,21 @@ supervisor would. At the end, after the requests have settled: the chaos suite's
 token-exact probe, leaked blocks and sequences, block_service's durable invariants, every client's
 status and tokens), and one table: requests, outcomes per status, faults, restarts, deaths, leaked
 blocks, resident memory (VmRSS) per process at start, after warm-up and at the end.
+
+Resident memory is sampled every ``--rss-interval-s`` all along, and each process's growth after
+warm-up is one figure, ``rss_slope_mib_per_hour``: a least-squares line through its samples
+(``kvfleet_cli/loadgen/rss_slope.py``; issue 35's goal: 5 MiB an hour or less). The nodes also write
+their glibc heap figures (the memory probe's cheap half, ``KVFLEET_MEM_PROBE``), fitted the same way:
+``in_use`` rising is memory something holds, ``free`` rising with ``in_use`` flat is fragmentation.
+``--json`` prints all of it as one JSON object on the last line; ``--quick`` is a 3-minute shape
+(1 minute of warm-up, a sample every 5 s) that checks the whole path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -35,9 +44,11 @@ from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: 
 
 from bench.common import ensure_model  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
-from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
+from kvfleet_cli.bench_command import cpu_model  # noqa: E402
+from kvfleet_cli.loadgen.memory_track import MemoryTrack, heap_slopes, probe_dir, probe_env  # noqa: E402
 
 SOAK_MODEL = ROOT / "models" / "soak-tiny"
+GOAL_MIB_PER_HOUR = 5.0  # issue 35: resident memory growth after warm-up, per process
 PROMPTS = {
     **{f"p{i}": (n, 160) for i, n in enumerate((17, 40, 75, 110, 150))},
     **{f"f{i}": (n, 200) for i, n in enumerate((120, 170, 230))},  # the small tenant's: each fits its quota
@@ -66,14 +77,25 @@ class Soak:
     policies: list[FaultPolicy] = field(default_factory=list)
     deaths: list[str] = field(default_factory=list)       # "name (exit N): last error"
     restarts: int = 0                                      # scheduled and supervised
-    rss: dict[str, dict[str, tuple[int, float | None]]] = field(default_factory=dict)  # moment → name → (pid, MiB)
+    started: float = 0.0                                   # time.monotonic() at the start sample
+    memory: MemoryTrack = field(default_factory=MemoryTrack)
 
-    def sample_rss(self, moment: str) -> None:
+    def sample_rss(self, moment: str | None = None) -> None:
         procs = {c.name: c.process.pid for c in self.cluster.children()}
         if self.cluster.etcd.process is not None:
             procs["etcd"] = self.cluster.etcd.process.pid
         procs["soak clients"] = os.getpid()
-        self.rss[moment] = {name: (pid, rss_mib(pid)) for name, pid in procs.items()}
+        self.started = self.started or time.monotonic()
+        self.memory.sample(procs, time.monotonic() - self.started, moment)
+
+    def heap(self, warmup_s: float, started_wall: float) -> dict[str, dict]:
+        """Each node's heap slopes from its probe file (its last process's), where it wrote one."""
+        directory, out = probe_dir(), {}
+        for name, samples in self.memory.series.items():
+            path = directory / f"mem-{name}-{samples[-1][1]}.jsonl" if directory else None
+            if path and name.startswith("node-") and path.exists():
+                out[name] = heap_slopes(path, started_wall, warmup_s)
+        return out
 
     def supervise(self, expected_down: set[str]) -> None:
         """Count and restart a process that died unasked (on the loop's thread: see chaos_cluster)."""
@@ -105,16 +127,19 @@ async def run(args: argparse.Namespace, cluster) -> int:
         checker = ClusterChecker(cluster, book)
         await checker.baseline()
         soak.sample_rss("start")
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         warm_at, end_at = started + args.warmup_minutes * 60, started + args.minutes * 60
+        next_rss = started + args.rss_interval_s
         next_fault, fault_index = started + args.fault_every, 0
         load = LoadGenerator(stub, book, MIX, clients=args.clients, seed=args.seed).start()
         try:
             while time.monotonic() < end_at:
                 await asyncio.sleep(0.5)
                 soak.supervise(expected_down=set())
-                if "warm" not in soak.rss and time.monotonic() >= warm_at:
-                    soak.sample_rss("warm")
+                warming = "warm" not in soak.memory.moments and time.monotonic() >= warm_at
+                if warming or time.monotonic() >= next_rss:
+                    soak.sample_rss("warm" if warming else None)
+                    next_rss = time.monotonic() + args.rss_interval_s
                 if soak.faults and time.monotonic() >= next_fault:
                     await soak.inject(soak.faults[fault_index % len(soak.faults)], checker)
                     fault_index += 1
@@ -128,59 +153,82 @@ async def run(args: argparse.Namespace, cluster) -> int:
         problems += leak + await checker.check_durability() + violations(outcomes, book.references, soak.policies)
         leaked_blocks, live_sequences = await checker.blocks_in_use()
         soak.sample_rss("end")
-    print(summary(args, soak, outcomes, elapsed, problems, leaked_blocks, live_sequences))
+    heap = soak.heap(args.warmup_minutes * 60, started_wall)
+    if args.json:
+        print(json.dumps(report(args, soak, outcomes, elapsed, problems, leaked_blocks, live_sequences, heap)))
+    else:
+        print(summary(args, soak, outcomes, elapsed, problems, leaked_blocks, live_sequences, heap))
     return 1 if problems or soak.deaths else 0
 
 
-def summary(args, soak: Soak, outcomes, elapsed: float, problems: list[str], leaked: int, live: int) -> str:
+def counts(soak: Soak, outcomes, elapsed: float, problems: list[str], leaked: int, live: int) -> tuple[Tally, dict]:
     tally = Tally()
     tally.add(outcomes)
-    node_deaths = sum(d.startswith("node-") for d in soak.deaths)
+    return tally, dict(
+        dtype=soak.cluster.node.engine.dtype, minutes=round(elapsed / 60, 2), nodes=len(soak.cluster.nodes),
+        requests=tally.total, tokens=tally.tokens,
+        tokens_per_s=round(tally.tokens / elapsed, 1), per_status=dict(tally.per_status()), restarts=soak.restarts,
+        node_deaths=sum(d.startswith("node-") for d in soak.deaths), process_deaths=len(soak.deaths),
+        faults_injected=len(soak.policies), leaked_blocks=leaked, live_sequences=live, violations=len(problems))
+
+
+def summary(args, soak: Soak, outcomes, elapsed: float, problems: list[str], leaked: int, live: int, heap) -> str:
+    tally, c = counts(soak, outcomes, elapsed, problems, leaked, live)
+    worst = soak.memory.worst(args.warmup_minutes * 60)
     lines = [
-        f"soak: {elapsed / 60:.1f} min, {len(soak.cluster.nodes)} nodes, {args.clients} clients, "
-        f"faults: {', '.join(soak.faults) or 'none'} (every {args.fault_every:g}s, {len(soak.policies)} injected)",
-        f"requests {tally.total}, tokens {tally.tokens} ({tally.tokens / elapsed:.0f}/s); per status: "
-        + ", ".join(f"{code} {n}" for code, n in tally.per_status().items()),
-        f"restarts {soak.restarts}, node deaths {node_deaths}, process deaths {len(soak.deaths)}; "
+        f"soak: {c['minutes']:.1f} min, {c['nodes']} nodes, {args.clients} clients, {cpu_model()}, {c['dtype']}; "
+        f"faults: {', '.join(soak.faults) or 'none'} (every {args.fault_every:g}s, {c['faults_injected']} injected)",
+        f"requests {c['requests']}, tokens {c['tokens']} ({c['tokens_per_s']:.0f}/s); per status: "
+        + ", ".join(f"{code} {n}" for code, n in c["per_status"].items()),
+        f"restarts {c['restarts']}, node deaths {c['node_deaths']}, process deaths {c['process_deaths']}; "
         f"leaked blocks {leaked}, live sequences {live}; contract violations {len(problems)}",
+        "steepest memory growth after warm-up: " + (
+            f"{worst['process']} {worst['rss_slope_mib_per_hour']:+.1f} MiB/h (goal: {GOAL_MIB_PER_HOUR:g} or less)"
+            if worst else "none fitted (too few samples after the warm-up)"),
         "",
         tally.table(),
         "",
-        f"{'process':<14} {'pid':>8} {'start MiB':>10} {'warm MiB':>10} {'end MiB':>10} {'growth':>8}",
+        *soak.memory.table(args.warmup_minutes * 60, heap),
     ]
-    start, warm, end = (soak.rss.get(m, {}) for m in ("start", "warm", "end"))
-    for name in end:
-        pid, end_mib = end[name]
-        cells = [start.get(name), warm.get(name)]
-        base = warm.get(name) if warm.get(name) and warm[name][0] == pid else None
-        growth = f"{end_mib - base[1]:+.1f}" if base and base[1] and end_mib else "restarted"
-
-        def mib(cell):
-            return f"{cell[1]:.1f}" if cell and cell[1] is not None else "-"
-
-        lines.append(f"{name:<14} {pid:>8} {mib(cells[0]):>10} {mib(cells[1]):>10} {mib(end[name]):>10} {growth:>8}")
-    lines.append("(growth: end against after warm-up, same process)")
     lines += [f"death: {d}" for d in soak.deaths] + [f"violation: {p}" for p in problems]
     return "\n".join(lines)
 
 
+def report(args, soak: Soak, outcomes, elapsed: float, problems: list[str], leaked: int, live: int, heap) -> dict:
+    """--json: the run's settings and counts, the steepest slope, and every process's memory."""
+    _, c = counts(soak, outcomes, elapsed, problems, leaked, live)
+    warmup_s = args.warmup_minutes * 60
+    return dict(
+        cpu=cpu_model(), clients=args.clients, faults=soak.faults, warmup_minutes=args.warmup_minutes,
+        rss_interval_s=args.rss_interval_s, goal_mib_per_hour=GOAL_MIB_PER_HOUR, **c,
+        worst_rss_slope=soak.memory.worst(warmup_s), deaths=soak.deaths, problems=problems,
+        processes=soak.memory.report(warmup_s, heap))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--minutes", type=float, default=None, help="default 30 (--quick: 3)")
     parser.add_argument("--warmup-minutes", type=float, default=None, help="default: a quarter of the run, at most 2")
+    parser.add_argument("--rss-interval-s", type=float, default=None, help="seconds between memory samples (30; --quick: 5)")
+    parser.add_argument("--quick", action="store_true", help="3 minutes, 1 of warm-up, memory every 5 s")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--faults", default="", help=f"comma-separated, in turn: {','.join(FAULTS)}")
     parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
     args = parser.parse_args()
+    for name, full, quick in (("minutes", 30.0, 3.0), ("rss_interval_s", 30.0, 5.0), ("warmup_minutes", None, 1.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     unknown = [f for f in args.faults.split(",") if f and f not in FAULTS]
-    if unknown or args.minutes <= 0 or args.clients < 1:
-        parser.error(f"unknown faults {unknown}" if unknown else "--minutes and --clients must be positive")
+    if unknown or args.minutes <= 0 or args.clients < 1 or args.rss_interval_s <= 0:
+        parser.error(f"unknown faults {unknown}" if unknown else "--minutes, --clients and --rss-interval-s must be positive")
     if args.warmup_minutes is None:
         args.warmup_minutes = min(2.0, args.minutes / 4)
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="kvfleet-soak-"))
     work_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(probe_env(work_dir / "mem", args.rss_interval_s))  # the nodes inherit it
     cluster = chaos.start_cluster(ensure_model("tiny", SOAK_MODEL), work_dir)
     print(f"cluster up; logs in {work_dir}", flush=True)
     try:

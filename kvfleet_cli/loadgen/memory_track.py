@@ -116,11 +116,12 @@ class MemoryTrack:
                          f"{mib('end_mib'):>10} {growth:>8} {slope:>8} {fit:>10}")
         lines.append(f"(growth: end against after warm-up, same process; MiB/h: least-squares slope of the samples "
                      f"{warmup_s:g} s after the start or a restart on, over samples / seconds)")
+        suffix = "_slope_mib_per_hour"
         for name, row in rows.items():
             if "heap" in row:
                 lines.append(f"{name} heap (mallinfo2), MiB/h after warm-up: " + ", ".join(
-                    f"{key.removesuffix('_slope_mib_per_hour')} {value:+.1f}" for key, value in row["heap"].items()
-                    if key.endswith("_slope_mib_per_hour") and value is not None))
+                    f"{key.removeprefix('heap_').removesuffix(suffix)} {value:+.1f}" for key, value in row["heap"].items()
+                    if key.endswith(suffix) and value is not None))
         return lines
 
 

@@ -66,7 +66,7 @@ def test_heap_lines_become_slopes(tmp_path):
     track.series["node-0"] = [(float(t), 123, 500.0) for t in range(0, 600, 30)]
     row = track.report(120, {"node-0": view})["node-0"]
     assert row["heap"]["heap_in_use_slope_mib_per_hour"] == 3.0 and row["heap"]["heap_in_use_end_mib"] == 110.72
-    assert any(line.startswith("node-0 heap") and "heap_in_use +3.0" in line for line in track.table(120, {"node-0": view}))
+    assert any(line.startswith("node-0 heap") and "in_use +3.0, free +0.0" in line for line in track.table(120, {"node-0": view}))
 
 
 def test_the_probe_env_turns_on_the_cheap_view_unless_the_caller_set_its_own(tmp_path, monkeypatch):
