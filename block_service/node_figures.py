@@ -40,7 +40,7 @@ def tenant_stats(node_id: str, node: NodePool, seqs: Iterable[SeqState], tenants
     the node's lower tiers, ``caps`` their caps there. The nodes' own warm-up shows only while it
     holds blocks (the pool's figures must add up), never for its counters: it is not a tenant."""
     bs, ledger, evictions = node.pool.block_size, node.ledger, node.pool.evictions()
-    cached = cached_by_tenant(node.pool)
+    cached = cached_by_tenant(node.pool) if node.pool.num_cached else {}
     per: dict[str, list[int]] = {t: [0, 0, 0] for t in tenants}
     for t in list(ledger.charged) + list(node.tenant_counters) + list(lower) + list(evictions) + list(cached):
         per.setdefault(t, [0, 0, 0])
