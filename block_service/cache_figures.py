@@ -2,8 +2,11 @@
 fair eviction policies (``block_service.eviction.fair``), for the metrics and ``kvfleet blocks``.
 
 A cached block counts for the tenant last charged for it, the one its eviction would be counted
-for (``BlockPool.evictions``). Read from the pool's arrays (``BlockPool.state``) with numpy: a
-scrape's cost, not the allocation path's.
+for (``BlockPool.evictions``). Read from the pool's arrays (``BlockPool.state``) with numpy, by
+every ``Stats`` call and scrape (never the allocation path): measured ~50 ms for a 100,000-block
+pool with 20,000 hashed blocks under ``lru``, ~130 ms under ``fair+value`` (``state`` serialises the
+policy too). A ``BlockPool`` method counting the policy's cached blocks by owner would take ~1 ms;
+block_pool.py is at the size limit, so that waits for the file's split.
 """
 
 from __future__ import annotations
