@@ -115,7 +115,7 @@ class BlockPool:
 
     def num_available(self) -> int:
         """Blocks a fresh allocation could take: free plus evictable cached."""
-        return len(self._free) + len(self._policy)
+        return len(self._free) + self._policy.evictable
 
     @property
     def eviction(self) -> str:
@@ -195,7 +195,7 @@ class BlockPool:
         """``n`` fresh blocks: free ones first, then cached ones, evicted in the policy's order."""
         free, ref, owners = self._free, self.ref, self._owner
         num_free = len(free)
-        assert n <= num_free + len(self._policy), "caller must check num_available()"
+        assert n <= num_free + self._policy.evictable, "caller must check num_available()"
         if n <= 0:
             return []
         code = self._codes.get(owner) or self._code(owner)

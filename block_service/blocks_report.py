@@ -11,8 +11,10 @@ Pure: built from the figures the Stats call returns (``client.BlockManagerClient
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
+from block_service.pins import TenantPins
 from block_service.stats import Holder, NodeStats, TenantStats, TierBlocks
 
 
@@ -35,6 +37,7 @@ class BlocksReport:
     nodes: list[NodeBlocks]
     tenants: list[TenantStats]
     log_records: int = 0
+    pins: list[TenantPins] = field(default_factory=list)  # per tenant and node holding pins
 
 
 def to_json(report: BlocksReport) -> dict:
@@ -60,7 +63,8 @@ def to_json(report: BlocksReport) -> dict:
         "lower_tier": t.lower_tier_blocks, "lower_tier_quota": t.lower_tier_allowed,
         "refusals_lower_tier": t.counters.refusals_lower_tier, "evictions": dict(t.counters.evictions),
     } for t in report.tenants]
-    return {"nodes": nodes, "tenants": tenants, "log_records": report.log_records}
+    pins = [asdict(p) for p in report.pins]
+    return {"nodes": nodes, "tenants": tenants, "log_records": report.log_records, "pins": pins}
 
 
 def _limit(blocks: int | None) -> str:
@@ -111,6 +115,12 @@ def render(report: BlocksReport) -> str:
               str(t.lower_tier_blocks), _limit(t.lower_tier_allowed), str(t.counters.refusals_lower_tier),
               str(sum(t.counters.evictions.values()))]
              for t in report.tenants])]
+    if report.pins:
+        lines.append("pins (blocks; a lowered budget keeps older pins until they expire):")
+        lines += ["  " + line for line in _table(
+            ["tenant", "node", "pinned", "budget", "on node", "earliest expiry"],
+            [[p.tenant, p.node_id, str(p.pinned), str(p.allowed), str(p.cached),
+              time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(p.earliest))] for p in report.pins])]
     if any(h.age_at_least for n in report.nodes for h in n.holders):
         lines.append("(>: allocated before block_service's last start; the age counts from that start)")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from block_service.blocks_report import BlocksReport, NodeBlocks
 from block_service.bookkeeping import ApplyResult
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
+from block_service.pins import PinResult
 from block_service.stats import NodeStats, TenantStats
 from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
@@ -176,7 +177,15 @@ class BlockManagerClient:
         resp = await self._call("Stats", pb.BlockStatsRequest(node_ids=node_ids or [], top_holders=top_holders))
         nodes = [NodeBlocks(wire.node_stats_from_pb(n), [wire.tier_from_pb(t) for t in n.tiers],
                             [wire.holder_from_pb(h) for h in n.top_holders]) for n in resp.nodes]
-        return BlocksReport(nodes, [wire.tenant_stats_from_pb(t) for t in resp.tenants], resp.log_records)
+        return BlocksReport(nodes, [wire.tenant_stats_from_pb(t) for t in resp.tenants], resp.log_records,
+                            [wire.tenant_pins_from_pb(p) for p in resp.pins])
+
+    async def pin_prefix(self, node_id: str, tenant: str, block_hashes: Sequence[bytes], ttl_s: int) -> PinResult:
+        """Pin a prompt's leading blocks on a node for ``ttl_s`` seconds (``pins``); refused with
+        ``ResourceExhausted`` past the tenant's budget, ``FailedPrecondition`` without one."""
+        resp = await self._call("PinPrefix", pb.PinPrefixRequest(
+            tenant=tenant, node_id=node_id, block_hashes=b"".join(block_hashes), ttl_s=ttl_s))
+        return PinResult(resp.num_pinned, resp.num_new, resp.tenant_pinned, resp.tenant_allowed, int(resp.expires_at))
 
     async def sequences(self, seq_ids: Sequence[str], tenant: str | None = None) -> list[SeqState]:
         resp = await self._call("GetSequences", pb.GetSequencesRequest(seq_ids=seq_ids, tenant=tenant or ""))

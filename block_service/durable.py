@@ -29,11 +29,12 @@ from block_service.lineage import clear_reset, mark_reset
 from block_service.lower_tiers import TierOutcome, validate_tier_change
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import PageTable
+from block_service.pins import PinResult
 from block_service.recovery import RecoveryError, RecoveryReport, numbered, recover
 from block_service.snapshot import write_snapshot
 from block_service.wal import LogWriter, frame, log_name
 from kvfleet.allocator import AllocateRequest, Allocation, Refusal, TierChange
-from kvfleet.errors import Unavailable
+from kvfleet.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvfleet.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class DurablePageTable:
         self.on_write: Callable[[float], None] | None = None  # seconds of each group commit (metrics)
         # (lsn after them, framed records) once they are on disk: what replication sends (loop thread)
         self.on_durable: Callable[[int, bytes], None] | None = None
+        self.pins_refused: dict[tuple[str, str], int] = {}  # (tenant, reason) -> pins refused since start
 
     @classmethod
     def open(cls, state_dir: str, fsync: bool = True,
@@ -174,6 +176,28 @@ class DurablePageTable:
         if applied.tiers:
             self._log(rec.encode_tiers(tiers.node_id, applied.tiers))
         return result
+
+    def pin_prefix(self, node_id: str, tenant: str, block_hashes: Sequence[bytes], expires_at: int) -> PinResult:
+        """``FleetPins.pin``; a refusal is counted per tenant and reason (``pins_refused``)."""
+        self._check_writable()
+        try:
+            result = self.table.pins.pin(node_id, tenant, block_hashes, expires_at)
+        except (ResourceExhausted, FailedPrecondition) as err:
+            key = (tenant, "budget" if isinstance(err, ResourceExhausted) else "no_budget")
+            self.pins_refused[key] = self.pins_refused.get(key, 0) + 1
+            raise
+        self._log(rec.encode_pin(node_id, tenant, block_hashes, expires_at))
+        return result
+
+    def expire_pins(self, now: float) -> int:
+        """End every pin whose expiry is at or before ``now`` (the leader's clock), one record per
+        node; returns how many ended."""
+        ended = 0
+        for node_id, hashes in self.table.pins.due(now):
+            self._check_writable()
+            ended += self.table.pins.expire(node_id, hashes)
+            self._log(rec.encode_unpin(node_id, hashes))
+        return ended
 
     def append_replicated(self, payload: bytes) -> None:
         """A standby: the leader's record ``self.lsn``, replayed and logged as it came (raises,

@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from block_service.block_pool import BlockPool, validate_shape
-from block_service.eviction import policy_class
+from block_service.eviction import pinned, policy_class
 from block_service.lower_tiers import LowerTiers, TierOutcome, validate_tier_change
 from block_service.node_pool import NodePool
 from block_service.prefix_index import MAX_SLOTS, PrefixIndex
@@ -170,6 +170,9 @@ class Fleet:
             if "lower_tiers" in nd:
                 self.tiers.restore(slot, nd["lower_tiers"])
         self.index.settle()  # the pools' hashes, indexed at once
+        for node in self.nodes.values():
+            if node.pins is not None:
+                pinned.restore(node.pool, node.pins.pins)
 
     def check(self, indexed: int) -> None:
         """The shared indexes against the pools, which index ``indexed`` hashes in all."""

@@ -121,7 +121,8 @@ async def serve(config: BlockServiceSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(_snapshot_loop(store, config.snapshot_interval_s, config.snapshot_log_mib))]
+    tasks = [asyncio.create_task(_snapshot_loop(store, config.snapshot_interval_s, config.snapshot_log_mib)),
+             asyncio.create_task(_pin_expiry_loop(store, servicer.role))]
     replica = None
     if replication is not None:
         replica = asyncio.create_task(_run_replica(config, store, *replication[::3], configure_tenants))
@@ -239,6 +240,21 @@ async def _ship_loop(store, backup_dir: str, interval_s: float) -> None:
     while True:
         await _ship(store, backup_dir)
         await asyncio.sleep(interval_s)
+
+
+async def _pin_expiry_loop(store, role, interval_s: float = 5.0) -> None:
+    """The leader ends the pins whose time came, by writing a record (a standby replays it)."""
+    import asyncio
+    import time
+
+    while True:
+        await asyncio.sleep(interval_s)
+        if role.holds():
+            try:
+                if store.expire_pins(time.time()):
+                    await store.flush()
+            except Exception as err:  # the log failed: every write says so already
+                log.warning("pins not expired: %s", err)
 
 
 async def _snapshot_loop(store, interval_s: float, log_mib: float) -> None:

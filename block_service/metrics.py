@@ -37,6 +37,8 @@ class BlockServiceSample:
     log_records: int                # records durable since the first start
     log_bytes: int                  # size of the current log (since the last snapshot)
     snapshot_age_s: float | None    # None: durability off, no snapshots
+    pins: tuple = ()                # ``pins.TenantPins`` per tenant and node holding pins
+    pins_refused: tuple = ()        # ((tenant, reason), count): pins refused since start
     shares: dict[str, dict[str, int]] = field(default_factory=dict)  # node -> tenant -> its cache share, blocks
 
 
@@ -102,6 +104,10 @@ def families(s: BlockServiceSample) -> Iterator[Metric]:
                 "policies (cache_share_mib, else reserved_mib; absent: none). Shares are weights: they may sum past "
                 "the pool", tenant, [((t, node), n) for node, shares in sorted(s.shares.items())
                                      for t, n in sorted(shares.items())])
+    yield gauge("pinned_blocks", "Blocks the tenant has pinned on the node (cached or not yet: each counts against "
+                "its pinned_mib budget)", ("tenant", "node"), [((p.tenant, p.node_id), p.pinned) for p in s.pins])
+    yield counter("pins_refused", "Pins refused, by tenant and reason (budget: past its pinned_mib; no_budget: "
+                  "pinned_mib 0)", ("tenant", "reason"), [((t, why), n) for (t, why), n in s.pins_refused])
     yield counter("wal_records", "Write-ahead log records durable since the first start", (), [((), s.log_records)])
     yield gauge("wal_bytes", "Size of the write-ahead log since the last snapshot", (), [((), s.log_bytes)])
     if s.snapshot_age_s is not None:

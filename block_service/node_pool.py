@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from block_service import pins as pinning
 from block_service.block_pool import BlockPool
 from block_service.pool_codec import pool_from_dict, pool_to_dict
 from block_service.prefix_index import PrefixIndex
@@ -40,6 +41,7 @@ class NodePool:
     tenant_counters: dict[str, Counters] = field(default_factory=dict)
     last_warning: float = float("-inf")
     suppressed_warnings: int = 0  # pool refusals not logged since the last line (the interval)
+    pins: pinning.NodePins | None = None  # its pins by hash (``block_service.pins``); None: never pinned
 
     def configure(self, tenants: Iterable[Tenant]) -> None:
         """The tenants' quotas and reserved shares in this pool's blocks for the ledger, their shares
@@ -50,7 +52,10 @@ class NodePool:
 
     def to_dict(self) -> dict:
         """The pool and its ledger (not the counters), for a snapshot; ``from_dict`` restores them."""
-        return {"pool": pool_to_dict(self.pool), "ledger": self.ledger.to_dict()}
+        d = {"pool": pool_to_dict(self.pool), "ledger": self.ledger.to_dict()}
+        if self.pins is not None and self.pins.pins:  # absent: none (and snapshots before pins)
+            d["pins"] = self.pins.to_list()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, index: PrefixIndex, slot: int, tenants: Iterable[Tenant], eviction: str) -> NodePool:
@@ -60,7 +65,10 @@ class NodePool:
         ledger = QuotaLedger(pool.bytes_per_block)
         ledger.restore(d["ledger"], tenants)
         pool.set_shares(cache_shares(tenants, pool.bytes_per_block))
-        return cls(pool, ledger)
+        node = cls(pool, ledger)
+        if d.get("pins"):  # held by the pool's policy once the hashes are indexed (``Fleet.restore``)
+            node.pins = pinning.NodePins.from_list(d["pins"])
+        return node
 
     def check(self, node_id: str, seqs: Iterable[SeqState]) -> int:
         """Invariants 1-3 on this node, ``seqs`` being its live sequences; returns how many hashes
@@ -79,6 +87,7 @@ class NodePool:
                 refs[b] += 1
         assert refs == list(pool.ref), f"node {node_id}: reference counts differ from the block tables"
         self.ledger.check(pool.charged())
+        pinning.check(self)
         return indexed
 
     def tenant_counter(self, tenant: str) -> Counters:

@@ -25,6 +25,7 @@ from block_service.fleet import Fleet
 from block_service.lower_tiers import TierOutcome
 from block_service.node_pool import NodePool
 from block_service.node_sync import LiveSequence, SyncResult, plan_sync
+from block_service.pins import FleetPins
 from block_service.sequence import SeqState
 from block_service.stats import Holder, NodeStats, TenantStats
 from block_service.validation import validate_hashes, validate_tokens
@@ -296,6 +297,11 @@ class PageTable:
                     node_ids: Sequence[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
         """``(hot, lower)`` blocks of the prompt per node (``Fleet.match_tiers``). Changes nothing."""
         return self._fleet.match_tiers(block_hashes, node_ids)
+
+    @property
+    def pins(self) -> FleetPins:
+        """The nodes' pins (``block_service.pins``): ``pin``, ``expire`` (the log's calls), ``due``, ``summary``."""
+        return FleetPins(self._fleet)
 
     # ---- lower tiers ---------------------------------------------------------------------------
 

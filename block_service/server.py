@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import grpc
 
-from block_service import wire
+from block_service import pins, wire
 from block_service.durable import DurablePageTable
 from block_service.replication_source import ReplicationSource
 from block_service.role import Role
@@ -160,6 +161,18 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         return wire.matches_to_pb(hot, lower, self.table.block_size)
 
     @_answers
+    async def PinPrefix(self, request, context):
+        """Pins past their time end first (so they stop counting), then the pin (``pins``)."""
+        self.role.check_writable()
+        ttl = pins.check_ttl(request.ttl_s)
+        now = int(time.time())
+        self.store.expire_pins(now)
+        r = self.store.pin_prefix(request.node_id, request.tenant, wire.split_hashes(request.block_hashes), now + ttl)
+        await self._durable()
+        return pb.PinPrefixResponse(num_pinned=r.num_pinned, num_new=r.num_new, tenant_pinned=r.tenant_pinned,
+                                    tenant_allowed=r.allowed, expires_at=r.expires_at)
+
+    @_answers
     async def RegisterNode(self, request, context):
         self.role.check_writable()
         created = self.store.register_node(request.node_id, request.num_blocks, request.block_size,
@@ -216,6 +229,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             tenants=[wire.tenant_stats_to_pb(t) for n in node_ids for t in self.table.tenant_stats(n)],
             log_records=self.store.durable_lsn,
             log_bytes=self.store.log_bytes,
+            pins=[wire.tenant_pins_to_pb(p) for p in self.table.pins.summary() if p.node_id in node_ids],
         )
 
     @_answers

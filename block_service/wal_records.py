@@ -16,6 +16,8 @@ the calls on the state they were made on gives the same block ids. Calls that ch
                (seq:str tenant:str num_tokens:u32 n:u32 block:u32*n)*count
     TIERS      op node:str replace:u8 ntenants:u16 tenant:str*ntenants count:u32 hash[16]*count
                code:u32*count    (code = tenant's index * 4 + tier: 0 none, 1 host, 2 disk)
+    PIN        op node:str tenant:str expires_at:u64 count:u32 hash[16]*count   (``pins``)
+    UNPIN      op node:str count:u32 hash[16]*count     (pins the leader ended: their expiry came)
 
 A TIERS record holds a node's lower-tier moves that were applied (``record_tiers``: the refused ones
 left out, so that its replay refuses nothing), or with ``replace`` its whole lower-tier index as
@@ -23,6 +25,9 @@ a sync took it (``replace_tiers``). Many moves share one record: ~20 bytes each.
 
 A SYNC record holds the node's list as the page table took it (``SyncResult.listed``: refused
 sequences left out, or as they were), so that its replay refuses nothing.
+
+A PIN record holds a pin as the table took it, its expiry absolute, and UNPIN the pins the leader
+ended, named: replay reads no clock, so a standby holds and frees the blocks the leader did.
 """
 
 from __future__ import annotations
@@ -38,15 +43,16 @@ from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, AllocateRequest, 
 from kvfleet.block_hash import HASH_BYTES
 from kvfleet.tenants import Tenant
 
-ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC, DROP, TIERS = range(1, 11)
+ALLOCATE, EXTEND, COMMIT, RELEASE, REGISTER, DEREGISTER, TENANTS, SYNC, DROP, TIERS, PIN, UNPIN = range(1, 13)
 OP_NAMES = {ALLOCATE: "allocate", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers"}
+            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers", PIN: "pin", UNPIN: "unpin"}
 _TIER_CODES = {TIER_NONE: 0, TIER_HOST: 1, TIER_DISK: 2}
 _TIER_NAMES = (TIER_NONE, TIER_HOST, TIER_DISK)
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 _OP_COUNT = struct.Struct("<BI")
 _TOKENS_NHASH = struct.Struct("<II")
 _REGISTER = struct.Struct("<IIQ")
@@ -137,6 +143,24 @@ def _decode_tiers(r: _Reader) -> tuple[int, tuple]:
     return (REPLACE_TIERS if replace else TIERS), (node, changes)
 
 
+def encode_pin(node_id: str, tenant: str, block_hashes: Sequence[bytes], expires_at: int) -> bytes:
+    return b"".join([bytes([PIN]), _s(node_id), _s(tenant), _U64.pack(expires_at), _U32.pack(len(block_hashes)),
+                     *block_hashes])
+
+
+def encode_unpin(node_id: str, block_hashes: Sequence[bytes]) -> bytes:
+    return b"".join([bytes([UNPIN]), _s(node_id), _U32.pack(len(block_hashes)), *block_hashes])
+
+
+def _decode_pin(r: _Reader, op: int) -> tuple:
+    r.pos = 1
+    node = r.str()
+    head = (r.str(), r.unpack(_U64)[0]) if op == PIN else ()
+    (count,) = r.unpack(_U32)
+    hashes = [r.raw(HASH_BYTES) for _ in range(count)]
+    return (node, head[0], hashes, head[1]) if op == PIN else (node, hashes)
+
+
 REPLACE_TIERS = -TIERS  # a TIERS record with ``replace`` set, as ``decode`` tells it apart
 
 
@@ -195,6 +219,8 @@ def decode(payload: bytes) -> tuple[int, tuple]:
         args = ([tenant_from_record(c) for c in json.loads(payload[2:])], bool(payload[1]))
     elif op == TIERS:
         op, args = _decode_tiers(r)
+    elif op in (PIN, UNPIN):
+        args = _decode_pin(r, op)
     else:
         raise ValueError(f"unknown log record type {op}")
     if op != TENANTS and r.pos != len(payload):
@@ -205,7 +231,7 @@ def decode(payload: bytes) -> tuple[int, tuple]:
 def apply(table: PageTable, payload: bytes) -> int:
     """Replay one record on ``table``; returns its op. Raises if the record does not apply."""
     op, args = decode(payload)
-    result = getattr(table, _METHODS[op])(*args)
+    result = getattr(table.pins if op in (PIN, UNPIN) else table, _METHODS[op])(*args)
     if (op in (ALLOCATE, EXTEND) and any(isinstance(x, Refusal) for x in result) or op == SYNC and result.refused
             or op == TIERS and result.refused):
         raise ValueError(f"replayed {OP_NAMES[abs(op)]} was refused: the log does not fit this state")
@@ -214,4 +240,5 @@ def apply(table: PageTable, payload: bytes) -> int:
 
 _METHODS = {ALLOCATE: "allocate_many", EXTEND: "extend", COMMIT: "commit", RELEASE: "release",
             REGISTER: "register_node", DEREGISTER: "deregister_node", TENANTS: "configure_tenants",
-            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers", REPLACE_TIERS: "replace_tiers"}
+            SYNC: "sync_node", DROP: "drop_front", TIERS: "record_tiers", REPLACE_TIERS: "replace_tiers",
+            PIN: "pin", UNPIN: "expire"}

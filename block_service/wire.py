@@ -13,6 +13,7 @@ from block_service.bookkeeping import GROWTH, ApplyResult, ItemError, TierBatch
 from block_service.lower_tiers import LOWER_TIERS
 from block_service.node_sync import LiveSequence, SyncResult
 from block_service.page_table import SeqState
+from block_service.pins import TenantPins
 from block_service.stats import Counters, Holder, NodeStats, TenantStats, TierBlocks
 from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, AllocateRequest, Allocation, Refusal, TierChange
 from kvfleet.block_hash import HASH_BYTES
@@ -313,3 +314,14 @@ def sync_result_to_pb(r: SyncResult) -> pb.SyncNodeResponse:
 def sync_result_from_pb(m: pb.SyncNodeResponse) -> SyncResult:
     return SyncResult(registered=m.registered, released=list(m.released_seq_ids), adopted=list(m.adopted_seq_ids),
                       updated=list(m.updated_seq_ids), refused=[(r.seq_id, r.reason) for r in m.refused])
+
+
+# ---- pins ---------------------------------------------------------------------------------------
+
+def tenant_pins_to_pb(p: TenantPins) -> pb.TenantPins:
+    return pb.TenantPins(tenant=p.tenant, node_id=p.node_id, pinned_blocks=p.pinned, allowed_blocks=p.allowed,
+                         cached_blocks=p.cached, earliest_expiry=p.earliest)
+
+
+def tenant_pins_from_pb(m: pb.TenantPins) -> TenantPins:
+    return TenantPins(m.tenant, m.node_id, m.pinned_blocks, m.allowed_blocks, m.cached_blocks, int(m.earliest_expiry))

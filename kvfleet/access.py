@@ -70,6 +70,8 @@ RULES: dict[str, Rule] = {
     BLOCK_MANAGER + "ConfigureTenants": _rule(ADMIN),
     # a node asks where a prompt's prefix is held before it fetches it from a peer (kv_fetch)
     BLOCK_MANAGER + "MatchPrefix": _rule(ADMIN, ROUTER, NODE),
+    # the router pins a request's prompt on the node it chose (cache.pin); admin for tools
+    BLOCK_MANAGER + "PinPrefix": _rule(ADMIN, ROUTER),
     BLOCK_MANAGER + "Stats": _rule(ADMIN, ROUTER, NODE, nodes_named=lambda r: r.node_ids, node_must_name_itself=True),
     BLOCK_MANAGER + "GetSequences": _rule(ADMIN),
     BLOCK_MANAGER + "FollowLog": _rule(BLOCK_SERVICE),

@@ -50,6 +50,12 @@ class Unavailable(BlockServiceError):
     code = "UNAVAILABLE"
 
 
+class ResourceExhausted(BlockServiceError):
+    """A budget that a whole call would pass (a tenant's pins on a node); nothing was changed."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 ERRORS_BY_CODE = {cls.code: cls for cls in (
-    InvalidArgument, NotFound, AlreadyExists, PermissionDenied, FailedPrecondition, Unavailable,
+    InvalidArgument, NotFound, AlreadyExists, PermissionDenied, FailedPrecondition, Unavailable, ResourceExhausted,
 )}

@@ -72,6 +72,11 @@ class EvictionPolicy(ABC):
         the policy's name unless it says more."""
         return self.name
 
+    @property
+    def evictable(self) -> int:
+        """How many cached blocks ``evict`` may still return (all of them, unless pins hold some)."""
+        return len(self)
+
     @abstractmethod
     def victims(self, n: int) -> list[int]:
         """The next ``n`` blocks ``evict`` would return, in order; changes nothing."""
