@@ -9,10 +9,16 @@ interval, and per metric a verdict on the canary against the stable group. Pure 
     tokens_per_s      generated tokens / window / the side's nodes    relative difference
 
 The unit of resampling is the request (a request's gaps stay together: they share its batch), each
-group resampled on its own. A verdict needs the whole interval of the difference past the metric's
-threshold: ``worse`` when it lies beyond +threshold in the bad direction, ``better`` beyond it in the
-good one, otherwise ``no detectable difference``; noise and differences too small to matter both
-land there, so a control run (both groups alike) should give no verdict at all.
+group resampled on its own. Tokens/s per node is a sum over the group's requests, and how many
+requests a group got is itself noise (the split is a coin per conversation): a resample of a fixed
+count hides that and calls the luck of the draw a difference (measured: bench/canary.py's control,
+150 requests, was called ``worse``), so its resamples weigh each request by a Poisson(1) draw
+instead, which lets the count vary as arrivals do.
+
+A verdict needs the whole interval of the difference past the metric's threshold: ``worse`` when it
+lies beyond +threshold in the bad direction, ``better`` beyond it in the good one, otherwise ``no
+detectable difference``; noise and differences too small to matter both land there, so a control run
+(both groups alike) should give no verdict at all.
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ STATS: dict[str, Callable[[GroupData, np.ndarray], float]] = {
 }
 
 
+# sums whose resamples weigh each request by a Poisson(1) draw (the request count varies): [resamples, n] -> [resamples]
+WEIGHTED: dict[str, Callable[[GroupData, np.ndarray], np.ndarray]] = {
+    "tokens_per_s_per_node": lambda g, w: w @ g.completion / g.window_s / g.nodes,
+}
+
+
 @dataclass(slots=True)
 class Verdict:
     metric: str
@@ -129,8 +141,11 @@ def compare(canary: GroupData, stable: GroupData, confidence: float = 0.95, resa
     for spec in specs:
         stat = STATS[spec.name]
         point = {g: stat(d, np.arange(d.num_requests)) for g, d in data.items()}
-        boot = {g: np.array([stat(data[g], i) for i in picks[g]]) if data[g].num_requests else np.full(1, np.nan)
-                for g in data}
+        if spec.name in WEIGHTED:
+            boot = {g: WEIGHTED[spec.name](d, rng.poisson(1.0, (resamples, d.num_requests))) for g, d in data.items()}
+        else:
+            boot = {g: np.array([stat(data[g], i) for i in picks[g]]) if data[g].num_requests else np.full(1, np.nan)
+                    for g in data}
         diffs = np.array([_difference(c, s, spec.relative) for c, s in zip(boot[CANARY], boot[STABLE])])
         lo, hi = _interval(diffs[np.isfinite(diffs)], confidence)
         if few or np.isnan(lo):

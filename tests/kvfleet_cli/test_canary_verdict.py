@@ -59,3 +59,12 @@ def test_replicas_samples_merge_over_one_window_with_each_side_s_nodes() -> None
     groups, info = groups_from_samples([two, one])
     assert (groups[CANARY].num_requests, groups[STABLE].num_requests) == (3, 4)
     assert (groups[STABLE].nodes, groups[STABLE].window_s, info["split"]) == (2, 4.0, {"share": 0.33})
+
+
+def test_the_luck_of_the_split_is_not_a_throughput_difference() -> None:
+    rng = np.random.default_rng(6)
+    # the same per-node rate, the canary dealt 13% fewer conversations than its share
+    got = _verdicts(_outcomes(rng, 130, 0.05, 0.02), _outcomes(rng, 300, 0.05, 0.02))
+    assert got["tokens_per_s_per_node"].verdict == SAME
+    halved = [dict(o, completion_tokens=o["completion_tokens"] // 2) for o in _outcomes(rng, 150, 0.05, 0.02)]
+    assert _verdicts(halved, _outcomes(rng, 300, 0.05, 0.02))["tokens_per_s_per_node"].verdict == WORSE
