@@ -18,6 +18,7 @@ not touched, but the router's host ports must be free (KVFLEET_GRPC_PORT, KVFLEE
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -195,27 +196,37 @@ def operator(*args: str, entrypoint: str | None = None) -> str:
     return compose("run", "--rm", "--no-deps", "-T", *extra, "etcd-auth", *args, timeout=180)
 
 
-def leader() -> str:
-    """The service whose address the etcd leader key names."""
-    value = operator("--endpoints=https://etcd:2379", "--cacert=/certs/admin/ca.crt", "--cert=/certs/admin/tls.crt",
-                     "--key=/certs/admin/tls.key", "get", "--print-value-only", "/kvfleet/block_service/leader",
-                     entrypoint="etcdctl").strip()
-    if not value:
+def leader_term() -> tuple[str, int]:
+    """The service whose address the etcd leader key names, and the key's create revision: a new
+    leadership term makes the key anew, so a replica that lost the lease and won it back is a new term."""
+    out = operator("--endpoints=https://etcd:2379", "--cacert=/certs/admin/ca.crt", "--cert=/certs/admin/tls.crt",
+                   "--key=/certs/admin/tls.key", "get", "-w", "json", "/kvfleet/block_service/leader",
+                   entrypoint="etcdctl").strip()
+    kvs = json.loads(out.splitlines()[-1]).get("kvs") or []
+    if not kvs:
         raise CheckError("no block_service leader in etcd")
-    return json.loads(value.splitlines()[-1])["address"].split(":")[0]
+    value = json.loads(base64.b64decode(kvs[0]["value"]))
+    return value["address"].split(":")[0], int(kvs[0]["create_revision"])
 
 
-def wait_new_leader(old: str, timeout_s: float = 120) -> str:
+def leader() -> str:
+    return leader_term()[0]
+
+
+def wait_new_term(old: tuple[str, int], timeout_s: float = 300) -> str:
+    """The leader of the first term after ``old``: the standby, or the killed replica back first
+    (compose restarts it; either way the writes went on under a new term). A term ends when its
+    lease lapses, so the wait is at least the election TTL; each look is a one-off container."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         try:
-            now = leader()
+            now = leader_term()
         except CheckError:
             now = old
-        if now != old:
-            return now
+        if now[1] != old[1]:
+            return now[0]
         time.sleep(2)
-    raise CheckError(f"no other block_service replica led within {timeout_s:.0f} s")
+    raise CheckError(f"no new block_service leadership term within {timeout_s:.0f} s (still {old[0]})")
 
 
 def served_soon(what: str, timeout_s: float = 120) -> bool:
@@ -301,11 +312,12 @@ def check(result: dict) -> None:
     served = served_both("with compute-0 down")
     result["served_after_compute_kill"] = served and wait_restarted("compute-0", restarts) and served_both("compute-0 back")
 
-    old = leader()
+    term = leader_term()
+    old = term[0]
     restarts = restart_count(old)
     crash(old)
-    new = wait_new_leader(old)
-    say(f"{new} leads now")
+    new = wait_new_term(term)
+    say(f"{new} leads now ({'the standby took over' if new != old else 'it came back and won the new term first'})")
     served = served_soon(f"with {old} down")
     result["served_after_leader_kill"] = served and wait_restarted(old, restarts)
 
