@@ -35,6 +35,7 @@ from router.generation import Generations, status_name
 from router.nodes import NodeTable
 from router.openai_requests import ApiError, OpenAICall, parse_call
 from router.openai_responses import DONE, FINISH_REASONS, Answer, Usage, sse
+from router.pinning import set_cache
 from router.server import CannotListen
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "authentication_error"),
     "PERMISSION_DENIED": (403, "permission_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),  # e.g. kvfleet_pin without a pin budget
     "NOT_FOUND": (404, "not_found_error"),
     "ALREADY_EXISTS": (409, "conflict_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
@@ -80,6 +82,7 @@ def generate_request(call: OpenAICall) -> inference_pb2.GenerateRequest:
         req.tokens.ids.extend(call.token_ids)
     else:
         req.text = call.text
+    set_cache(req, call.pin)
     return req
 
 
@@ -102,7 +105,8 @@ def finish_reason(chunk) -> str:
 
 
 def usage_of(chunk) -> Usage:
-    return Usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens)
+    return Usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens,
+                 chunk.usage.pinned_tokens or None)  # (kvfleet_pinned_tokens: only when a pin was made)
 
 
 class Door:

@@ -9,7 +9,8 @@ public ``GenerateRequest`` says. Pure: JSON in, a dataclass out, or an ``ApiErro
 
 What kvfleet does not do (several choices, tools, log probabilities, penalties, ...) is refused
 with 400 rather than ignored: a client must not believe it got what it asked for. Unknown fields
-are refused as OpenAI refuses them. ``top_k`` and ``ignore_eos`` are accepted as vLLM accepts them;
+are refused as OpenAI refuses them. ``top_k`` and ``ignore_eos`` are accepted as vLLM accepts them,
+and kvfleet's own ``kvfleet_pin`` (``true`` or ``{"tokens": N, "ttl_s": S}``: ``router/pinning.py``);
 vLLM's ``cache_salt`` is refused with its own line: the salt is decided from the API key.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvfleet.sampling import SamplingParams
 from router.chat_template import ROLES, ChatMessage
+from router.pinning import PinAsk, pin_from_json
 
 DEFAULT_MAX_TOKENS = 16        # OpenAI's default for completions
 MAX_MAX_TOKENS = 1 << 20
@@ -35,7 +37,7 @@ NEUTRAL = {
 }
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "web_search_options")
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "top_k", "ignore_eos", "prompt_cache_key", *IGNORED, *NEUTRAL)
+          "top_k", "ignore_eos", "prompt_cache_key", "kvfleet_pin", *IGNORED, *NEUTRAL)
 FIELDS = {"completion": {"prompt", *COMMON}, "chat": {"messages", "max_completion_tokens", *COMMON}}
 
 
@@ -69,6 +71,7 @@ class OpenAICall:
     stream: bool = False
     include_usage: bool = False                 # stream_options.include_usage
     conversation: str = ""                      # prompt_cache_key, else user: keeps a canary split sticky
+    pin: PinAsk | None = None                   # kvfleet_pin: GenerateRequest.cache (``router/pinning.py``)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -214,6 +217,13 @@ def _conversation(body: dict) -> str:
     return ""
 
 
+def _pin(body: dict) -> PinAsk | None:
+    try:
+        return pin_from_json(body.get("kvfleet_pin"))
+    except ValueError as e:
+        raise bad("kvfleet_pin", str(e)) from None
+
+
 def parse_call(body, kind: str) -> OpenAICall:
     """Check a decoded JSON body of ``kind`` ("completion" or "chat"); raises ``ApiError``."""
     if not isinstance(body, dict):
@@ -226,7 +236,8 @@ def parse_call(body, kind: str) -> OpenAICall:
     if options is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     call = dict(kind=kind, model=body["model"], sampling=_sampling(body, kind), stream=stream,
-                include_usage=_flag(options or {}, "include_usage"), conversation=_conversation(body))
+                include_usage=_flag(options or {}, "include_usage"), conversation=_conversation(body),
+                pin=_pin(body))
     if kind == "chat":
         return OpenAICall(messages=_messages(body), **call)
     text, token_ids = _prompt(body)

@@ -24,11 +24,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    pinned_tokens: int | None = None  # the prompt tokens a kvfleet_pin pinned (None: none pinned)
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.pinned_tokens is not None:
+            body["kvfleet_pinned_tokens"] = self.pinned_tokens
+        return body
 
 
 def sse(body: dict) -> bytes:

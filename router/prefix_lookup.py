@@ -49,6 +49,8 @@ class BlockServicePrefixLookup:
         ``prefix_group`` when it has one: the router's decision, from the tenant's API key)."""
         return block_hashes(token_ids, block_size, tenant_extra_key(tenant, self.share_across_tenants, prefix_group))
 
+    hashes = _hashes  # (public for pins: ``router/pinning.py`` pins the chain the lookups ask about)
+
     async def match(self, tenant: str, token_ids: Sequence[int], nodes: Sequence[RouterNode],
                     prefix_group: str = "") -> dict[str, PrefixHit]:
         """Per node, the prompt's leading blocks it holds hot and, past them, in a lower tier, then

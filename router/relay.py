@@ -43,6 +43,7 @@ from router.canary_split import in_group
 from router.disagg import DisaggConfig, hand_over, prefill_nodes, serving_nodes
 from router.node_stream import NodeFailure
 from router.nodes import NodeTable, RouterNode
+from router.pinning import PinRefused, pin_prompt
 from router.request import ParsedRequest
 from router.resume import Progress, is_client_answer
 from router.routing import NO_HIT, NodePicker, PrefixHit
@@ -144,12 +145,18 @@ class Relay:
                   group: str | None = None) -> AsyncIterator[inference_pb2.GenerateChunk]:
         progress = Progress(req.prompt_ids, req.sampling.max_tokens)
         handed_at: float | None = None
+        pinned: int | None = None  # the prompt's tokens pinned (cache.pin), on the first attempt's node
         while True:
             if progress.remaining <= 0:  # the node died after the last token but before saying so
                 yield self._last_chunk(req, progress, "", inference_pb2.FINISH_REASON_LENGTH)
                 return
             ids = progress.next_prompt
             node, cached_blocks, only_prefill = await self._route(req, tenant, ids, progress, group)
+            if req.pin is not None and pinned is None:  # before dispatch: a refusal is the answer
+                try:
+                    pinned = await pin_prompt(self.prefix, req.pin, tenant, req.prompt_ids, node)
+                except PinRefused as e:
+                    raise RelayError(e.code, str(e)) from None
             try:
                 async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks,
                                                              only_prefill)) as chunks:
@@ -157,6 +164,8 @@ class Relay:
                         if handed_at is not None and (chunk.token_ids or chunk.finish_reason):
                             self.handover_seconds.observe(time.monotonic() - handed_at)
                             handed_at = None
+                        if pinned and chunk.HasField("usage"):
+                            chunk.usage.pinned_tokens = pinned
                         yield chunk
                         if chunk.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                             return

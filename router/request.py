@@ -16,6 +16,7 @@ from kvfleet.ids import MAX_REQUEST_ID_LEN, seq_id_of
 from kvfleet.sampling import SamplingParams
 from kvfleet.wire import InvalidRequest, sampling_from_proto
 from router.chat_template import ChatMessage, ChatTemplate
+from router.pinning import PinAsk, pin_from_proto
 
 MAX_PROMPT_CHARS = 4 << 20
 
@@ -46,6 +47,7 @@ class ParsedRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # the model's end-of-turn tokens (none with ignore_eos)
+    pin: PinAsk | None = None  # cache.pin: pin the prompt on the node chosen (``router/pinning.py``)
 
 
 def _request_id(value: str) -> str:
@@ -93,4 +95,5 @@ def parse_request(req, tokenizer: TextTokenizer, chat: ChatTemplate | None = Non
     if not req.HasField("sampling"):
         raise InvalidRequest("sampling is missing: at least sampling.max_tokens must be set")
     sampling = sampling_from_proto(req.sampling)
-    return ParsedRequest(request_id, seq_id_of(request_id), ids, sampling, frozenset() if sampling.ignore_eos else end_of_turn)
+    return ParsedRequest(request_id, seq_id_of(request_id), ids, sampling,
+                         frozenset() if sampling.ignore_eos else end_of_turn, pin_from_proto(req))
