@@ -2,14 +2,16 @@
 cancelled) and its resident memory, sampled all along, must not climb at a rate far above the goal.
 
 The goal is 5 MiB an hour per process (``bench/soak.py --minutes 30`` measures it). This test fits a
-line through VmRSS after a warm-up, over a minute or two, and fails only above ``THRESHOLD_MIB_H``,
-20x the goal. Why there: on a quiet node the samples spread by a few tenths of a MiB (measured on
-AMD EPYC, 2 cores, at load 20: 498.2-498.5 MiB over 100 s, a fitted 0.2 MiB/h), worth a few MiB/h
-over such a window; what a short window cannot tell from a leak is a step, glibc growing an arena
-once, which a least-squares line reads as 1.5 x step / window: a step of 3 MiB or more mid-window
-reaches 100 MiB/h. A leak grows with the requests instead: issue 35's 95 MiB/h came at ~20 requests
-a second, about 1.3 KiB a request, and this test sends them at least as fast. No timing is
-asserted: the figure is MiB per hour of the test's own run, whatever its speed.
+line through VmRSS after a warm-up, over a minute or more, and fails only above ``THRESHOLD_MIB_H``,
+20x the goal. Why there: a warm node's samples spread by a few tenths of a MiB (AMD EPYC, 2 cores,
+at load 20: 498.2-498.5 MiB; fitted +0.2 MiB/h over 102 s and +4.9 over 73 s in two runs), which is
+noise of a few MiB/h at most over such a window. What a short window cannot tell from a leak is a
+step, glibc growing an arena once, which a least-squares line reads as about 1.5 x step / window:
+over 60 s a step of 1.1 MiB reaches 100 MiB/h, several times the spread seen. A leak grows with the
+requests instead: issue 35's 95 MiB/h came at ~20 requests a second, about 1.3 KiB a request, and
+this test sends them at least as fast. The bar is not lower because the window is short, and not
+higher because then issue 35's leak would pass. No timing is asserted: the figure is MiB per hour
+of the test's own run, whatever its speed.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from kvfleet_cli.loadgen.server_side import rss_mib
 
 GOAL_MIB_H = 5.0
 THRESHOLD_MIB_H = 20 * GOAL_MIB_H
-REQUESTS = 2400
+MIN_REQUESTS = 2000
 WARMUP_REQUESTS = 400      # the fit starts after these: the prefix cache, allocator arenas and torch's caches fill
+MIN_FIT_S = 60             # and runs this long at least (more requests on a fast machine): a slope needs time
 CONCURRENCY = 8
 CANCEL_EVERY = 10          # every tenth request is cancelled after its first tokens, as clients do
 SAMPLE_EVERY_S = 0.5
@@ -44,9 +47,10 @@ def prompts(count: int = 48, seed: int = 35) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(8, 4 * BLOCK_SIZE))] for _ in range(count)]
 
 
-async def drive(cluster, node_id: str, book: list[list[int]], total: int, on_done) -> Counter:
-    """``total`` greedy requests on one Serve stream, as the router writes them, ``CONCURRENCY`` in
-    flight; ``on_done(n)`` after each one ends. Counts outcomes: finished, cancelled, error."""
+async def drive(cluster, node_id: str, book: list[list[int]], keep_going, on_done) -> Counter:
+    """Greedy requests on one Serve stream, as the router writes them, ``CONCURRENCY`` in flight,
+    while ``keep_going(started)``; ``on_done(n)`` after each one ends. Counts outcomes: finished,
+    cancelled, error."""
     as_router = tls.Credentials.load(certs.identity_dir(cluster.certs.root, ROUTER_ID), ROUTER_ID)
     outcomes: Counter = Counter()
     started = 0
@@ -65,7 +69,7 @@ async def drive(cluster, node_id: str, book: list[list[int]], total: int, on_don
             started += 1
             return compute_pb2.NodeCommand(start=request)
 
-        await call.write(compute_pb2.NodeCommands(commands=[start_command() for _ in range(min(CONCURRENCY, total))]))
+        await call.write(compute_pb2.NodeCommands(commands=[start_command() for _ in range(CONCURRENCY)]))
         while live:
             message = await call.read()
             assert message is not grpc.aio.EOF, f"the node ended the stream after {sum(outcomes.values())} requests"
@@ -81,7 +85,7 @@ async def drive(cluster, node_id: str, book: list[list[int]], total: int, on_don
                     live.discard(event.request_id)
                     outcomes[ended] += 1
                     on_done(sum(outcomes.values()))
-                    if started < total:
+                    if keep_going(started):
                         commands.append(start_command())
             if commands:
                 await call.write(compute_pb2.NodeCommands(commands=commands))
@@ -100,6 +104,9 @@ def test_a_node_serving_thousands_of_requests_does_not_grow(start_cluster):
         if n == WARMUP_REQUESTS:
             warm["t"] = clock()
 
+    def keep_going(started: int) -> bool:
+        return started < MIN_REQUESTS or "t" not in warm or clock() - warm["t"] < MIN_FIT_S
+
     async def run() -> Counter:
         sampling = True
 
@@ -110,17 +117,19 @@ def test_a_node_serving_thousands_of_requests_does_not_grow(start_cluster):
 
         sampler = asyncio.create_task(sample())
         try:
-            return await drive(cluster, NODE, prompts(), REQUESTS, on_done)
+            return await drive(cluster, NODE, prompts(), keep_going, on_done)
         finally:
             sampling = False
             await sampler
 
     outcomes = asyncio.run(run())
-    assert sum(outcomes.values()) == REQUESTS and not outcomes["error"] and outcomes["cancelled"], outcomes
+    assert sum(outcomes.values()) >= MIN_REQUESTS and not outcomes["error"] and outcomes["cancelled"], outcomes
     t0 = samples[0][0]
     slope = rss_slope([(t - t0, p, mib) for t, p, mib in samples], warmup_s=warm["t"] - t0)
     series = ", ".join(f"{t - t0:.0f}s {mib:.1f}" for t, _, mib in samples[:: max(1, len(samples) // 12)] if mib)
     assert slope.mib_per_hour is not None, slope.reason
+    print(f"{NODE}: {slope.mib_per_hour:+.1f} MiB/h after warm-up ({slope.samples} samples, {slope.span_s:.0f} s), "
+          f"{sum(outcomes.values())} requests; MiB: {series}")
     assert slope.mib_per_hour <= THRESHOLD_MIB_H, (
         f"{NODE}'s resident memory grew {slope.mib_per_hour:.0f} MiB/h after warm-up over {slope.samples} samples "
         f"({slope.span_s:.0f} s), above the tripwire's {THRESHOLD_MIB_H:.0f} (goal {GOAL_MIB_H:g}); MiB: {series}")
