@@ -137,9 +137,9 @@ def render(data: dict) -> str:
     lines.append(f"{'metric':<22} {'stable':>24} {'canary':>24} {'difference':>26}  verdict")
     for m in data["metrics"]:
         cell = lambda g: f"{m['value'][g]:.4g} [{m['interval'][g][0]:.3g}, {m['interval'][g][1]:.3g}]"  # noqa: E731
-        unit = "" if not m["relative"] else " x"
         lo, hi = m["difference_interval"]
-        difference = f"{m['difference']:+.3g}{unit} [{lo:+.3g}, {hi:+.3g}]"
+        difference = (f"{m['difference']:+.1%} [{lo:+.1%}, {hi:+.1%}]" if m["relative"] else
+                      f"{m['difference']:+.3g} [{lo:+.3g}, {hi:+.3g}]")
         lines.append(f"{m['metric']:<22} {cell('stable'):>24} {cell('canary'):>24} {difference:>26}  {m['verdict']}")
     return "\n".join(lines)
 

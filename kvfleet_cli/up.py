@@ -127,7 +127,8 @@ def _log_to(path: Path) -> None:
     """The supervisor's lines go to ``path`` too, next to the services' own logs."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
+    for logger in (log, logging.getLogger("kvfleet_cli.canary_cluster")):  # restarts, and a rollout's steps
+        logger.addHandler(handler)
 
 
 def _model_dir(model: str | None) -> str:
