@@ -122,3 +122,6 @@ def test_a_canary_config_that_does_not_load_leaves_the_split_at_zero_and_says_wh
     assert refused.returncode == 2 and "the canary group cannot serve" in refused.stderr
     report = canary_cli(cluster, "report", "--resamples", "20")
     assert "the canary serves nothing: the canary config does not load" in report.stdout
+    promote = canary_cli(cluster, "promote")
+    assert promote.returncode == 2 and "promote refused: the canary group is unhealthy: the canary config" in \
+        promote.stderr
