@@ -5,7 +5,7 @@ A pin costs its tenant one block of its budget on the node (``Tenant.pinned_bloc
 ``bytes_per_block``: ``pinned_mib`` in the tenants file), whether the block is there yet or not —
 a pin made before the prompt's first prefill holds the blocks as soon as they are cached. Pinning
 a pinned hash again moves its expiry (to the later of the two when another tenant of its prefix
-group pinned it) and costs nothing more. Past the budget the whole pin is refused
+group pinned it) and costs nothing more, even over a lowered budget. Past the budget the whole pin is refused
 (``ResourceExhausted``, one line saying what it may pin and what it holds); a tenant with no budget
 (``pinned_mib`` 0, or not in the tenants file) gets ``FailedPrecondition``. A reload of the tenants
 file that lowers a budget keeps the pins made under the old one until they expire (nothing cached is
@@ -127,7 +127,7 @@ class FleetPins:
         pins = node.pins if node.pins is not None else NodePins()
         new = [h for h in block_hashes if h not in pins.pins]
         have = pins.counts.get(tenant, 0)
-        if have + len(new) > allowed:
+        if new and have + len(new) > allowed:  # (a refresh charges nothing: allowed over a lowered budget)
             raise ResourceExhausted(
                 f"tenant {tenant!r} may pin {allowed} blocks (pinned_mib {cfg.pinned_mib:g}) on node {node_id!r}; "
                 f"{have} pinned, this pin needs {len(new)} more")

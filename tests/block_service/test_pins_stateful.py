@@ -65,7 +65,8 @@ class PinMachine(EvictionMachine):
             assert ("may pin" in str(err)) == isinstance(err, ResourceExhausted)
             return
         new = [h for h in hashes if h not in before_pins]
-        assert got.num_new == len(new) and got.tenant_pinned == had + len(new) <= got.allowed
+        assert got.num_new == len(new) and got.tenant_pinned == had + len(new)
+        assert not new or got.tenant_pinned <= got.allowed, "a new pin passed the budget"
         pins = self.table._fleet.nodes[node].pins
         for h in hashes:
             if before_pins.get(h) is None or before_pins[h].tenant == tenant:
