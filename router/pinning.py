@@ -24,8 +24,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import grpc
-
 from block_service.pins import DEFAULT_TTL_S, MAX_TTL_S
 from kvfleet.backoff import error_line
 from kvfleet.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -91,9 +89,9 @@ def set_cache(req, ask: PinAsk | None) -> None:
 
 
 class PinRefused(Exception):
-    """block_service refused the pin: the request's answer (``code``: its gRPC status)."""
+    """block_service refused the pin: the request's answer (``code``: its gRPC status name)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
 
@@ -115,7 +113,7 @@ async def pin_prompt(prefix, ask: PinAsk, tenant, prompt_ids, node) -> int:
     try:
         await client.pin_prefix(node.node_id, tenant.name, hashes, ask.ttl_s)
     except REFUSED as e:
-        raise PinRefused(grpc.StatusCode[e.code], str(e)) from None
+        raise PinRefused(e.code, str(e)) from None
     except Exception as e:
         log.warning("tenant %s: pin of %d blocks on node %s not made (%s); served unpinned", tenant.name,
                     len(hashes), node.node_id, error_line(e))

@@ -156,7 +156,7 @@ class Relay:
                 try:
                     pinned = await pin_prompt(self.prefix, req.pin, tenant, req.prompt_ids, node)
                 except PinRefused as e:
-                    raise RelayError(e.code, str(e)) from None
+                    raise RelayError(grpc.StatusCode[e.code], str(e)) from None
             try:
                 async with contextlib.aclosing(self._attempt(node, req, tenant, ids, progress, cached_blocks,
                                                              only_prefill)) as chunks:

@@ -142,3 +142,19 @@ def test_a_ttl_is_one_second_to_seven_days() -> None:
     for bad in (0, MAX_TTL_S + 1, -1, True):
         with pytest.raises(InvalidArgument, match="ttl must be 1..604800 seconds"):
             check_ttl(bad)
+
+
+def test_kvfleet_blocks_shows_pins_per_tenant_and_node() -> None:
+    from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+    from block_service.pins import TenantPins
+
+    table = PageTable()
+    table.register_node("n0", 8, BS, BPB)
+    report = BlocksReport([NodeBlocks(table.node_stats("n0"))], [], 0, [TenantPins("a", "n0", 3, 1, 2, 86400)])
+    text = render(report)
+    assert "pins (blocks; a lowered budget keeps older pins until they expire):" in text
+    assert [line.split() for line in text.splitlines()[-2:]] == [
+        ["tenant", "node", "pinned", "budget", "on", "node", "earliest", "expiry"],
+        ["a", "n0", "3", "1", "2", "1970-01-02", "00:00:00", "UTC"]]
+    assert to_json(report)["pins"] == [{"tenant": "a", "node_id": "n0", "pinned": 3, "allowed": 1, "cached": 2,
+                                        "earliest": 86400}]
