@@ -54,6 +54,7 @@ def sample(store, now: float | None = None) -> BlockServiceSample:
         log_records=store.durable_lsn, log_bytes=store.log_bytes,
         snapshot_age_s=now - store.last_snapshot if store.state_dir else None,
         shares={n.node_id: cache_shares(tenants, n.bytes_per_block) for n in nodes},
+        pins=tuple(table.pins.summary()), pins_refused=tuple(sorted(store.pins_refused.items())),
     )
 
 

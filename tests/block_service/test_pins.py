@@ -158,3 +158,18 @@ def test_kvfleet_blocks_shows_pins_per_tenant_and_node() -> None:
         ["a", "n0", "3", "1", "2", "1970-01-02", "00:00:00", "UTC"]]
     assert to_json(report)["pins"] == [{"tenant": "a", "node_id": "n0", "pinned": 3, "allowed": 1, "cached": 2,
                                         "earliest": 86400}]
+
+
+def test_pins_and_refusals_are_metrics(tmp_path) -> None:
+    from block_service import metrics
+    from kvfleet.metric_families import registry_of
+
+    store = _store(tmp_path)
+    store.pin_prefix("n0", "a", [family_hash(0, i) for i in range(3)], 100)
+    for tenant in ("a", "b"):
+        with pytest.raises((ResourceExhausted, FailedPrecondition)):
+            store.pin_prefix("n0", tenant, [family_hash(1, i) for i in range(2)], 100)
+    r = registry_of(metrics.families(metrics.sample(store)))
+    assert r.get_sample_value("kvfleet:pinned_blocks", {"tenant": "a", "node": "n0"}) == 3
+    assert r.get_sample_value("kvfleet:pins_refused_total", {"tenant": "a", "reason": "budget"}) == 1
+    assert r.get_sample_value("kvfleet:pins_refused_total", {"tenant": "b", "reason": "no_budget"}) == 1
