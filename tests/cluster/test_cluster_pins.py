@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx2 as httpx
 import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream
 
@@ -78,3 +79,20 @@ def test_a_pinned_system_prompt_survives_another_tenants_flood(start_cluster, tm
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "pinned_mib" in err.value.details()
     [pin] = pins_of(cluster)
     assert (pin.tenant, pin.pinned) == ("gold", SYSTEM_BLOCKS)
+
+    # the HTTP door: kvfleet_pin pins (a refresh here), a bad one is 400 naming it, past the budget 429
+    key = {"authorization": "Bearer sk-gold"}
+    model = httpx.get(cluster.http_url + "/models", headers=key).json()["data"][0]["id"]
+
+    def post(pin):
+        return httpx.post(cluster.http_url + "/completions", headers=key, timeout=120,
+                          json={"model": model, "prompt": system, "max_tokens": 1, "kvfleet_pin": pin})
+
+    answer = post({"ttl_s": 600})
+    assert answer.status_code == 200 and answer.json()["usage"]["kvfleet_pinned_tokens"] == SYSTEM_BLOCKS * BLOCK_SIZE
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == SYSTEM_BLOCKS * BLOCK_SIZE
+    bad = post("always")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kvfleet_pin"
+    over = httpx.post(cluster.http_url + "/completions", headers=key, timeout=120,
+                      json={"model": model, "prompt": longer, "max_tokens": 1, "kvfleet_pin": True})
+    assert over.status_code == 429 and "this pin needs 4 more" in over.json()["error"]["message"]
