@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 from block_service import wal_records as rec
 from block_service.bookkeeping import ApplyResult, TierBatch, apply_bookkeeping
-from block_service.eviction import DEFAULT_POLICY
 from block_service.lineage import clear_reset, mark_reset
 from block_service.lower_tiers import TierOutcome, validate_tier_change
 from block_service.node_sync import LiveSequence, SyncResult
@@ -69,10 +68,11 @@ class DurablePageTable:
 
     @classmethod
     def open(cls, state_dir: str, fsync: bool = True,
-             eviction: str = DEFAULT_POLICY) -> tuple[DurablePageTable, RecoveryReport]:
+             eviction: str | None = None) -> tuple[DurablePageTable, RecoveryReport]:
         """Recover from ``state_dir`` (created if missing), then start a clean snapshot and log.
         Raises ``RecoveryError`` (having written nothing) when the state cannot be recovered, or
-        was written under another eviction policy than ``eviction``."""
+        was written under another eviction policy than ``eviction`` (None: the state's own; an
+        empty state takes the default)."""
         os.makedirs(state_dir, exist_ok=True)
         table, report = recover(state_dir, eviction=eviction)
         store = cls(table, state_dir, report.lsn, fsync)

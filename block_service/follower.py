@@ -54,7 +54,8 @@ class Follower:
 
         async def requests():
             yield pb.FollowLogRequest(from_lsn=self.store.lsn, has_prev=prev is not None, prev_crc=prev or 0,
-                                      lineage=mine or "", standby_id=self.standby_id)
+                                      lineage=mine or "", standby_id=self.standby_id,
+                                      eviction=self.store.table.eviction)
             while (acked := await acks.get()) is not None:
                 yield pb.FollowLogRequest(acked_lsn=acked)
 

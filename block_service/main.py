@@ -60,6 +60,7 @@ async def serve(config: BlockServiceSettings) -> int:
     from grpc_health.v1 import health_pb2
 
     from block_service.durable import DurablePageTable, RecoveryError
+    from block_service.eviction import DEFAULT_POLICY
     from block_service.page_table import PageTable
     from block_service.server import BlockManagerServicer, tenant_misfits
     from block_service.tenants import load_tenants_without_keys
@@ -68,11 +69,11 @@ async def serve(config: BlockServiceSettings) -> int:
     from kvfleet.v1 import block_manager_pb2_grpc
 
     if config.durability == "off":
-        store = DurablePageTable(PageTable(config.eviction.eviction_policy), None)
+        store = DurablePageTable(PageTable(config.eviction.configured() or DEFAULT_POLICY), None)
     else:
         try:
             store, report = DurablePageTable.open(config.state_dir, fsync=config.durability == "fsync",
-                                                  eviction=config.eviction.eviction_policy)
+                                                  eviction=config.eviction.configured())
         except RecoveryError as err:  # never start from a stale state: say why, exit non-zero
             log.error("cannot start: %s", err)
             return 2

@@ -21,6 +21,7 @@ from dataclasses import replace
 from block_service import node_figures
 from block_service.block_pool import validate_shape
 from block_service.eviction import DEFAULT_POLICY
+from block_service.eviction.lru import BlockLru
 from block_service.fleet import Fleet
 from block_service.lower_tiers import TierOutcome
 from block_service.node_pool import NodePool
@@ -382,7 +383,7 @@ class PageTable:
     def from_dict(cls, d: dict) -> PageTable:
         """The table ``to_dict`` described, under the eviction policy it names (LRU when it names
         none: states written before policies could be chosen)."""
-        table = cls(d.get("eviction", DEFAULT_POLICY))
+        table = cls(d.get("eviction", BlockLru.name))
         table._fleet.restore(d)
         for r in d["sequences"]:
             seq = table._seqs[r[0]] = SeqState.from_record(r)

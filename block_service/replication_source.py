@@ -60,7 +60,11 @@ class ReplicationSource:
         try:
             lsn = first.from_lsn
             yield pb.LogEntry(lineage=lineage, lsn=lsn)
-            if not self.rlog.continues(lsn, first.prev_crc if first.has_prev else None):
+            other_policy = first.eviction and first.eviction != self.store.table.eviction
+            if other_policy:
+                log.warning("standby %s replays under the eviction policy %r, this leader's is %r: sending it a "
+                            "snapshot, whose policy it takes", standby, first.eviction, self.store.table.eviction)
+            if other_policy or not self.rlog.continues(lsn, first.prev_crc if first.has_prev else None):
                 async for entry in self._snapshot(lineage, standby, lsn):
                     yield entry
                     lsn = entry.lsn

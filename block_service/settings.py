@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from block_service.eviction import DEFAULT_POLICY, NAMES
+from block_service.eviction import AUTO, NAMES
 from kvfleet.metrics_server import metrics_port_setting
 from kvfleet.settings import check, setting
 from kvfleet.tls_settings import InternalTls, health_port_setting
@@ -42,10 +42,14 @@ class EvictionSettings:
     """Which cached block a full pool gives up (``block_service.eviction``): block_service's own
     setting, and ``kvfleet up``'s, which passes it on."""
 
-    eviction_policy: str = setting(DEFAULT_POLICY, "which cached KV block a full pool evicts: lru, value (hits x "
+    eviction_policy: str = setting(AUTO, "which cached KV block a full pool evicts: lru, value (hits x "
                                    "prefill saved, aged), fair (the tenant furthest over its cache_share_mib first), "
-                                   "fair+value; a state directory keeps the policy it was written under",
-                                   choices=NAMES)
+                                   "fair+value; auto: the state directory's policy, else fair; a state directory "
+                                   "keeps the policy it was written under", choices=(AUTO, *NAMES))
+
+    def configured(self) -> str | None:
+        """The policy asked for, or None (``auto``): the state directory's, else the default."""
+        return None if self.eviction_policy == AUTO else self.eviction_policy
 
     def __post_init__(self) -> None:
         check(self)

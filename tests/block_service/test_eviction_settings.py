@@ -40,7 +40,7 @@ def test_a_bad_policy_is_one_line_naming_the_choices() -> None:
                                     (up.add_arguments, up.UpSettings)):
         with pytest.raises(SettingError) as refused:
             build(settings, parsed(add_arguments, ["--eviction-policy", "mru"]))
-        assert str(refused.value) == "--eviction-policy must be one of lru, value, fair, fair+value, got 'mru'"
+        assert str(refused.value) == "--eviction-policy must be one of auto, lru, value, fair, fair+value, got 'mru'"
 
 
 def test_up_passes_on_the_flags_block_service_reads_back() -> None:
@@ -88,3 +88,20 @@ def test_the_share_survives_the_wire_the_log_and_a_snapshot() -> None:
     table = PageTable("fair")
     table.configure_tenants([t, unset])
     assert PageTable.from_dict(table.to_dict()).tenants() == [t, unset]
+
+
+def test_auto_takes_the_state_directorys_policy_else_fair(tmp_path) -> None:
+    from block_service.durable import DurablePageTable, RecoveryError
+    assert EvictionSettings().configured() is None and EvictionSettings("lru").configured() == "lru"
+    store, _ = DurablePageTable.open(str(tmp_path / "old"), fsync=False, eviction="lru")  # a state written under lru
+    store.close()
+    store, _ = DurablePageTable.open(str(tmp_path / "old"), fsync=False)  # auto: kept as written
+    assert store.table.eviction == "lru"
+    store.close()
+    with pytest.raises(RecoveryError, match="written under the eviction policy 'lru'"):
+        DurablePageTable.open(str(tmp_path / "old"), fsync=False, eviction="fair")  # asked for another: refused
+    fresh, _ = DurablePageTable.open(str(tmp_path / "new"), fsync=False)
+    assert fresh.table.eviction == "fair"
+    fresh.close()
+    before_policies = {k: v for k, v in PageTable().to_dict().items() if k != "eviction"}
+    assert PageTable.from_dict(before_policies).eviction == "lru"  # a snapshot from before policies: lru's

@@ -191,7 +191,10 @@ def test_a_state_written_under_one_policy_is_refused_under_another(tmp_path) -> 
     store.register_node("n0", 8, 16, BPB)
     store.close()
     with pytest.raises(RecoveryError, match="written under the eviction policy 'test-cheapest'.*configured with 'lru'"):
-        DurablePageTable.open(str(tmp_path), fsync=False)
+        DurablePageTable.open(str(tmp_path), fsync=False, eviction="lru")
+    store, _ = DurablePageTable.open(str(tmp_path), fsync=False)  # none named (auto): the state's own
+    assert store.table.eviction == Cheapest.name
+    store.close()
     table, _ = recover(str(tmp_path))  # a tool that names no policy reads it under its own
     assert table.eviction == Cheapest.name
 

@@ -89,7 +89,7 @@ def test_lru_restored_mid_history_carries_on_alike() -> None:
 
 
 def test_eviction_takes_the_deepest_block_of_the_least_recently_released_sequence() -> None:
-    table = PageTable()
+    table = PageTable("lru")
     table.register_node("n", 8, 16, 1 << 18)
     hashes = {s: [bytes([s, i]) * 8 for i in range(3)] for s in (1, 2)}
     for s in (1, 2):
@@ -113,7 +113,7 @@ def test_free_stack_runs_round_trip(stack: list[int]) -> None:
 
 
 def _table() -> PageTable:
-    table = PageTable()
+    table = PageTable("lru")
     table.register_node("a", 300, 16, 1 << 18)
     table.register_node("b", 50, 32, 1 << 18)
     rng = random.Random(3)
@@ -241,7 +241,7 @@ def _recovered(table: PageTable) -> PageTable:
 def test_recovered_index_answers_like_the_one_it_was_saved_from() -> None:
     """After a recovery the single-holder hashes sit in ``FrozenKeys``: every question, and every
     change that moves them back into the dict, gives what the table before the snapshot gives."""
-    before = PageTable()
+    before = PageTable("lru")
     for node in "abc":
         before.register_node(node, 64, 16, 1 << 18)
     shared = [bytes([9, i]) * 8 for i in range(4)]
@@ -264,7 +264,7 @@ def test_recovered_index_answers_like_the_one_it_was_saved_from() -> None:
 def test_hashes_alike_in_their_first_eight_bytes_stay_apart() -> None:
     """``FrozenKeys`` sorts by the first eight bytes; hashes that share them (with or without a
     shared holder) are indexed one by one, and a query alike in those bytes finds nothing."""
-    table = PageTable()
+    table = PageTable("lru")
     for node in "abc":
         table.register_node(node, 16, 16, 1 << 18)
     x, y, z = b"\x07" * 8 + b"\x01" * 8, b"\x07" * 8 + b"\x02" * 8, b"\x08" * 8 + b"\x01" * 8
@@ -284,7 +284,7 @@ def test_hashes_alike_in_their_first_eight_bytes_stay_apart() -> None:
 def test_prompts_read_first_after_a_recovery_match_as_before() -> None:
     """The first reads after a recovery move a prompt's keys out of ``FrozenKeys`` in one pass; a
     hash no node holds, or one already moved, must not shift the others."""
-    table = PageTable()
+    table = PageTable("lru")
     for node in "ab":
         table.register_node(node, 32, 16, 1 << 18)
     p = [bytes([5, i]) * 8 for i in range(4)]
@@ -303,7 +303,7 @@ def test_lower_tier_matches_read_recovered_keys_past_the_hot_run() -> None:
     still in ``FrozenKeys`` beyond that point count as they did before the snapshot."""
     from kvfleet.allocator import TIER_HOST, TierChange
 
-    table = PageTable()
+    table = PageTable("lru")
     table.register_node("a", 32, 16, 1 << 18)
     p = [bytes([6, i]) * 8 for i in range(5)]
     _node_with(table, "a", "s", [p[0], p[1], b"\x02" * 16, p[3], p[4]])  # p[2] not in the pool...

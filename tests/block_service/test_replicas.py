@@ -292,3 +292,22 @@ def test_a_replica_behind_the_last_leader_does_not_lead_after_a_double_failure(e
         wait_leader(etcd.url, b.address, [b_again])
     finally:
         b_again.kill()
+
+
+def test_a_standby_under_another_eviction_policy_takes_the_leaders_snapshot_and_policy(etcd, replicas, certs_dir,
+                                                                                        admin) -> None:
+    """The leader runs lru by choice; the standby is left to its default (auto: an empty state takes
+    fair). Replaying lru's log under fair would evict other blocks, so the leader sends a snapshot,
+    which names lru, and both tables stay equal through a trace that evicts."""
+    a = replicas("a", "--sync-standby", "--eviction-policy", "lru")
+    wait_leader(etcd.url, a.address, [a])
+    b = replicas("b", "--standby")
+
+    async def run() -> tuple:
+        await _drive(a.address, certs_dir, 40)
+        return await _wait_same_state(a.address, b.address, admin)
+
+    mine, theirs = asyncio.run(run())
+    assert theirs == mine and mine[0] > 40
+    assert "replays under the eviction policy 'fair', this leader's is 'lru'" in a.log_text()
+    assert "took the leader's snapshot" in b.log_text()

@@ -86,8 +86,8 @@ def test_another_tenants_blocks_are_not_served_and_the_attempt_is_logged(certs_d
         assert under_tls(certs_dir, holder, receiver, body) == 0
     assert counts(receiver) == (64, 0, 0)
     [line] = [r.getMessage() for r in caplog.records if r.name == "compute_service.node.kv_holder"]
-    assert line.startswith("FetchBlocks by node:n1 for tenant 'b': block 0 of the 4 asked for is held for another "
-                           "tenant")
+    assert line.startswith("FetchBlocks by node:n1 for tenant 'b': block 0 of the 4 asked for is held under another "
+                           "salt")
     assert "'a'" not in line  # whose the blocks are is not said
     # the tenant's own chain of the same tokens is another chain: the holder does not have it
     assert hashes_of(PROMPT, "b", 4) != theirs
