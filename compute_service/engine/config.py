@@ -6,6 +6,7 @@ checks a value before anything heavy loads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from compute_service.engine.cpu_host import host_cpu_flags, resolve_dtype
@@ -29,7 +30,8 @@ class EngineConfig:
     kv_cache_memory: int | None = setting(None, "bytes of KV pool", unset="a quarter of free memory",
                                           at_least=1, metavar="BYTES")
     dtype: str = setting("auto", "compute dtype: auto is bfloat16 on a CPU with native bfloat16 (AMX, AVX512-BF16), "
-                         "else float32 (resolved on construction); float32 is token-exact against transformers",
+                         "else float32 (resolved on construction; KVFLEET_DEFAULT_DTYPE=float32|bfloat16 fixes it); float32 is "
+                         "token-exact against transformers",
                          choices=DTYPES)
     kv_cache_dtype: str = setting("auto", "KV pool dtype: auto (= --dtype), or fp8_e4m3 (float8_e4m3fn with a "
                                   "float32 scale per token and KV head: about half of bfloat16)",
@@ -63,5 +65,5 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        self.dtype = resolve_dtype(self.dtype, self.device.split(":")[0], host_cpu_flags())
+        self.dtype = resolve_dtype(self.dtype, self.device.split(":")[0], host_cpu_flags(), os.environ)
         check_tier_flags(self.kv_host_memory, self.kv_disk_dir, self.kv_disk_bytes, self.preemption_mode)

@@ -13,7 +13,9 @@ the rest; the engine starts the same way (usable CPUs - 1, at least 1), and
 
 Dtype. ``auto`` is bfloat16 on a CPU whose matmuls run bfloat16 natively (AMX or AVX512-BF16:
 oneDNN's bf16 kernels there run about twice float32's rate) and float32 elsewhere; float32 stays the
-choice for results token-exact against transformers' float32.
+choice for results token-exact against transformers' float32. ``KVFLEET_DEFAULT_DTYPE=float32|bfloat16``
+fixes what ``auto`` resolves to, whatever the CPU: a test (``tests/bench/test_bench_smoke.py``) runs every
+benchmark under both defaults on one machine, so none of them breaks on a CPU its author did not have.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Mapping
 
 THREADS_ENV = "KVFLEET_CPU_THREADS"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+DEFAULT_DTYPE_ENV = "KVFLEET_DEFAULT_DTYPE"
+DEFAULT_DTYPES = ("float32", "bfloat16")  # what the override may choose
 
 
 def intra_op_threads(usable_cpus: int, env: Mapping[str, str]) -> int | None:
@@ -67,11 +71,17 @@ def host_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def resolve_dtype(name: str, device_type: str, flags: frozenset[str]) -> str:
-    """The concrete dtype for ``name``: ``auto`` is bfloat16 on a CPU with native bfloat16 (one of
-    ``NATIVE_BF16_FLAGS``), float32 on other CPUs and on other devices; other names pass through."""
+def resolve_dtype(name: str, device_type: str, flags: frozenset[str], env: Mapping[str, str] | None = None) -> str:
+    """The concrete dtype for ``name``: ``auto`` is ``env[KVFLEET_DEFAULT_DTYPE]`` where set, else bfloat16
+    on a CPU with native bfloat16 (one of ``NATIVE_BF16_FLAGS``), float32 on other CPUs and on other
+    devices; other names pass through. ``ValueError`` in one line for an override not in ``DEFAULT_DTYPES``."""
     if name != "auto":
         return name
+    chosen = (env or {}).get(DEFAULT_DTYPE_ENV)
+    if chosen:
+        if chosen not in DEFAULT_DTYPES:
+            raise ValueError(f"{DEFAULT_DTYPE_ENV} must be one of {', '.join(DEFAULT_DTYPES)}, got {chosen!r}")
+        return chosen
     if device_type == "cpu" and any(flag in flags for flag in NATIVE_BF16_FLAGS):
         return "bfloat16"
     return "float32"
