@@ -21,6 +21,22 @@ def ensure_model(preset: str = "small", path: Path = BENCH_MODEL) -> Path:
     return path
 
 
+def engine_dtype() -> str:
+    """The dtype the engine resolves ``auto`` to here (``KVFLEET_DEFAULT_DTYPE``, else bfloat16 on a CPU
+    with native bfloat16, else float32): a benchmark sizes its pool and names its dtype from this,
+    never from the CPU its author had."""
+    from compute_service.engine.config import EngineConfig
+
+    return EngineConfig().dtype
+
+
+def add_smoke_flag(parser) -> None:
+    """``--smoke``: the smallest shape (seconds), a check that the benchmark runs end to end (its
+    figures mean nothing); tests/bench/test_bench_smoke.py runs every benchmark with it."""
+    parser.add_argument("--smoke", action="store_true", help="the smallest shape (seconds): a check that it runs, "
+                                                             "not a figure")
+
+
 def seeded_prompts(count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]

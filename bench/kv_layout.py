@@ -43,6 +43,7 @@ from pathlib import Path
 logging.getLogger("block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import add_smoke_flag, engine_dtype
 from bench.plan_vs_measured import cpu_model
 
 LONG, SHORT, OUTPUT = 131072, 8192, 1024   # full-scale lengths: long and short requests, output tokens of each
@@ -51,6 +52,7 @@ BLOCK_SIZE = 16
 GUIDE = {"paged_waste_frac": 0.09, "contiguous_waste_frac": 0.37, "paged_max_seqs": 26, "contiguous_max_seqs": 8}
 FULL = dict(scale=128, requests=40, pool_seqs=8, repeats=5, rounds=2)
 QUICK = dict(scale=256, requests=20, pool_seqs=8, repeats=3, rounds=2)
+SMOKE = dict(scale=256, requests=4, pool_seqs=2, repeats=1, rounds=1)
 BATCH1_OUTPUT = 16  # tokens the batch-1 request generates (at least)
 
 
@@ -86,7 +88,8 @@ def make_engine(model_dir: Path, layout: str, scale: int, pool_seqs: int):
 
     max_len = LONG // scale
     num_blocks = pool_seqs * -(-max_len // BLOCK_SIZE)
-    memory = num_blocks * bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK_SIZE, "float32")
+    # the pool in the dtype the engine resolves here (bfloat16 on a CPU with native bfloat16)
+    memory = num_blocks * bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK_SIZE, engine_dtype())
     config = EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=memory, max_model_len=max_len, kv_layout=layout,
                           max_num_seqs=1024)
     engine = LLMEngine(model_dir, config)
@@ -181,6 +184,7 @@ def run(scale: int, num_requests: int, pool_seqs: int, repeats: int, rounds: int
         "requests": num_requests, "short_share": short_share, "block_size": BLOCK_SIZE, "pool_blocks": num_blocks,
         "pool_seqs": pool_seqs, "max_model_len": LONG // scale, "batch1_prompt_tokens": len(b1_prompts[0]),
         "batch1_output_tokens": one_out, "rounds": rounds, "batch1_repeats": repeats, "cpu": cpu_model(),
+        "dtype": engines["paged"].config.dtype,
         **{f"paged_{k}": round(v, 4) for k, v in asdict(paged).items()},
         **{f"contiguous_{k}": round(v, 4) for k, v in asdict(contiguous).items()},
         "concurrency_ratio": round(paged.max_seqs / contiguous.max_seqs, 3),
@@ -197,7 +201,7 @@ def report(r: dict) -> None:
     print(f"mixed workload: {r['requests']} requests, {r['short_share']:.0%} at {r['short_tokens']} tokens and the "
           f"rest at {r['long_tokens']} ({r['output_tokens']} generated each; --scale {r['scale']}), pool "
           f"{r['pool_blocks']} blocks of {r['block_size']} = {r['pool_seqs']} x max_model_len {r['max_model_len']}; "
-          f"in-process engine, local allocator; {r['cpu']}")
+          f"in-process engine, local allocator; {r['dtype']}, {r['cpu']}")
     print("| layout | most concurrent | waste (mean / peak, of the pool) | written (mean) | tokens/s | "
           "generated/s | engine steps | batch-1 TTFT ms | batch-1 ms/token | preemptions |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -222,8 +226,9 @@ def main() -> int:
     parser.add_argument("--pool-seqs", type=int, default=None, help="pool size in max_model_len reservations (default 8)")
     parser.add_argument("--short-share", type=float, default=SHORT_SHARE,
                         help=f"share of requests at 8K tokens, the rest at 128K (default the guide's {SHORT_SHARE})")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    shape = QUICK if args.quick else FULL
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
     for name in ("scale", "requests", "pool_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
