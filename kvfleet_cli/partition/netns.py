@@ -1,0 +1,227 @@
+"""Network namespaces for the partition test bed: one namespace per service, all on one bridge, and
+faults per link (Linux, as root: ``ip netns``, veth pairs, ``iptables``; ``tc netem`` where the kernel has it).
+
+    root ns (the clients, 10.213.N.1) ── veth ──┐
+    <prefix>-hub: bridge ───────────────────────┼── veth ── <prefix>-etcd     10.213.N.2
+                                                ├── veth ── <prefix>-bs-a     10.213.N.3 ...
+
+The bridge lives in a hub namespace of its own, so the host's firewall (a ``FORWARD DROP`` policy,
+``br_netfilter``) never sees the bed's traffic and nothing in the root namespace's tables changes.
+Every name starts with ``kvp<pid>``: ``sweep()`` removes what a dead run left behind, and ``close()``
+(also at exit, and on leaving the ``with``) removes this run's namespaces, links and processes.
+
+Faults, each inside a service's own namespace: ``cut(a, b)`` drops a's packets to b and b's to a
+(``one_way=True``: only a → b); ``loss(a, b, pct)`` drops a share of a's packets at random (iptables
+``statistic``); ``delay(a, ms, jitter)`` delays a's outgoing packets (``tc netem``; a kernel without
+``sch_netem`` answers ``BedUnavailable``); ``heal()`` removes every fault.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterable
+
+PREFIX = "kvp"
+SUBNET = "10.213"
+
+
+class BedUnavailable(RuntimeError):
+    """Namespaces cannot be made here (not root, no ``ip``/``iptables``/``tc``); one line."""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+def why_unavailable() -> str | None:
+    """Why a bed cannot be made on this machine (None: it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, as CI does)"
+    missing = [tool for tool in ("ip", "iptables", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install iproute2 iptables)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    done = _run("ip", "netns", "add", probe, check=False)
+    if done.returncode != 0:
+        return f"ip netns add failed: {done.stderr.strip()}"
+    try:
+        if _run("ip", "netns", "exec", probe, "iptables", "-S", check=False).returncode != 0:
+            return "iptables does not work inside a network namespace here"
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(name: str) -> int | None:
+    digits = name[len(PREFIX):].split("-", 1)[0].rstrip("hrb")
+    digits = "".join(ch for ch in digits if ch.isdigit())
+    return int(digits) if name.startswith(PREFIX) and digits else None
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces (and their processes) that a dead run of the bed left behind."""
+    removed = []
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        owner = _owner(name)
+        if owner is not None and owner != os.getpid() and not _pid_alive(owner):
+            _kill_inside(name)
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+def _kill_inside(namespace: str) -> None:
+    for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+class Netbed:
+    """``with Netbed(["etcd", "bs-a", ...]) as bed:`` — each name gets a namespace and an address
+    (``bed.ip[name]``); ``bed.exec_prefix(name)`` runs a command inside; ``bed.client_ip`` is the
+    root namespace's address on the bridge."""
+
+    def __init__(self, services: Iterable[str]) -> None:
+        self.services = list(services)
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.subnet = f"{SUBNET}.{os.getpid() % 250}"
+        self.hub = f"{self.tag}-hub"
+        self.ns = {name: f"{self.tag}-{name}" for name in self.services}
+        self.ip = {name: f"{self.subnet}.{i + 2}" for i, name in enumerate(self.services)}
+        self.client_ip = f"{self.subnet}.1"
+        self.faults: list[str] = []  # each fault, in words, in the order injected
+        self._open = False
+
+    # -- making and removing ----------------------------------------------------------------------
+
+    def open(self) -> Netbed:
+        reason = why_unavailable()
+        if reason:
+            raise BedUnavailable(reason)
+        sweep()
+        atexit.register(self.close)
+        self._open = True
+        try:
+            _run("ip", "netns", "add", self.hub)
+            self._hub("ip", "link", "add", "br0", "type", "bridge")
+            self._hub("ip", "link", "set", "br0", "up")
+            self._link("r", None, self.client_ip)
+            for i, name in enumerate(self.services):
+                _run("ip", "netns", "add", self.ns[name])
+                self._link(str(i), self.ns[name], self.ip[name])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _hub(self, *argv: str) -> None:
+        _run("ip", "netns", "exec", self.hub, *argv)
+
+    def _link(self, key: str, namespace: str | None, address: str) -> None:
+        """A veth pair: one end on the hub's bridge, the other in ``namespace`` (None: the root one)
+        as ``eth0`` with ``address``."""
+        outer, inner = f"{self.tag}h{key}", f"{self.tag}i{key}"
+        _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        _run("ip", "link", "set", outer, "netns", self.hub)
+        self._hub("ip", "link", "set", outer, "master", "br0")
+        self._hub("ip", "link", "set", outer, "up")
+        if namespace is None:
+            _run("ip", "addr", "add", f"{address}/24", "dev", inner)
+            _run("ip", "link", "set", inner, "up")
+            return
+        _run("ip", "link", "set", inner, "netns", namespace)
+        inside = ["ip", "netns", "exec", namespace]
+        _run(*inside, "ip", "link", "set", inner, "name", "eth0")
+        _run(*inside, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
+        _run(*inside, "ip", "link", "set", "eth0", "up")
+        _run(*inside, "ip", "link", "set", "lo", "up")
+
+    def close(self) -> None:
+        """Kill whatever runs inside the bed, remove its namespaces and links; safe to call twice."""
+        if not self._open:
+            return
+        self._open = False
+        for namespace in [*self.ns.values(), self.hub]:
+            _kill_inside(namespace)
+            _run("ip", "netns", "del", namespace, check=False)
+        _run("ip", "link", "del", f"{self.tag}ir", check=False)  # gone with the hub's end, normally
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> Netbed:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- running inside ---------------------------------------------------------------------------
+
+    def exec_prefix(self, name: str) -> list[str]:
+        """The command prefix that runs a program inside ``name``'s namespace."""
+        return ["ip", "netns", "exec", self.ns[name]]
+
+    def _in(self, name: str, *argv: str) -> None:
+        _run(*self.exec_prefix(name), *argv)
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def cut(self, a: str, b: str, one_way: bool = False) -> None:
+        """Drop a's packets to b; and b's to a unless ``one_way``. ``b`` may be ``"client"``."""
+        dst = self.client_ip if b == "client" else self.ip[b]
+        self._in(a, "iptables", "-A", "OUTPUT", "-d", dst, "-j", "DROP")
+        if not one_way:
+            self._in(a, "iptables", "-A", "INPUT", "-s", dst, "-j", "DROP")
+        self.faults.append(f"cut {a} {'->' if one_way else '<->'} {b}")
+
+    def isolate(self, a: str, *others: str) -> None:
+        """Cut ``a`` from each of ``others`` both ways."""
+        for b in others:
+            self.cut(a, b)
+
+    def loss(self, a: str, b: str | None = None, pct: float = 10.0) -> None:
+        """Drop ``pct`` % of a's outgoing packets (to ``b`` only when given), at random (iptables)."""
+        dst = [] if b is None else ["-d", self.client_ip if b == "client" else self.ip[b]]
+        self._in(a, "iptables", "-A", "OUTPUT", *dst, "-m", "statistic", "--mode", "random",
+                 "--probability", f"{pct / 100:.4f}", "-j", "DROP")
+        self.faults.append(f"loss {a}{'' if b is None else ' -> ' + b} {pct}%")
+
+    def delay(self, a: str, delay_ms: int, jitter_ms: int = 0) -> None:
+        """Delay a's outgoing packets by ``delay_ms`` ± ``jitter_ms`` (``tc netem``; ``BedUnavailable``
+        where the kernel has no netem, as in some VMs)."""
+        spec = ["netem", "delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
+        done = _run(*self.exec_prefix(a), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec, check=False)
+        if done.returncode != 0:
+            raise BedUnavailable(f"tc netem: {done.stderr.strip()} (this kernel has no sch_netem)")
+        self.faults.append(f"delay {a} {' '.join(spec[2:])}")
+
+    def has_netem(self) -> bool:
+        """Whether this kernel delays packets (``tc netem``): tried on the hub's loopback."""
+        done = _run("ip", "netns", "exec", self.hub, "tc", "qdisc", "replace", "dev", "lo", "root", "netem",
+                    "delay", "1ms", check=False)
+        return done.returncode == 0
+
+    def heal(self) -> None:
+        """Remove every cut and every netem of the bed."""
+        for name in self.services:
+            self._in(name, "iptables", "-F")
+            _run(*self.exec_prefix(name), "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        self.faults.append("heal")
