@@ -1,0 +1,199 @@
+"""The checker of a partition scenario's history (pure: no grpc, no torch).
+
+A history is what the clients saw, with times (``time.monotonic()``):
+
+- ``Write``: one page-table call (``alloc`` or ``release``) sent to one block_service replica, and
+  whether that replica acknowledged it. The page-table client sends every call to *both* replicas,
+  so the replica that acknowledges is the one accepting writes then, and a refusal ends its term.
+- ``Stream``: one Generate call through the router: the tokens received, and the error if it failed.
+- ``QuotaSample``: a tenant's charged blocks on a node against its quota, as block_service reported.
+
+The checks (each a count; every one should be 0 but ``unavailable_s``):
+
+- ``lost_acknowledged``: an acknowledged allocation (not acknowledged released) missing after the
+  heal, or held with other blocks than the ones granted;
+- ``double_grants``: a block granted to a sequence while another live sequence holds it, in the
+  acknowledged history or in the state after the heal;
+- ``split_brain_writes``: an acknowledgement by one replica inside a term of the other (between two
+  of that replica's acknowledgements with no refusal of its own in between);
+- ``wrong_tokens``: a streamed token that differs from the fault-free float32 run's, a token lost
+  or repeated (a finished stream of another length than the reference's);
+- ``over_quota``: a sample with a tenant over its quota;
+- ``unavailable_s``: the longest time the page-table client or a stream client went without
+  service: from a failed call to the end of the next one that succeeded, summed per client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+KEYS = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota", "unavailable_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    t_start: float
+    t_end: float
+    replica: str
+    op: str                       # "alloc" or "release"
+    seq_id: str
+    ok: bool                      # acknowledged
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Stream:
+    t_start: float
+    t_end: float
+    prompt: int                   # index of the prompt (the reference's key)
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None      # None: the stream finished
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaSample:
+    t: float
+    tenant: str
+    node_id: str
+    charged: int
+    allowed: int | None
+
+
+def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
+    """Acknowledged allocations missing, or held with other blocks, in ``final`` (seq id → block ids
+    read from the leader after the heal). A release sent but not acknowledged makes its sequence
+    uncertain (it may have been applied): not counted."""
+    granted: dict[str, tuple[int, ...]] = {}
+    uncertain: set[str] = set()
+    for w in sorted(writes, key=lambda w: w.t_end):
+        if w.op == "alloc" and w.ok:
+            granted[w.seq_id] = w.block_ids
+        elif w.op == "release":
+            (granted.pop(w.seq_id, None) if w.ok else uncertain.add(w.seq_id))
+    return sorted(s for s, blocks in granted.items()
+                  if s not in uncertain and tuple(final.get(s, ())) != blocks)
+
+
+def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
+    """Blocks granted while another live sequence held them (acknowledged history, in the order the
+    acknowledgements came back), and blocks held by two sequences in ``final``."""
+    holder: dict[int, str] = {}
+    held: dict[str, tuple[int, ...]] = {}
+    found = []
+    for w in sorted(writes, key=lambda w: w.t_end):
+        if not w.ok:
+            continue
+        if w.op == "release":
+            for block in held.pop(w.seq_id, ()):
+                holder.pop(block, None)
+            continue
+        for block in w.block_ids:
+            other = holder.get(block)
+            if other is not None and other != w.seq_id:
+                found.append(f"block {block} granted to {w.seq_id} while {other} held it")
+            holder[block] = w.seq_id
+        held[w.seq_id] = w.block_ids
+    owners: dict[int, str] = {}
+    for seq_id, blocks in sorted(final.items()):
+        for block in blocks:
+            if block in owners:
+                found.append(f"block {block} held by {owners[block]} and {seq_id} after the heal")
+            owners[block] = seq_id
+    return found
+
+
+def _terms(writes: Sequence[Write]) -> list[tuple[float, float]]:
+    """One replica's terms as (end of its first acknowledgement, start of its last), a term being a
+    run of its acknowledgements with no refusal of its own in between."""
+    terms, first, last = [], None, None
+    for w in sorted(writes, key=lambda w: w.t_start):
+        if w.ok:
+            first = w.t_end if first is None else first
+            last = w.t_start
+        elif first is not None:
+            terms.append((first, last))
+            first = last = None
+    if first is not None:
+        terms.append((first, last))
+    return terms
+
+
+def split_brain_writes(writes: Iterable[Write]) -> list[Write]:
+    """Acknowledgements by a replica made wholly inside a term of another replica."""
+    by_replica: dict[str, list[Write]] = {}
+    for w in writes:
+        by_replica.setdefault(w.replica, []).append(w)
+    terms = {r: _terms(ws) for r, ws in by_replica.items()}
+    return [w for r, ws in by_replica.items() for w in ws if w.ok
+            and any(lo < w.t_start and w.t_end < hi for other, ts in terms.items() if other != r for lo, hi in ts)]
+
+
+def wrong_tokens(streams: Iterable[Stream], reference: Mapping[int, Sequence[int]]) -> int:
+    """Tokens that differ from the reference's at their position, plus the tokens a finished stream
+    lost or repeated (its length against the reference's). A failed stream's tokens must be a prefix
+    of the reference: its client saw the error and retries."""
+    wrong = 0
+    for s in streams:
+        ref = reference[s.prompt]
+        wrong += sum(1 for got, want in zip(s.tokens, ref) if got != want)
+        if s.error is None or len(s.tokens) > len(ref):
+            wrong += abs(len(s.tokens) - len(ref))
+    return wrong
+
+
+def over_quota(samples: Iterable[QuotaSample]) -> int:
+    return sum(1 for q in samples if q.allowed is not None and q.charged > q.allowed)
+
+
+def unavailable_s(calls: Iterable[tuple[float, float, bool]]) -> float:
+    """Seconds without service for one client: (start, end, succeeded) per call; from the start of
+    a failed call to the end of the next successful one, summed (an outage still open at the end
+    runs to the last call's end)."""
+    total, down_since, last_end = 0.0, None, 0.0
+    for start, end, ok in sorted(calls, key=lambda c: c[1]):
+        last_end = max(last_end, end)
+        if not ok and down_since is None:
+            down_since = start
+        elif ok and down_since is not None:
+            total += end - down_since
+            down_since = None
+    if down_since is not None:
+        total += last_end - down_since
+    return total
+
+
+def page_table_calls(writes: Iterable[Write]) -> list[tuple[float, float, bool]]:
+    """The page-table client's calls as one client sees them: a round (one call to each replica,
+    the same ``t_start``) succeeds when either replica acknowledged."""
+    rounds: dict[tuple[float, str], list[Write]] = {}
+    for w in writes:
+        rounds.setdefault((w.t_start, w.op), []).append(w)
+    return [(start, max(w.t_end for w in ws), any(w.ok for w in ws)) for (start, _), ws in rounds.items()]
+
+
+def check(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: Sequence[Stream],
+          reference: Mapping[int, Sequence[int]], samples: Sequence[QuotaSample]) -> dict:
+    """Every figure of one scenario, with the first few findings of each kind as examples."""
+    lost, doubles, split = lost_acknowledged(writes, final), double_grants(writes, final), split_brain_writes(writes)
+    stream_calls = [(s.t_start, s.t_end, s.error is None) for s in streams]
+    outages = {"page_table": unavailable_s(page_table_calls(writes)), "streams": unavailable_s(stream_calls)}
+    return {
+        "lost_acknowledged": len(lost),
+        "double_grants": len(doubles),
+        "split_brain_writes": len(split),
+        "wrong_tokens": wrong_tokens(streams, reference),
+        "over_quota": over_quota(samples),
+        "unavailable_s": round(max(outages.values()), 2),
+        "unavailable_by_client_s": {k: round(v, 2) for k, v in outages.items()},
+        "acknowledged_writes": sum(1 for w in writes if w.ok),
+        "streams": len(streams),
+        "failed_streams": sum(1 for s in streams if s.error is not None),
+        "examples": [*lost[:3], *doubles[:3], *(f"{w.replica} acked {w.op} {w.seq_id} inside another's term"
+                                               for w in split[:3])],
+    }
+
+
+def totals(results: Mapping[str, Mapping]) -> dict:
+    """The top-level figures: each one summed over the scenarios."""
+    return {k: round(sum(r.get(k, 0) for r in results.values()), 2) for k in KEYS}
