@@ -15,9 +15,10 @@ last ``capacity`` outcomes in a ring buffer and serves them as JSON next to its 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 MAX_GAPS = 256       # inter-token gaps kept per request (the first ones: a long answer's tail adds little)
 DEFAULT_CAPACITY = 4096
@@ -29,21 +30,22 @@ class Outcome:
     started_at: float
     ended_at: float
     ttft_s: float | None
-    gaps_s: tuple[float, ...] = ()
+    # float32, 4 bytes a gap: a full ring of floats as objects (~32 bytes each) held ~33 MB per group
+    gaps_s: array = field(default_factory=lambda: array("f"))
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
 
     def to_dict(self) -> dict:
-        fields = asdict(self)
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
         fields["gaps_s"] = [round(g, 6) for g in self.gaps_s]
         return fields
 
     @classmethod
     def from_dict(cls, fields: dict) -> Outcome:
         return cls(**{**{k: fields[k] for k in fields if k in cls.__dataclass_fields__},
-                      "gaps_s": tuple(fields.get("gaps_s", ()))})
+                      "gaps_s": array("f", fields.get("gaps_s", ()))})
 
 
 @dataclass(slots=True)
@@ -93,5 +95,5 @@ class OutcomeTimer:
 
     def done(self, error: str = "") -> Outcome:
         prompt, cached, completion = self._usage
-        return Outcome(self.group, self.started_at, self.clock(), self._ttft, tuple(self._gaps), prompt, cached,
+        return Outcome(self.group, self.started_at, self.clock(), self._ttft, array("f", self._gaps), prompt, cached,
                        completion, error)
