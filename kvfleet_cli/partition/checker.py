@@ -62,15 +62,18 @@ class QuotaSample:
 
 def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
     """Acknowledged allocations missing, or held with other blocks, in ``final`` (seq id → block ids
-    read from the leader after the heal). A release sent but not acknowledged makes its sequence
-    uncertain (it may have been applied): not counted."""
+    read from the leader after the heal). A release sent to every replica and acknowledged by none
+    makes its sequence uncertain (it may have been applied): not counted."""
     granted: dict[str, tuple[int, ...]] = {}
-    uncertain: set[str] = set()
+    releases: dict[tuple[str, float], bool] = {}
     for w in sorted(writes, key=lambda w: w.t_end):
         if w.op == "alloc" and w.ok:
             granted[w.seq_id] = w.block_ids
         elif w.op == "release":
-            (granted.pop(w.seq_id, None) if w.ok else uncertain.add(w.seq_id))
+            releases[w.seq_id, w.t_start] = releases.get((w.seq_id, w.t_start), False) or w.ok
+            if w.ok:
+                granted.pop(w.seq_id, None)
+    uncertain = {seq_id for (seq_id, _), ok in releases.items() if not ok}
     return sorted(s for s, blocks in granted.items()
                   if s not in uncertain and tuple(final.get(s, ())) != blocks)
 

@@ -220,7 +220,9 @@ class Netbed:
         return done.returncode == 0
 
     def heal(self) -> None:
-        """Remove every cut and every netem of the bed."""
+        """Remove every cut, loss and delay of the bed."""
+        if not self.faults or self.faults[-1] == "heal":
+            return
         for name in self.services:
             self._in(name, "iptables", "-F")
             _run(*self.exec_prefix(name), "tc", "qdisc", "del", "dev", "eth0", "root", check=False)

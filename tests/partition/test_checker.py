@@ -53,7 +53,7 @@ def test_an_acknowledged_allocation_missing_after_the_heal_is_lost():
     assert lost_acknowledged(writes, {**final, "s1": []}) == ["s1"]
     assert lost_acknowledged(writes, {**final, "s1": [7]}) == ["s1"]       # other blocks than granted
     assert lost_acknowledged(writes, {k: v for k, v in final.items() if k != "s0"}) == []  # released
-    unsure = [*writes, release(6, "bs-b", "s1", ok=False)]
+    unsure = [*writes, release(6, "bs-a", "s1", ok=False), release(6, "bs-b", "s1", ok=False)]
     assert lost_acknowledged(unsure, {**final, "s1": []}) == []            # a release that may have applied
 
 

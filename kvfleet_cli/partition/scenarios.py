@@ -1,0 +1,141 @@
+"""The partition scenarios, each a fault injected into a running ``BedCluster`` while the clients of
+``history`` record, then healed; ``run_scenario`` returns the checker's figures for it.
+
+Every scenario names its parts by role at the time it starts (the leader may be either replica):
+
+- ``leader_isolated``: the leader cut off from etcd and the standby, still reachable by the nodes;
+- ``leader_cut_from_nodes``: the leader cut off from the nodes (and the router) only;
+- ``node_cut_from_router``: node-0 cut off from the router only;
+- ``node_cut_from_block_service``: node-0 cut off from both replicas;
+- ``etcd_unreachable``: etcd cut off from every service for longer than a lease;
+- ``one_way_leader_to_etcd``: the leader's packets to etcd dropped, etcd's to it delivered;
+- ``lossy``: 10 % of every service's packets dropped (and 200 ms ± jitter of delay where the kernel
+  has ``tc netem``) for the hold time: the soak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvfleet_cli.partition.bed_cluster import NODES, REPLICAS, SERVICES, BedCluster
+from kvfleet_cli.partition.checker import check
+from kvfleet_cli.partition.history import PageTableClient, QuotaSampler, StreamClients
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    inject: Callable[[BedCluster, str, str], None]  # (cluster, leader, standby)
+    hold_s: float                                   # how long the fault lasts, in lease TTLs
+    soak: bool = False                              # hold for the run's soak time instead
+
+
+def _leader_isolated(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.isolate(leader, "etcd", standby)
+
+
+def _leader_cut_from_nodes(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.isolate(leader, *NODES, "router")
+
+
+def _node_cut_from_router(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.cut("node-0", "router")
+
+
+def _node_cut_from_block_service(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.isolate("node-0", *REPLICAS)
+
+
+def _etcd_unreachable(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.isolate("etcd", *(s for s in SERVICES if s != "etcd"))
+
+
+def _one_way_leader_to_etcd(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.cut(leader, "etcd", one_way=True)
+
+
+def _lossy(c: BedCluster, leader: str, standby: str) -> None:
+    netem = c.bed.has_netem()
+    for s in SERVICES:
+        c.bed.loss(s, None, 10.0)
+        if netem:
+            c.bed.delay(s, 200, 100)
+
+
+SCENARIOS = {s.name: s for s in [
+    Scenario("leader_isolated", _leader_isolated, 3.0),
+    Scenario("node_cut_from_router", _node_cut_from_router, 3.0),
+    Scenario("one_way_leader_to_etcd", _one_way_leader_to_etcd, 3.0),
+    Scenario("leader_cut_from_nodes", _leader_cut_from_nodes, 3.0),
+    Scenario("node_cut_from_block_service", _node_cut_from_block_service, 3.0),
+    Scenario("etcd_unreachable", _etcd_unreachable, 2.5),
+    Scenario("lossy", _lossy, 0.0, soak=True),
+]}
+
+
+def prompts(n: int = 4, length: int = 20, seed: int = 7) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+
+
+class Traffic:
+    """The clients of one scenario, started together and stopped together."""
+
+    def __init__(self, cluster: BedCluster, prefix: str, prompt_list: list[list[int]], max_tokens: int) -> None:
+        self.page_table = PageTableClient(cluster, prefix=prefix)
+        self.streams = StreamClients(cluster.router_address, prompt_list, max_tokens)
+        self.quota = QuotaSampler(cluster)
+
+    def start(self) -> None:
+        self.page_table.start()
+        self.streams.start()
+        self.quota.start()
+
+    def stop(self) -> None:
+        self.streams.stop()
+        self.page_table.stop()
+        self.quota.stop()
+        if self.page_table.error is not None:
+            raise RuntimeError(f"the page-table client failed: {self.page_table.error}")
+
+
+def wait_recovered(cluster: BedCluster, timeout_s: float = 90.0) -> None:
+    """Until a leader is named, both nodes are READY and the router serves."""
+    deadline = time.monotonic() + timeout_s
+    cluster.wait_leader(timeout=timeout_s)
+    cluster.wait_nodes_ready(list(NODES), max(deadline - time.monotonic(), 1.0))
+    cluster.wait_router(max(deadline - time.monotonic(), 1.0))
+
+
+def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, list[int]],
+                 prompt_list: list[list[int]], max_tokens: int, soak_s: float = 30.0,
+                 settle_s: float = 3.0) -> dict:
+    """Traffic, the fault for its hold time, the heal, traffic until the cluster serves again and a
+    little after; then the checker's figures, the faults and the leader before and after."""
+    wait_recovered(cluster)
+    leader = cluster.wait_leader()
+    standby = next(r for r in REPLICAS if r != leader)
+    traffic = Traffic(cluster, f"{scenario.name[:6]}-", prompt_list, max_tokens)
+    traffic.start()
+    try:
+        time.sleep(settle_s)
+        start = len(cluster.bed.faults)
+        scenario.inject(cluster, leader, standby)
+        time.sleep(soak_s if scenario.soak else scenario.hold_s * cluster.lease_ttl_s)
+        cluster.bed.heal()
+        healed_at = time.monotonic()
+        wait_recovered(cluster)
+        recovered_s = time.monotonic() - healed_at
+        time.sleep(settle_s)
+    finally:
+        cluster.bed.heal()
+        traffic.stop()
+    final = traffic.page_table.final_state()
+    result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples)
+    result.update(faults=cluster.bed.faults[start:], leader_before=leader, leader_after=cluster.leader(),
+                  recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited())
+    return result
