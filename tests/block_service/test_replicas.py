@@ -131,8 +131,10 @@ async def _drive(address: str, certs_dir: Path, steps: int, seed: int = 5) -> No
             await client.close()
 
 
-def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas, certs_dir, admin) -> None:
-    a = replicas("a", "--sync-standby")
+def _leader_and_standby_after_a_trace(etcd, replicas, certs_dir, admin, *leader_flags: str):
+    """A leader (``leader_flags``) and a standby, 40 steps of a trace on the leader; both replicas,
+    and both states once equal (or the timeout)."""
+    a = replicas("a", "--sync-standby", *leader_flags)
     wait_leader(etcd.url, a.address, [a])
     b = replicas("b", "--standby")
 
@@ -140,7 +142,11 @@ def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas, cert
         await _drive(a.address, certs_dir, 40)
         return await _wait_same_state(a.address, b.address, admin)
 
-    mine, theirs = asyncio.run(run())
+    return a, b, *asyncio.run(run())
+
+
+def test_standby_holds_the_leaders_state_after_many_changes(etcd, replicas, certs_dir, admin) -> None:
+    _, _, mine, theirs = _leader_and_standby_after_a_trace(etcd, replicas, certs_dir, admin)
     assert mine[0] > 40 and mine[1], "the trace made changes"
     assert theirs == mine
 
@@ -299,15 +305,7 @@ def test_a_standby_under_another_eviction_policy_takes_the_leaders_snapshot_and_
     """The leader runs lru by choice; the standby is left to its default (auto: an empty state takes
     fair). Replaying lru's log under fair would evict other blocks, so the leader sends a snapshot,
     which names lru, and both tables stay equal through a trace that evicts."""
-    a = replicas("a", "--sync-standby", "--eviction-policy", "lru")
-    wait_leader(etcd.url, a.address, [a])
-    b = replicas("b", "--standby")
-
-    async def run() -> tuple:
-        await _drive(a.address, certs_dir, 40)
-        return await _wait_same_state(a.address, b.address, admin)
-
-    mine, theirs = asyncio.run(run())
+    a, b, mine, theirs = _leader_and_standby_after_a_trace(etcd, replicas, certs_dir, admin, "--eviction-policy", "lru")
     assert theirs == mine and mine[0] > 40
     assert "replays under the eviction policy 'fair', this leader's is 'lru'" in a.log_text()
     assert "took the leader's snapshot" in b.log_text()
