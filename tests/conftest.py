@@ -27,6 +27,7 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "up": ("process", "cluster"),            # `kvfleet up` in a subprocess (test_kvfleet_up)
     "tls_router": ("process", "cluster"),    # a second router, public doors over TLS (test_public_tls)
     "chaos_model": ("process", "cluster", "chaos"),  # tests/chaos: the cluster whose parts the tests kill
+    "bed_cluster": ("process", "cluster", "chaos"),  # tests/partition: a cluster in network namespaces, links cut
 }
 
 

@@ -19,8 +19,8 @@ The checks (each a count; every one should be 0 but ``unavailable_s``):
 - ``wrong_tokens``: a streamed token that differs from the fault-free float32 run's, a token lost
   or repeated (a finished stream of another length than the reference's);
 - ``over_quota``: a sample with a tenant over its quota;
-- ``unavailable_s``: the longest time the page-table client or a stream client went without
-  service: from a failed call to the end of the next one that succeeded, summed per client.
+- ``unavailable_s``: the longer of the page-table client's and the stream clients' time without
+  service: every gap of more than ``STALL_S`` between acknowledgements (between tokens), summed.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+STALL_S = 1.0  # a client not served for longer than this is counted unavailable for the whole gap
 KEYS = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota", "unavailable_s")
 
 
@@ -48,6 +49,7 @@ class Stream:
     t_end: float
     prompt: int                   # index of the prompt (the reference's key)
     tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each chunk with tokens arrived
     error: str | None = None      # None: the stream finished
 
 
@@ -149,38 +151,20 @@ def over_quota(samples: Iterable[QuotaSample]) -> int:
     return sum(1 for q in samples if q.allowed is not None and q.charged > q.allowed)
 
 
-def unavailable_s(calls: Iterable[tuple[float, float, bool]]) -> float:
-    """Seconds without service for one client: (start, end, succeeded) per call; from the start of
-    a failed call to the end of the next successful one, summed (an outage still open at the end
-    runs to the last call's end)."""
-    total, down_since, last_end = 0.0, None, 0.0
-    for start, end, ok in sorted(calls, key=lambda c: c[1]):
-        last_end = max(last_end, end)
-        if not ok and down_since is None:
-            down_since = start
-        elif ok and down_since is not None:
-            total += end - down_since
-            down_since = None
-    if down_since is not None:
-        total += last_end - down_since
-    return total
-
-
-def page_table_calls(writes: Iterable[Write]) -> list[tuple[float, float, bool]]:
-    """The page-table client's calls as one client sees them: a round (one call to each replica,
-    the same ``t_start``) succeeds when either replica acknowledged."""
-    rounds: dict[tuple[float, str], list[Write]] = {}
-    for w in writes:
-        rounds.setdefault((w.t_start, w.op), []).append(w)
-    return [(start, max(w.t_end for w in ws), any(w.ok for w in ws)) for (start, _), ws in rounds.items()]
+def unavailable_s(served: Iterable[float], start: float, end: float, stall_s: float = STALL_S) -> float:
+    """Seconds without service for one kind of client: the gaps longer than ``stall_s`` between the
+    times it was served (a token arrived, a write was acknowledged), from ``start`` to ``end``."""
+    times = [start, *sorted(t for t in served if start <= t <= end), end]
+    return sum(b - a for a, b in zip(times, times[1:]) if b - a > stall_s)
 
 
 def check(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: Sequence[Stream],
-          reference: Mapping[int, Sequence[int]], samples: Sequence[QuotaSample]) -> dict:
-    """Every figure of one scenario, with the first few findings of each kind as examples."""
+          reference: Mapping[int, Sequence[int]], samples: Sequence[QuotaSample], start: float, end: float) -> dict:
+    """Every figure of one scenario (its clients ran from ``start`` to ``end``), with the first few
+    findings of each kind as examples."""
     lost, doubles, split = lost_acknowledged(writes, final), double_grants(writes, final), split_brain_writes(writes)
-    stream_calls = [(s.t_start, s.t_end, s.error is None) for s in streams]
-    outages = {"page_table": unavailable_s(page_table_calls(writes)), "streams": unavailable_s(stream_calls)}
+    outages = {"page_table": unavailable_s((w.t_end for w in writes if w.ok), start, end),
+               "streams": unavailable_s((t for s in streams for t in s.times), start, end)}
     return {
         "lost_acknowledged": len(lost),
         "double_grants": len(doubles),

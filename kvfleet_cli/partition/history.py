@@ -155,6 +155,8 @@ def generate(address: str, prompt: Sequence[int], max_tokens: int, stream: Strea
                 req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout_s)
             for chunk in call:
                 stream.tokens.extend(chunk.token_ids)
+                if chunk.token_ids:
+                    stream.times.append(time.monotonic())
     except grpc.RpcError as e:
         stream.error = f"{e.code().name}: {e.details()}"
     stream.t_end = time.monotonic()

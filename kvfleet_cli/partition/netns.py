@@ -59,6 +59,18 @@ def why_unavailable() -> str | None:
     return None
 
 
+def has_netem() -> bool:
+    """Whether this kernel delays packets (``tc netem``; some VMs' kernels have no ``sch_netem``)."""
+    probe = f"{PREFIX}{os.getpid()}-netem"
+    if _run("ip", "netns", "add", probe, check=False).returncode != 0:
+        return False
+    try:
+        return _run("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                    check=False).returncode == 0
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -212,12 +224,6 @@ class Netbed:
         if done.returncode != 0:
             raise BedUnavailable(f"tc netem: {done.stderr.strip()} (this kernel has no sch_netem)")
         self.faults.append(f"delay {a} {' '.join(spec[2:])}")
-
-    def has_netem(self) -> bool:
-        """Whether this kernel delays packets (``tc netem``): tried on the hub's loopback."""
-        done = _run("ip", "netns", "exec", self.hub, "tc", "qdisc", "replace", "dev", "lo", "root", "netem",
-                    "delay", "1ms", check=False)
-        return done.returncode == 0
 
     def heal(self) -> None:
         """Remove every cut, loss and delay of the bed."""

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from kvfleet_cli.partition.bed_cluster import NODES, REPLICAS, SERVICES, BedCluster
 from kvfleet_cli.partition.checker import check
 from kvfleet_cli.partition.history import PageTableClient, QuotaSampler, StreamClients
+from kvfleet_cli.partition.netns import has_netem
+
+MAX_TOKENS = 16  # each stream's greedy tokens (the tests'; the bench takes its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,7 @@ def _one_way_leader_to_etcd(c: BedCluster, leader: str, standby: str) -> None:
 
 
 def _lossy(c: BedCluster, leader: str, standby: str) -> None:
-    netem = c.bed.has_netem()
+    netem = has_netem()
     for s in SERVICES:
         c.bed.loss(s, None, 10.0)
         if netem:
@@ -121,6 +124,7 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
     standby = next(r for r in REPLICAS if r != leader)
     traffic = Traffic(cluster, f"{scenario.name[:6]}-", prompt_list, max_tokens)
     traffic.start()
+    began = time.monotonic()
     try:
         time.sleep(settle_s)
         start = len(cluster.bed.faults)
@@ -133,9 +137,10 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
         time.sleep(settle_s)
     finally:
         cluster.bed.heal()
+        ended = time.monotonic()
         traffic.stop()
     final = traffic.page_table.final_state()
-    result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples)
+    result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples, began, ended)
     result.update(faults=cluster.bed.faults[start:], leader_before=leader, leader_after=cluster.leader(),
                   recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited())
     return result

@@ -39,12 +39,12 @@ def clean_history():
 
 def test_a_clean_history_passes_every_check():
     writes, final = clean_history()
-    streams = [Stream(0, 1, 0, [5, 6, 7]), Stream(1, 2, 1, [8], error="UNAVAILABLE")]
-    result = check(writes, final, streams, {0: [5, 6, 7], 1: [8, 9]}, [QuotaSample(0, "gold", "n", 3, 4)])
+    streams = [Stream(0, 1, 0, [5, 6, 7], [0.5, 1]), Stream(1, 2, 1, [8], [1.5], error="UNAVAILABLE")]
+    result = check(writes, final, streams, {0: [5, 6, 7], 1: [8, 9]}, [QuotaSample(0, "gold", "n", 3, 4)], 0, 5.5)
     assert {k: result[k] for k in ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens",
                                    "over_quota")} == dict.fromkeys(
         ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota"), 0)
-    assert result["unavailable_by_client_s"]["page_table"] == 1.01  # from the round at 2 to the one at 3 acked
+    assert result["unavailable_by_client_s"] == {"page_table": 2.0, "streams": 4.0}  # acked at 1.01, then 3.01
     assert result["acknowledged_writes"] == 5 and result["failed_streams"] == 1
 
 
@@ -89,9 +89,9 @@ def test_tokens_lost_repeated_or_wrong_are_counted():
 def test_quota_and_unavailability():
     assert over_quota([QuotaSample(0, "t", "n", 5, 4), QuotaSample(1, "t", "n", 4, 4),
                        QuotaSample(2, "u", "n", 99, None)]) == 1
-    assert unavailable_s([(0, 1, True), (1, 2, False), (2, 3, False), (3, 4.5, True), (5, 6, True)]) == 3.5
-    assert unavailable_s([(0, 1, True), (1, 2, False)]) == 1.0             # still out at the end
-    assert unavailable_s([]) == 0.0
+    assert unavailable_s([0.5, 1.0, 1.5, 4.0, 4.5], 0, 5) == 2.5           # 1.5 → 4.0 only
+    assert unavailable_s([0.5, 1.0], 0, 4) == 3.0                          # still out at the end
+    assert unavailable_s([], 0, 3) == 3.0 and unavailable_s([0.1, 0.9, 9], 0, 1) == 0.0
 
 
 def test_totals_sum_each_figure_over_the_scenarios():

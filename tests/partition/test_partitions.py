@@ -1,0 +1,39 @@
+"""Short partition scenarios against a real cluster whose services each live in a network namespace
+(``kvfleet_cli.partition``): the fault, the heal, and the checker over what the clients recorded.
+Nothing acknowledged may be lost, no block granted twice, no two replicas accepting writes at once,
+no token wrong, no tenant over quota, and no process may die of it. The full set with its figures is
+``bench/partitions.py``."""
+
+from __future__ import annotations
+
+from kvfleet_cli.partition.scenarios import MAX_TOKENS, SCENARIOS, run_scenario
+
+CLEAN = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota")
+
+
+def _run(bed_cluster, name: str) -> dict:
+    cluster, prompt_list, reference = bed_cluster
+    result = run_scenario(cluster, SCENARIOS[name], reference, prompt_list, MAX_TOKENS)
+    logs = {n: cluster.log_tail(n, 15) for n in result["exited"]}
+    assert {k: result[k] for k in CLEAN} == dict.fromkeys(CLEAN, 0), (result, logs)
+    assert result["exited"] == {}, logs
+    assert result["acknowledged_writes"] > 0 and result["streams"] > len(prompt_list), result
+    return result
+
+
+def test_a_leader_cut_off_from_etcd_and_the_standby_is_replaced_and_loses_nothing(bed_cluster):
+    result = _run(bed_cluster, "leader_isolated")
+    assert result["leader_after"] != result["leader_before"], result  # the standby took over
+
+
+def test_a_node_cut_off_from_the_router_only(bed_cluster):
+    _run(bed_cluster, "node_cut_from_router")
+
+
+def test_a_one_way_cut_from_the_leader_to_etcd(bed_cluster):
+    result = _run(bed_cluster, "one_way_leader_to_etcd")
+    assert result["leader_after"] != result["leader_before"], result  # its keep-alives never arrived
+
+
+def test_the_leader_cut_off_from_the_nodes_only(bed_cluster):
+    _run(bed_cluster, "leader_cut_from_nodes")
