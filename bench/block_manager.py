@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_smoke_flag  # noqa: E402
 from block_service.client import BlockManagerClient  # noqa: E402
 from block_service.durable import DurablePageTable  # noqa: E402
 from block_service.page_table import PageTable  # noqa: E402
@@ -54,7 +55,7 @@ def register(table) -> None:
         table.register_node(node, NUM_BLOCKS, BLOCK_SIZE, BYTES_PER_BLOCK)
 
 
-def bench_inproc(seconds: float, durable_dir: str | None) -> float:
+def bench_inproc(seconds: float, durable_dir: str | None, warmup: int = WARMUP_STEPS) -> float:
     if durable_dir:
         target, _ = DurablePageTable.open(durable_dir)
         sync = target.sync
@@ -62,7 +63,7 @@ def bench_inproc(seconds: float, durable_dir: str | None) -> float:
         target, sync = PageTable(), (lambda: None)
     register(target)
     trace = make_trace(0, arrivals=64)
-    for _ in range(WARMUP_STEPS):
+    for _ in range(warmup):
         drive(target, trace.step())
         sync()
     start_ops, start = trace.block_ops, time.perf_counter()
@@ -76,7 +77,7 @@ def bench_inproc(seconds: float, durable_dir: str | None) -> float:
 
 
 
-async def _drive_service(address: str, seconds: float, clients: int, arrivals: int) -> float:
+async def _drive_service(address: str, seconds: float, clients: int, arrivals: int, warmup: int) -> float:
     async with BlockManagerClient(address) as client:
         await client.wait_ready(30)
         for node in NODES:
@@ -89,13 +90,13 @@ async def _drive_service(address: str, seconds: float, clients: int, arrivals: i
                 await drive_async(client, trace.step())
                 n += 1
 
-        await asyncio.gather(*(run(t, WARMUP_STEPS, None) for t in traces))
+        await asyncio.gather(*(run(t, warmup, None) for t in traces))
         start_ops, start = sum(t.block_ops for t in traces), time.perf_counter()
         await asyncio.gather(*(run(t, None, start + seconds) for t in traces))
         return (sum(t.block_ops for t in traces) - start_ops) / (time.perf_counter() - start)
 
 
-def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int) -> float:
+def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int, warmup: int = WARMUP_STEPS) -> float:
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as state_dir:
         proc = subprocess.Popen(  # plaintext: TLS's cost is bench/cluster_overhead.py --tls's figure
@@ -104,7 +105,7 @@ def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int) -> 
             cwd=ROOT,
         )
         try:
-            return asyncio.run(_drive_service(address, seconds, clients, arrivals))
+            return asyncio.run(_drive_service(address, seconds, clients, arrivals, warmup))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -120,15 +121,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures")
     parser.add_argument("--clients", type=int, default=4, help="concurrent traces against the service")
     parser.add_argument("--arrivals", type=int, default=64, help="new sequences per trace step")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    seconds = 3.0 if args.quick else 15.0
+    seconds = 0.5 if args.smoke else 3.0 if args.quick else 15.0
+    warmup = 2 if args.smoke else WARMUP_STEPS
+    clients, arrivals = (1, 8) if args.smoke else (args.clients, args.arrivals)
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as d:
         figures = {
-            "inproc_ops_per_s": bench_inproc(seconds, None),
-            "inproc_fsync_ops_per_s": bench_inproc(seconds, d),
+            "inproc_ops_per_s": bench_inproc(seconds, None, warmup),
+            "inproc_fsync_ops_per_s": bench_inproc(seconds, d, warmup),
         }
-    figures["grpc_ops_per_s"] = bench_grpc(seconds, "off", args.clients, args.arrivals)
-    figures["grpc_fsync_ops_per_s"] = bench_grpc(seconds, "fsync", args.clients, args.arrivals)
+    figures["grpc_ops_per_s"] = bench_grpc(seconds, "off", clients, arrivals, warmup)
+    figures["grpc_fsync_ops_per_s"] = bench_grpc(seconds, "fsync", clients, arrivals, warmup)
     if args.json:
         print(json.dumps({k: round(v) for k, v in figures.items()}))
         return

@@ -17,10 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ensure_model, peak_rss_mib, run_child, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, ensure_model, peak_rss_mib, run_child, seeded_prompts  # noqa: E402
 
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
+SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4)  # on models/bench-tiny
 
 
 def run_engine(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
@@ -65,15 +66,16 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and KV dtype, the same for both sides (default float32)")
     parser.add_argument("--side", choices=["engine", "transformers"], help=argparse.SUPPRESS)
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    shape = QUICK if args.quick else FULL
-    model = ensure_model()
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
+    model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()
     prompts = seeded_prompts(shape["requests"], shape["min_len"], shape["max_len"])
     if args.side:
         run = run_engine if args.side == "engine" else run_transformers
         print(json.dumps(run(model, prompts, shape["new_tokens"], args.dtype)))
         return 0
-    flags = (["--quick"] if args.quick else []) + ["--dtype", args.dtype]
+    flags = (["--smoke"] if args.smoke else ["--quick"] if args.quick else []) + ["--dtype", args.dtype]
     hf = run_child(Path(__file__), flags + ["--side", "transformers"])
     ours = run_child(Path(__file__), flags + ["--side", "engine"])
     result = dict(

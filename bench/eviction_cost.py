@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import add_smoke_flag  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from block_service.eviction import NAMES  # noqa: E402
 from block_service.page_table import PageTable  # noqa: E402
@@ -72,9 +73,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    requests = 300 if args.quick else 2000
-    sizes = (10_000, 100_000)
+    requests = 20 if args.smoke else 300 if args.quick else 2000
+    sizes = (1_000, 10_000) if args.smoke else (10_000, 100_000)
     results = {}
     for policy in NAMES:
         small, large = (measure(policy, n, requests) for n in sizes)

@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import peak_rss_mib  # noqa: E402
+from bench.common import add_smoke_flag, peak_rss_mib  # noqa: E402
 from block_service.durable import DurablePageTable, recover  # noqa: E402
 from kvfleet.allocator import AllocateRequest  # noqa: E402
 from kvfleet.block_hash import HASH_BYTES  # noqa: E402
@@ -278,9 +278,12 @@ def main() -> None:
     parser.add_argument("--grpc", action="store_true", help="through kvfleet block-service in its own process")
     parser.add_argument("--quick", action="store_true", help="100 nodes (CI-sized)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.quick:
         args.nodes = 100
+    if args.smoke:
+        args.nodes, args.blocks, args.lookups, args.batches = 4, 4 * SYSTEM_PROMPTS * PROMPT_BLOCKS, 20, 20
     if not (args.nodes > 0 and args.blocks >= 4 * SYSTEM_PROMPTS * PROMPT_BLOCKS and 0 < args.cached < 0.9):
         parser.error(f"--nodes must be positive, --blocks at least {4 * SYSTEM_PROMPTS * PROMPT_BLOCKS}, "
                      "--cached between 0 and 0.9")

@@ -36,12 +36,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import add_smoke_flag  # noqa: E402
 from bench.fp8_accuracy import model_dir_or_none  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.prose_corpus import CORPORA  # noqa: E402
 
 FULL = dict(prompts=8, positions=256)
 QUICK = dict(prompts=4, positions=128)
+SMOKE = dict(prompts=1, positions=32)
 CALIBRATION_PROMPTS = 4
 BATCH = 4  # prompts per forward
 
@@ -213,6 +215,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model directory (default: the pulled SmolLM2)")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.prompts is not None and args.prompts < 1:
         print(f"fp8_kv_variants: --prompts must be at least 1, got {args.prompts}", file=sys.stderr)
@@ -221,7 +224,7 @@ def main() -> int:
     if model_dir is None:
         return 2
     names = [n for n in args.variants.split(",") if n] if args.variants else None
-    shape = QUICK if args.quick else FULL
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
     result = run(model_dir, args.corpus, args.prompts or shape["prompts"], shape["positions"], names)
     print(f"{result['model']}, corpus {result['corpus']} (calibrated on {result['calibration_corpus']}): "
           f"{result['prompts']} prompts x {result['positions']} positions, teacher-forced against exact K/V, "

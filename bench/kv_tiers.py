@@ -36,7 +36,7 @@ from pathlib import Path
 logging.getLogger("block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ensure_model
+from bench.common import add_smoke_flag, engine_dtype, ensure_model
 from bench.plan_vs_measured import cpu_model
 
 BLOCK_SIZE = 16
@@ -44,6 +44,8 @@ FULL = dict(system_prompts=4, system_tokens=512, conversations=16, turns=4, user
             preempt_seqs=12, preempt_prompt=128, preempt_output=192)
 QUICK = dict(system_prompts=2, system_tokens=128, conversations=8, turns=3, user_tokens=32, answer_tokens=16,
              preempt_seqs=6, preempt_prompt=48, preempt_output=64)
+SMOKE = dict(system_prompts=1, system_tokens=32, conversations=2, turns=2, user_tokens=16, answer_tokens=4,
+             preempt_seqs=3, preempt_prompt=16, preempt_output=16)
 
 
 @dataclass(slots=True)
@@ -89,7 +91,7 @@ def engine(model: Path, pool_blocks: int, **tiers):
     from compute_service.kv.pool import bytes_per_block
     from compute_service.model.config import ModelConfig
 
-    per_block = bytes_per_block(ModelConfig.from_dir(model), BLOCK_SIZE, "float32")
+    per_block = bytes_per_block(ModelConfig.from_dir(model), BLOCK_SIZE, engine_dtype())  # the dtype auto resolves to
     sized = {k: v * per_block if k in ("kv_host_memory", "kv_disk_bytes") else v for k, v in tiers.items()}
     return LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=pool_blocks * per_block,
                                          max_num_batched_tokens=4096, **sized))
@@ -155,15 +157,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    shape = QUICK if args.quick else FULL
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
     model = ensure_model()
     working = working_set_blocks(shape)
     longest = -(-(shape["system_tokens"] + shape["turns"] * (shape["user_tokens"] + shape["answer_tokens"])) // BLOCK_SIZE)
     pool = max(working // 4, longest + 1)
-    print(f"{cpu_model()}; bench-small float32, block {BLOCK_SIZE}; working set {working} blocks, hot pool {pool} "
+    print(f"{cpu_model()}; bench-small {engine_dtype()}, block {BLOCK_SIZE}; working set {working} blocks, hot pool {pool} "
           f"({working / pool:.1f}x)", file=sys.stderr)
-    results: dict = {"shape": shape, "working_set_blocks": working, "hot_pool_blocks": pool, "cpu": cpu_model()}
+    results: dict = {"shape": shape, "working_set_blocks": working, "hot_pool_blocks": pool, "cpu": cpu_model(),
+                     "dtype": engine_dtype()}
     outputs = {}
     with tempfile.TemporaryDirectory(prefix="kv-tiers-bench-") as disk:
         configs = {"hot": {}, "hot_cold": dict(kv_host_memory=working),

@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT  # noqa: E402
+from bench.common import ROOT, add_smoke_flag  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.routing import _run, schedule, summarize  # noqa: E402
 from router.routing import RoutingConfig  # noqa: E402
@@ -61,6 +61,9 @@ FULL = dict(prefixes=(512, 2048, 4096), repeats=3, kv_cache_mib=512,
 QUICK = dict(prefixes=(512, 1024), repeats=2, kv_cache_mib=256,
              chat=dict(conversations=8, turns=3, system_prompts=1, system_len=1024, user_len=(48, 96), reply=8,
                        mean_gap_s=0.05, think_s=0.3))
+SMOKE = dict(prefixes=(64,), repeats=1, kv_cache_mib=64,
+             chat=dict(conversations=2, turns=2, system_prompts=1, system_len=64, user_len=(8, 16), reply=4,
+                       mean_gap_s=0.05, think_s=0.1))
 SUFFIX = 8        # prompt tokens past the prefix: P's last block is partial, so every prefix block is fetchable
 MAX_TOKENS = 8    # greedy tokens per request: compared, fetched against recomputed
 WARM_BLOCKS = 8   # the warm-up prompts' full blocks (at least --kv-fetch-min-blocks)
@@ -241,6 +244,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--repeats", type=int, default=None, help="prompts per prefix length (default 3; quick 2)")
     parser.add_argument("--skip-multi-turn", action="store_true", help="part 1 only")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -248,7 +252,7 @@ def main() -> int:
         parser.error("--block-size must be a multiple of 16 in 16-2048 (the nodes' rule)")
     if not (MODEL / "config.json").is_file():
         raise SystemExit(f"kv_transfer: no model at {MODEL} (make model fetches it)")
-    shape = QUICK if args.quick else FULL
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
     vocab = json.loads((MODEL / "config.json").read_text())["vocab_size"]
     started = time.perf_counter()
     by_prefix, fetch, work_dir, prefill_rate = fetching_side(args, shape, vocab)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
+from bench.common import add_smoke_flag
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.llm_engine import LLMEngine
@@ -254,7 +255,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="only the JSON line")
     parser.add_argument("--serve-holder", type=Path, metavar="CERTS", help=argparse.SUPPRESS)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # a few blocks of 16 tokens, once
+        args.mib, args.block_size, args.repeats = 4, 16, 1
     logging.basicConfig(level=logging.WARNING)
     if args.serve_holder is not None:
         asyncio.run(serve_holder(args.serve_holder, args.mib, args.kv_cache_dtype, args.block_size))

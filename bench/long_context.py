@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, ensure_model, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seeded_prompts  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 
 LONG_MODEL = ROOT / "models" / "bench-long"
@@ -127,7 +127,7 @@ def run(num_tokens: int, decode: int, timeout_s: float) -> dict:
         "prefill_tokens_per_s": round(num_tokens / prefill_s, 1),
         "decode_tokens_per_s": round((len(tokens) - 1) / decode_s, 2) if decode_s > 0 else None,
         "kv_bytes_used": watch.peak_used * watch.bytes_per_block, "kv_bytes_planned": planned,
-        "kv_bytes_per_token_planned": per_token, "tokens": tokens, "cpu": cpu_model(),
+        "kv_bytes_per_token_planned": per_token, "tokens": tokens, "cpu": cpu_model(), "dtype": engine_dtype(),
     }
 
 
@@ -139,7 +139,10 @@ def main() -> int:
                         help=f"prompt tokens (default {FULL_TOKENS:,} minus --decode: the whole window)")
     parser.add_argument("--decode", type=int, default=DECODE, help=f"tokens to generate (default {DECODE})")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.decode = args.tokens or 256, 4
     # the full run fills the model's window: prompt + output = 131,072 positions (a prompt of all
     # 131,072 would leave no position for a token, and the node refuses it INVALID_ARGUMENT)
     num_tokens = args.tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS - args.decode)

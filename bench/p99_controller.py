@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import ensure_model, seeded_prompts  # noqa: E402
+from bench.common import add_smoke_flag, ensure_model, seeded_prompts  # noqa: E402
 
 PROMPT_TOKENS = 32
 MAX_TOKENS = 32
@@ -157,7 +157,7 @@ async def main_async(args) -> dict:
     model = ensure_model()
     engine = LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=512 << 20, max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens))
-    probe_s = 6.0 if args.quick else 10.0
+    probe_s = 2.0 if args.smoke else 6.0 if args.quick else 10.0
     plain = AsyncEngine(engine)
     batch1 = await drive(plain, "batch-1", 1, probe_s)
     settled = (args.seconds * (1 - SETTLED_SHARE), args.seconds)
@@ -198,6 +198,7 @@ async def main_async(args) -> dict:
         "controlled_tokens_per_s": round(ctl_tokens / window_s, 1),
         "settled_caps": [r.caps[-1][1] for r in controlled],
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dtype": engine.config.dtype,
         "clients": args.clients, "seconds": args.seconds,
         "plot": str(PLOT.relative_to(ROOT)),
     }
@@ -217,9 +218,14 @@ def main() -> None:
                         help="torch threads (default 1: on a shared machine a second OpenMP thread that waits for "
                              "a busy core makes every step several times slower)")
     parser.add_argument("--interval-s", type=float, default=2.0, help="the controller's interval (default 2)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # short runs, a fixed target (no probe to derive it from), a small engine
+        args.seconds, args.clients, args.max_num_seqs, args.max_num_batched_tokens = 6.0, 4, 4, 16
+        args.target_ms, args.interval_s = args.target_ms or 1000.0, 1.0
     args.seconds = args.seconds or (45.0 if args.quick else 90.0)
-    if (args.seconds < 20 or args.clients < 2 or args.max_num_seqs < 1 or args.threads < 1 or not args.interval_s > 0
+    least = 4 if args.smoke else 20
+    if (args.seconds < least or args.clients < 2 or args.max_num_seqs < 1 or args.threads < 1 or not args.interval_s > 0
             or args.max_num_batched_tokens < args.max_num_seqs):
         parser.error("need --seconds >= 20, --clients >= 2, --max-num-seqs >= 1, --threads >= 1, --interval-s > 0, "
                      "--max-num-batched-tokens >= --max-num-seqs")

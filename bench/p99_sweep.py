@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import ensure_model  # noqa: E402
+from bench.common import add_smoke_flag, engine_dtype, ensure_model  # noqa: E402
 from bench.p99_controller import drive, p99  # noqa: E402
 
 
@@ -74,7 +74,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--clients", type=int, default=96)
     parser.add_argument("--seconds", type=float, default=None, help="per point (default 30, quick 15)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # one budget, two caps, 4 s each
+        args.seconds, args.caps, args.budgets, args.clients, args.max_num_seqs = 4.0, [4, 2], [64], 4, 4
     args.seconds = args.seconds or (15.0 if args.quick else 30.0)
     if args.seconds < 4 or args.clients < 1 or max(args.caps) > args.max_num_seqs:
         parser.error("need --seconds >= 4, --clients >= 1, every cap <= --max-num-seqs")
@@ -86,7 +89,7 @@ def main() -> None:
               f"tokens/s ({p['throughput_frac']:.2f})")
     print(f"({time.monotonic() - started:.0f} s; ratios against the same budget's cap {max(args.caps)})")
     if args.json:
-        print(json.dumps({"points": points, "clients": args.clients, "seconds": args.seconds}))
+        print(json.dumps({"points": points, "clients": args.clients, "seconds": args.seconds, "dtype": engine_dtype()}))
 
 
 if __name__ == "__main__":

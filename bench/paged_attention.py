@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+from bench.common import add_smoke_flag  # noqa: E402
 from kernels import cpu_kernels  # noqa: E402
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache  # noqa: E402
 
@@ -31,6 +32,7 @@ SHAPES = [  # (batch, num_heads, num_kv_heads, head_dim, context)
     (8, 32, 8, 128, 16384),
     (4, 32, 8, 128, 32768),
 ]
+SMOKE_SHAPES = [(2, 32, 8, 128, 1024), (1, 32, 8, 128, 2048)]  # --smoke: it runs, no figure
 BLOCK_SIZES = [16, 64, 256, 1024]
 
 
@@ -143,17 +145,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds; the long shape at block 256 only")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--prefill", action="store_true", help="also time CPU prefill: GEMM path vs SDPA")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if not cpu_kernels.load_extension():
         sys.exit("the native CPU kernel did not build; nothing to measure")
-    rounds, gather_rounds = (3, 1) if args.quick else (10, 3)
-    rows = run_shape(SHAPES[0], BLOCK_SIZES, rounds, gather_rounds)
-    rows += run_shape(SHAPES[1], [256] if args.quick else BLOCK_SIZES, rounds, gather_rounds)
+    rounds, gather_rounds = (1, 1) if args.smoke else (3, 1) if args.quick else (10, 3)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows = run_shape(shapes[0], [256] if args.smoke else BLOCK_SIZES, rounds, gather_rounds)
+    rows += run_shape(shapes[1], [256] if args.quick or args.smoke else BLOCK_SIZES, rounds, gather_rounds)
     headline = next(r for r in rows if r["block_size"] == 256)
     prefill = run_prefill([512, 2048], 2 if args.quick else 5) if args.prefill else []
     if args.json:
         print(json.dumps({
-            "ratio": headline["ratio"], "bandwidth_fraction": headline["bandwidth_fraction"],
+            "dtype": "float32", "ratio": headline["ratio"], "bandwidth_fraction": headline["bandwidth_fraction"],
             "threads": torch.get_num_threads(), "rows": rows, "prefill": prefill,
         }))
         return

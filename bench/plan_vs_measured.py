@@ -28,11 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, ensure_model, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seeded_prompts  # noqa: E402
 
 FULL = dict(preset="small", batches=(1, 8, 32), prompt_len=256, decode_steps=32)
 WARM_UP = 4
 QUICK = dict(preset="tiny", batches=(1, 8), prompt_len=64, decode_steps=16)
+SMOKE = dict(preset="tiny", batches=(2,), prompt_len=16, decode_steps=4)
 
 
 def cpu_model() -> str:
@@ -75,10 +76,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny model, two batch sizes (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the engine (default 1)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    setup = QUICK if args.quick else FULL
+    setup = SMOKE if args.smoke else QUICK if args.quick else FULL
 
     import torch
 
@@ -99,14 +101,14 @@ def main() -> int:
         step, bound = decode_step(shape, cpu, 1, kv_per_token, batch, round(context))
         rows.append(dict(batch=batch, context=round(context), estimated_tokens_per_s=batch / step, bound=bound,
                          measured_tokens_per_s=measured, ratio=measured * step / batch))
-    result = dict(cpu=cpu_model(), threads=args.threads, load_average=os.getloadavg()[0],
+    result = dict(cpu=cpu_model(), dtype=engine_dtype(), threads=args.threads, load_average=os.getloadavg()[0],
                   bandwidth_gb_s=cpu.bandwidth / 1e9, gflops=cpu.flops / 1e9,
                   model=setup["preset"], weights_bytes=shape.weights_bytes(), kv_bytes_per_token=kv_per_token,
                   rows=rows)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['cpu']} ({args.threads} engine thread(s), load average {result['load_average']:.1f}): "
+    print(f"{result['cpu']} ({result['dtype']}, {args.threads} engine thread(s), load average {result['load_average']:.1f}): "
           f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s, float32 matmul "
           f"{result['gflops']:.0f} GFLOP/s; model {setup['preset']} ({shape.weights_bytes() / 2**20:.1f} MiB of "
           f"weights, {kv_per_token:,} B KV per token)")
