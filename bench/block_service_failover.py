@@ -31,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, ensure_model, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seeded_prompts  # noqa: E402
 
 FULL = dict(clients=4, warm_s=10.0, after_s=10.0, new_tokens=48)
 QUICK = dict(clients=2, warm_s=4.0, after_s=4.0, new_tokens=24)
+SMOKE = dict(clients=1, warm_s=1.0, after_s=1.0, new_tokens=4)
 PROBE_NODE = "failover-probe"
 
 
@@ -177,10 +178,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--lease-ttl", type=int, default=5, help="the block_service leader lease (default 5 s)")
     parser.add_argument("--nodes", type=int, default=2)
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.lease_ttl < 2 or args.nodes < 1:
         parser.error("--lease-ttl must be at least 2 and --nodes at least 1")
-    cfg = dict(QUICK if args.quick else FULL)
+    cfg = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     model = ensure_model("tiny", ROOT / "models" / "soak-tiny")
 
     from kvfleet_cli.local_cluster import LocalCluster
@@ -196,7 +198,7 @@ def main() -> None:
     alone = result["alone_change_ms_p50"]
     result["sync_write_cost"] = result["sync_change_ms_p50"] / alone if alone else None
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "dtype": engine_dtype()}))  # the nodes' (auto, resolved here alike)
         return
     print(f"{args.nodes} nodes, {cfg['clients']} streaming clients, lease TTL {args.lease_ttl} s, "
           f"leader {result['old_leader']} SIGKILLed → {result['new_leader']}")

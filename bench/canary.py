@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, ensure_model  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model  # noqa: E402
 from bench.disagg import TENANTS  # noqa: E402
 from bench.disagg_client import API_KEY  # noqa: E402
 from bench.kv_transfer import progress  # noqa: E402
@@ -43,6 +43,7 @@ from bench.plan_vs_measured import cpu_model  # noqa: E402
 SHARE = 0.33
 FULL = dict(requests=360, max_tokens=16)
 QUICK = dict(requests=150, max_tokens=12)
+SMOKE = dict(requests=12, max_tokens=4)
 START_TIMEOUT_S = 300
 
 
@@ -189,8 +190,9 @@ def main() -> int:
     parser.add_argument("--canary-batch-wait-ms", type=float, default=300.0)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--resamples", type=int, default=1000)
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    shape = QUICK if args.quick else FULL
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
     model = ensure_model("tiny", ROOT / "models" / "bench-tiny")
     runs = {}
     promote = {}
@@ -216,7 +218,7 @@ def main() -> int:
         requests={"known": known["requests"], "control": control["requests"]},
         client_errors={"known": known["client_errors"], "control": control["client_errors"]},
         promote=promote, share=SHARE, rate_per_s=args.rate, canary_batch_wait_ms=args.canary_batch_wait_ms,
-        confidence=args.confidence, model="bench-tiny (random weights)", dtype="float32", cpu=cpu_model(),
+        confidence=args.confidence, model="bench-tiny (random weights)", dtype=engine_dtype(), cpu=cpu_model(),
         quick=args.quick)
     if not args.json:
         for name in runs:

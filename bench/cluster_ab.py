@@ -29,10 +29,11 @@ from bench.cluster_overhead import (  # noqa: E402
     FULL,
     KV_CACHE_MEMORY,
     QUICK,
+    SMOKE,
     _through_router,
     run_inprocess,
 )
-from bench.common import ensure_model, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seeded_prompts  # noqa: E402
 
 
 def _env(pairs: list[str]) -> dict[str, str]:
@@ -54,17 +55,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="the smaller shape of cluster_overhead --quick")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.smoke:
+        args.rounds = 1
     sides = {"A": (shlex.split(args.a), _env(args.a_env)), "B": (shlex.split(args.b), _env(args.b_env))}
 
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.local_cluster import LocalCluster
 
-    model = ensure_model()
+    model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
     warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
@@ -96,7 +100,7 @@ def main() -> None:
     result["A"]["setting"] = {"args": args.a, "env": sides["A"][1]}
     result["B"]["setting"] = {"args": args.b, "env": sides["B"][1]}
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "dtype": engine_dtype()}))  # the nodes' (auto, resolved here alike)
         return
     print(f"{cfg['requests']} requests × {cfg['new_tokens']} tokens, {args.rounds} rounds")
     for name, r in result.items():

@@ -32,10 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ensure_model, seeded_prompts  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seeded_prompts  # noqa: E402
 
 FULL = dict(requests=16, min_len=32, max_len=384, new_tokens=96, repeats=7)
 QUICK = dict(requests=8, min_len=32, max_len=256, new_tokens=48, repeats=3)
+SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4, repeats=1)  # on models/bench-tiny
 BLOCK_SIZE = 64
 KV_CACHE_MEMORY = 512 << 20
 
@@ -117,13 +118,15 @@ def main() -> None:
                         help="the node's --batch-wait-ms (default: the node's own default; 0: off)")
     parser.add_argument("--tls", action="store_true",
                         help="also a plaintext cluster (--insecure-internal) in the same rounds: tls_ratio")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else FULL)
+    cfg = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error("--repeats must be at least 1")
         cfg["repeats"] = args.repeats
-    model = Path(args.model) if args.model else ensure_model()
+    tiny = args.smoke and not args.model
+    model = Path(args.model) if args.model else ensure_model("tiny", ROOT / "models" / "bench-tiny") if tiny else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
 
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
@@ -177,7 +180,7 @@ def main() -> None:
                       / statistics.median(r["tokens_per_s"] for r in plain_runs),
                       plaintext_runs=[round(r["tokens_per_s"], 1) for r in plain_runs])
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "dtype": engine_dtype()}))  # the nodes' (auto, resolved here alike)
         return
     print(f"model {model.name}: {cfg['requests']} requests, prompts {cfg['min_len']}-{cfg['max_len']} tokens, "
           f"{cfg['new_tokens']} new tokens each, block size {BLOCK_SIZE}, best of {cfg['repeats']}, "

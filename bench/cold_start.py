@@ -45,10 +45,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, ensure_model  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model  # noqa: E402
 
 FULL = dict(prefix=1024, suffix=16, prefixes=2, requests=6, rounds=3)
 QUICK = dict(prefix=512, suffix=16, prefixes=2, requests=4, rounds=1)
+SMOKE = dict(prefix=64, suffix=16, prefixes=1, requests=2, rounds=1)  # on models/bench-tiny
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 BLOCK_SIZE = 32
 KV_CACHE_MEMORY = 512 << 20
@@ -153,10 +154,12 @@ def main() -> None:
                         help="model directory (default: models/smollm2-135m-instruct, else models/bench-small)")
     parser.add_argument("--rounds", type=int, choices=range(1, 11), metavar="1-10", default=None,
                         help="rounds of the four methods (default 3, quick 1)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else FULL)
+    cfg = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     cfg["rounds"] = args.rounds or cfg["rounds"]
-    model = Path(args.model) if args.model else (SMOLLM2 if (SMOLLM2 / "config.json").is_file() else ensure_model())
+    model = Path(args.model) if args.model else (ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else
+                                                 SMOLLM2 if (SMOLLM2 / "config.json").is_file() else ensure_model())
 
     from compute_service.model.config import ModelConfig
 
@@ -191,7 +194,7 @@ def main() -> None:
             faster = "" if m == "cold" else f"{1 - ttft[m] / ttft['cold']:.0%}"
             print(f"  {m:<9} {ttft[m]:8.3f} s   {faster:>16}   {GUIDE.get(m, ''):>9}   {ready[m]:10.1f} s")
         print(f"  greedy tokens identical across methods: {identical}")
-    print(json.dumps(result))
+    print(json.dumps({**result, "dtype": engine_dtype()}))  # the nodes' (auto, resolved here alike)
 
 
 if __name__ == "__main__":

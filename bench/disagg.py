@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT  # noqa: E402
+from bench.common import ROOT, add_smoke_flag  # noqa: E402
 from bench.disagg_client import API_KEY, Outcome, generate, server_figures  # noqa: E402
 from bench.disagg_sweep import threshold_sweep  # noqa: E402
 from bench.kv_transfer import log_problems, progress  # noqa: E402
@@ -64,6 +64,8 @@ FULL = dict(chats=36, chat_len=(64, 128), chat_tokens=64, chat_window_s=320.0, d
             doc_tokens=8, doc_gap_s=80.0, kv_cache_mib=1024, sweep=(64, 256, 1024, 4096))
 QUICK = dict(chats=12, chat_len=(64, 128), chat_tokens=48, chat_window_s=70.0, docs=3, doc_len=(2048, 3072),
              doc_tokens=8, doc_gap_s=20.0, kv_cache_mib=512, sweep=(64, 256, 1024))
+SMOKE = dict(chats=2, chat_len=(8, 16), chat_tokens=4, chat_window_s=5.0, docs=1, doc_len=(128, 192),
+             doc_tokens=4, doc_gap_s=2.0, kv_cache_mib=64, sweep=(64,))
 BLOCK_SIZE = 16
 # one tenant that holds every document at once on either arm (the demo's gold has 256 MiB)
 TENANTS = f"""\
@@ -224,6 +226,7 @@ def main() -> int:
     parser.add_argument("--disagg-min-uncached-tokens", type=int, default=DisaggConfig().disagg_min_uncached_tokens,
                         help="the routers' hand-over threshold (default: the router's)")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.doc_gap_s is not None and args.doc_gap_s <= 0:
         parser.error("--doc-gap-s must be positive")
@@ -231,7 +234,7 @@ def main() -> int:
         parser.error("--long-prefill-token-threshold must be >= 0 and --disagg-min-uncached-tokens >= 1")
     if not (MODEL / "config.json").is_file():
         raise SystemExit(f"disagg: no model at {MODEL} (make model fetches it)")
-    shape = dict(QUICK if args.quick else FULL)
+    shape = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     if args.doc_gap_s is not None:
         shape["doc_gap_s"] = args.doc_gap_s
     config = json.loads((MODEL / "config.json").read_text())

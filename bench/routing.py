@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ensure_model  # noqa: E402
+from bench.common import add_smoke_flag, ensure_model  # noqa: E402
 from router.routing import RoutingConfig  # noqa: E402
 
 # Long-context chat: each conversation opens with a document (768-1,024 tokens) under one of four
@@ -52,6 +52,8 @@ QUICK = dict(conversations=8, turns=3, system_prompts=2, system_len=256, first_u
 # working set (4 system prompts + 32 histories, ~28K tokens)
 SHORT_CHAT = dict(conversations=32, turns=4, system_prompts=4, system_len=1024, user_len=(64, 192), reply=64,
                   mean_gap_s=0.5, think_s=0.5, kv_cache_mib=128)
+SMOKE = dict(conversations=2, turns=2, system_prompts=1, system_len=32, first_user_len=(32, 48),
+             user_len=(8, 16), reply=4, mean_gap_s=0.2, think_s=0.1, kv_cache_mib=16)
 SHAPES = {"long": FULL, "short": SHORT_CHAT}
 BLOCK_SIZE = 16
 # the nodes' --long-prefill-token-threshold: a question that arrives while a document is prefilled
@@ -209,6 +211,7 @@ def main() -> int:
     parser.add_argument("--mean-gap-s", type=float, default=None,
                         help="mean seconds between conversations' arrivals (default: the shape's): the load")
     parser.add_argument("--think-s", type=float, default=None, help="seconds between a reply and the next turn")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.kv_cache_mib is not None and args.kv_cache_mib < 1:
         parser.error("--kv-cache-mib must be positive")
@@ -218,7 +221,7 @@ def main() -> int:
         parser.error("--nodes must be at least 2: routing needs a choice")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    shape = dict(QUICK if args.quick else SHAPES[args.shape])
+    shape = dict(SMOKE if args.smoke else QUICK if args.quick else SHAPES[args.shape])
     if args.mean_gap_s is not None and args.mean_gap_s <= 0:
         parser.error("--mean-gap-s must be positive")
     if args.long_prefill_token_threshold < 0:
@@ -243,6 +246,7 @@ def main() -> int:
         return statistics.fmean(r[key] for r in rows)
 
     result = dict(
+        dtype="float32",  # the nodes' (pinned above: the shapes' load was set by float32's speed)
         kv_mean_ttft_s=round(mean(kv, "mean_ttft_s"), 4), load_mean_ttft_s=round(mean(load, "mean_ttft_s"), 4),
         ttft_ratio=round(mean(load, "mean_ttft_s") / mean(kv, "mean_ttft_s"), 2),
         kv_p90_ttft_s=round(mean(kv, "p90_ttft_s"), 4), load_p90_ttft_s=round(mean(load, "p90_ttft_s"), 4),

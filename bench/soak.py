@@ -42,7 +42,7 @@ from chaos_checker import ClusterChecker, last_errors  # noqa: E402
 from chaos_load import LoadGenerator, PromptBook  # noqa: E402
 from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: E402
 
-from bench.common import ensure_model  # noqa: E402
+from bench.common import add_smoke_flag, ensure_model  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
 from kvfleet_cli.bench_command import cpu_model  # noqa: E402
 from kvfleet_cli.loadgen.memory_track import MemoryTrack, heap_slopes, probe_dir, probe_env  # noqa: E402
@@ -217,7 +217,10 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # 20 s, 5 of warm-up, memory every 2 s
+        args.minutes, args.warmup_minutes, args.rss_interval_s, args.clients = 1 / 3, 1 / 12, 2.0, 2
     for name, full, quick in (("minutes", 30.0, 3.0), ("rss_interval_s", 30.0, 5.0), ("warmup_minutes", None, 1.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ensure_model  # noqa: E402
+from bench.common import add_smoke_flag, ensure_model  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 
 POLICIES = ("lru", "fair", "value", "fair+value")
@@ -54,6 +54,7 @@ FULL = dict(system_prompts=4, system_len=256, user_len=(24, 48), reply=8, turns=
             b_prompt_len=768, b_reply=2, b_concurrency=4, alone_s=60, flooded_s=90, settle_s=20,
             kv_cache_mib=8, a_share_mib=3)
 QUICK = dict(FULL, alone_s=30, flooded_s=40, settle_s=10)
+SMOKE = dict(FULL, alone_s=4, flooded_s=5, settle_s=1, turns=2)  # one policy
 # the tiny model (the tests' and the demo's preset): its prefill is fast enough on a CPU for B to
 # flood at several times A's token rate; ``--model models/bench-small`` for a bigger one (size the
 # pool again: 16 KiB per token)
@@ -223,11 +224,14 @@ def main() -> int:
     parser.add_argument("--a-share-mib", type=float, default=None, help="A's cache_share_mib (default: the shape's)")
     parser.add_argument("--model", default=None, help="model directory (default: models/bench-tiny, made if missing)")
     parser.add_argument("--work-dir", default=None, help="the clusters' logs (default: a temporary directory)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.policies, args.rounds = "fair", 1
     policies = [p for p in args.policies.split(",") if p]
     if unknown := [p for p in policies if p not in POLICIES]:
         parser.error(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
-    shape = dict(QUICK if args.quick else FULL)
+    shape = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     shape.update({k: v for k, v in (("kv_cache_mib", args.kv_cache_mib), ("a_share_mib", args.a_share_mib))
                   if v is not None})
     model = Path(args.model) if args.model else ensure_model("tiny", BENCH_TINY)
