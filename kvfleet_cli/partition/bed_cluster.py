@@ -9,7 +9,6 @@ namespace and reach every service over the bridge; a ``cut(x, "client")`` cuts t
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
@@ -18,9 +17,10 @@ import time
 from pathlib import Path
 
 from kvfleet import certs, parent_death, settings
-from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, ETCD_ID, ROUTER_ID, Identity
+from kvfleet.identity import BLOCK_SERVICE_ID, ETCD_ID, ROUTER_ID, Identity
 from kvfleet_cli.cluster_certs import ClusterCerts
 from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.local_cluster import Child, LocalCluster
 from kvfleet_cli.local_nodes import local_node_settings, node_command
 from kvfleet_cli.partition.netns import Netbed
 
@@ -58,18 +58,26 @@ class _BedEtcd(EtcdServer):
                                             env=parent_death.child_env(os.environ), start_new_session=True)
 
 
-class BedCluster:
+class BedCluster(LocalCluster):
+    """A ``LocalCluster`` whose children run in the bed's namespaces: its readiness checks, ``exited``,
+    ``restart``, ``kill`` and staged ``stop`` serve here unchanged (``block_service`` is ``bs-a``,
+    ``block_service_standby`` is ``bs-b``)."""
+
     def __init__(self, model_dir: str | Path, work_dir: Path, tenants_file: Path, lease_ttl_s: int = 3,
                  block_size: int = 16, kv_cache_memory: int = 16 << 20) -> None:
-        self.model_dir, self.work_dir, self.tenants_file = str(model_dir), Path(work_dir), tenants_file
-        self.lease_ttl_s = lease_ttl_s
+        # not LocalCluster.__init__: no loopback ports, no HTTP door, no metrics; what its methods read
+        self.model_dir, self.work_dir, self.tenants_file = str(model_dir), Path(work_dir), str(tenants_file)
+        self.lease_ttl_s, self.standby, self.metrics, self._own_work_dir = lease_ttl_s, True, False, False
         self.node = local_node_settings(None, block_size=block_size, kv_cache_memory=kv_cache_memory,
                                         dtype="float32")
+        self.env, self.log_level = dict(os.environ), "INFO"
         self.bed = Netbed(SERVICES)
         self.certs = ClusterCerts(self.work_dir / "certs")
         self.etcd: _BedEtcd | None = None
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.argv: dict[str, list[str]] = {}
+        self.block_service: Child | None = None
+        self.block_service_standby: Child | None = None
+        self.nodes: dict[str, Child] = {}
+        self.router: Child | None = None
 
     def address(self, name: str) -> str:
         return f"{self.bed.ip[name]}:{PORTS[name]}"
@@ -82,15 +90,10 @@ class BedCluster:
     def etcd_url(self) -> str:
         return self.etcd.url
 
-    def log_path(self, name: str) -> Path:
-        return self.work_dir / f"{name}.log"
-
     def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.etcd.data_dir / "etcd.log" if name == "etcd" else self.log_path(name)
-        try:
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        if name == "etcd":
+            return (self.etcd.data_dir / "etcd.log").read_text(errors="replace")[-4000:]
+        return self.child(name).log_tail(lines)
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -105,71 +108,58 @@ class BedCluster:
             self.etcd = _BedEtcd(self.bed, self.work_dir / "etcd", self.certs.directory).start()
             self.certs.open_etcd(self.etcd.url, [*NODES, PROBE_NODE])
             self.certs.act_as_admin()
-            for name in REPLICAS:
-                self._spawn(name, self._replica_argv(name))
-                self._wait_port(name, timeout)
-                if name == "bs-a":
-                    self.wait_leader("bs-a", timeout)
+            self.block_service = self._start_replica("bs-a", timeout)
+            self.wait_leader("bs-a", timeout)
+            self.block_service_standby = self._start_replica("bs-b", timeout)
             for name in NODES:
                 command = node_command(self.node, self.model_dir, name, self.address(name), self.etcd.url,
                                        "etcd", None)
-                self._spawn(name, ["compute", *settings.to_argv(command), *self.certs.args(Identity.node(name))])
-            self.wait_nodes_ready(list(NODES), timeout)
-            self._spawn("router", ["router", "--listen", self.address("router"), "--etcd", self.etcd.url,
-                                   "--tenants", str(self.tenants_file), "--model", self.model_dir,
-                                   "--block-service", "etcd", *self.certs.args(ROUTER_ID)])
+                self.nodes[name] = self._spawn(name, ["compute", *settings.to_argv(command),
+                                                      *self.certs.args(Identity.node(name))], PORTS[name])
+            self.wait_ready(list(NODES), timeout)
+            self.router = self._spawn("router", [
+                "router", "--listen", self.address("router"), "--etcd", self.etcd.url, "--tenants", self.tenants_file,
+                "--model", self.model_dir, "--block-service", "etcd", *self.certs.args(ROUTER_ID)], PORTS["router"])
             self.wait_router(timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _replica_argv(self, name: str) -> list[str]:
-        argv = ["block-service", "--listen", self.address(name), "--tenants", str(self.tenants_file),
+    def _start_replica(self, name: str, timeout: float) -> Child:
+        argv = ["block-service", "--listen", self.address(name), "--tenants", self.tenants_file,
                 "--state-dir", str(self.work_dir / f"{name}-state"), *self.certs.args(BLOCK_SERVICE_ID),
                 "--etcd", self.etcd.url, "--sync-standby", "--lease-ttl", str(self.lease_ttl_s)]
-        return argv + (["--standby"] if name == "bs-b" else [])
+        child = self._spawn(name, argv + (["--standby"] if name == "bs-b" else []), PORTS[name])
+        self._wait_port(child, timeout)
+        return child
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        self.argv[name] = argv
-        command = [*self.bed.exec_prefix(name), sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "INFO", *argv]
-        with open(self.log_path(name), "ab") as log:
-            self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                env=parent_death.child_env(os.environ),
-                                                start_new_session=True)
+    def _launch(self, child: Child) -> None:
+        """LocalCluster's launch, inside the child's namespace."""
+        command = [*self.bed.exec_prefix(child.name), sys.executable, "-m", "kvfleet_cli.cli",
+                   "--log-level", self.log_level, *child.argv]
+        with open(child.log_path, "ab") as log:
+            child.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                             env=parent_death.child_env(self.env), start_new_session=True)
 
-    def restart(self, name: str) -> None:
-        """Start the exited service ``name`` again with its command line (same address, state, log)."""
-        self._spawn(name, self.argv[name])
-
-    def exited(self) -> dict[str, int]:
-        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
-
-    def _check_alive(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
-
-    def _wait_port(self, name: str, timeout: float) -> None:
-        host, port = self.address(name).split(":")
+    def _wait_port(self, child: Child, timeout: float) -> None:
+        host, port = self.address(child.name).split(":")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._check_alive(name)
+            self._check_alive(child)
             with socket.socket() as s:
                 s.settimeout(1)
                 if s.connect_ex((host, int(port))) == 0:
                     return
             time.sleep(0.1)
-        raise TimeoutError(f"{name} did not listen on {self.address(name)} within {timeout}s:\n{self.log_tail(name)}")
+        raise TimeoutError(f"{child.name} did not listen on {host}:{port} within {timeout}s:\n{child.log_tail()}")
 
     # -- reading the cluster ----------------------------------------------------------------------
 
     def leader(self) -> str | None:
         """The replica (``bs-a``/``bs-b``) etcd names the block_service leader now, None: none/unknown."""
-        from kvfleet.leader import leader_address
-
         try:
-            address = asyncio.run(leader_address(self.etcd.url, credentials=self.certs.admin()))
+            address = self.block_service_leader()
         except Exception:
             return None
         return next((n for n in REPLICAS if self.address(n) == address), None)
@@ -177,8 +167,8 @@ class BedCluster:
     def wait_leader(self, name: str | None = None, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for replica in REPLICAS:
-                if replica in self.procs:
+            for replica in (self.block_service, self.block_service_standby):
+                if replica is not None:
                     self._check_alive(replica)
             leader = self.leader()
             if leader is not None and (name is None or leader == name):
@@ -186,81 +176,19 @@ class BedCluster:
             time.sleep(0.1)
         raise TimeoutError(f"no block_service leader {name or ''} within {timeout}s (now {self.leader()})")
 
-    def node_states(self) -> dict[str, str]:
-        from kvfleet.membership import etcd_client, list_nodes
-
-        async def read():
-            async with etcd_client(self.etcd.url, credentials=self.certs.admin()) as client:
-                nodes, _ = await list_nodes(client)
-            return {n: info.state.value for n, info in nodes.items()}
-
-        return asyncio.run(read())
-
-    def wait_nodes_ready(self, node_ids: list[str], timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for node_id in node_ids:
-                self._check_alive(node_id)
-            if all(self.node_states().get(n) == "READY" for n in node_ids):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"nodes {node_ids} not READY within {timeout}s: {self.node_states()}")
-
-    def wait_router(self, timeout: float = 120.0) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.router_address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                self._check_alive("router")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service="kvfleet.v1.Inference"), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"router not SERVING within {timeout}s:\n{self.log_tail('router')}")
-
-    def admin(self):
-        return self.certs.admin()
-
     def credentials(self, identity: Identity):
         from kvfleet.tls import Credentials
 
         return Credentials.load(certs.identity_dir(self.certs.directory, identity), identity)
 
-    def admin_identity(self) -> Identity:
-        return ADMIN_ID
+    def admin(self):
+        return self.certs.admin()
 
     # -- stopping ---------------------------------------------------------------------------------
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM everything (router first, block_service last), SIGKILL what overstays, then remove
-        the bed; safe after a failed start."""
-        order = ["router", *NODES, *REPLICAS]
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self.etcd is not None:
-            self.etcd.stop()
-        self.certs.stop_acting()
-        self.bed.close()
-
-    def __enter__(self) -> BedCluster:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        """LocalCluster's staged stop, then the bed's namespaces removed; safe after a failed start."""
+        try:
+            super().stop(timeout)
+        finally:
+            self.bed.close()

@@ -176,6 +176,7 @@ def check(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: 
         "acknowledged_writes": sum(1 for w in writes if w.ok),
         "streams": len(streams),
         "failed_streams": sum(1 for s in streams if s.error is not None),
+        "stream_errors": sorted({s.error for s in streams if s.error is not None})[:3],
         "examples": [*lost[:3], *doubles[:3], *(f"{w.replica} acked {w.op} {w.seq_id} inside another's term"
                                                for w in split[:3])],
     }

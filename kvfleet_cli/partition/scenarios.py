@@ -7,6 +7,7 @@ Every scenario names its parts by role at the time it starts (the leader may be 
 - ``leader_cut_from_nodes``: the leader cut off from the nodes (and the router) only;
 - ``node_cut_from_router``: node-0 cut off from the router only;
 - ``node_cut_from_block_service``: node-0 cut off from both replicas;
+- ``node_cut_from_etcd``: node-0 cut off from etcd only (its lease lapses; it still serves);
 - ``etcd_unreachable``: etcd cut off from every service for longer than a lease;
 - ``one_way_leader_to_etcd``: the leader's packets to etcd dropped, etcd's to it delivered;
 - ``lossy``: 10 % of every service's packets dropped (and 200 ms ± jitter of delay where the kernel
@@ -51,6 +52,10 @@ def _node_cut_from_block_service(c: BedCluster, leader: str, standby: str) -> No
     c.bed.isolate("node-0", *REPLICAS)
 
 
+def _node_cut_from_etcd(c: BedCluster, leader: str, standby: str) -> None:
+    c.bed.cut("node-0", "etcd")
+
+
 def _etcd_unreachable(c: BedCluster, leader: str, standby: str) -> None:
     c.bed.isolate("etcd", *(s for s in SERVICES if s != "etcd"))
 
@@ -73,6 +78,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("one_way_leader_to_etcd", _one_way_leader_to_etcd, 3.0),
     Scenario("leader_cut_from_nodes", _leader_cut_from_nodes, 3.0),
     Scenario("node_cut_from_block_service", _node_cut_from_block_service, 3.0),
+    Scenario("node_cut_from_etcd", _node_cut_from_etcd, 3.0),
     Scenario("etcd_unreachable", _etcd_unreachable, 2.5),
     Scenario("lossy", _lossy, 0.0, soak=True),
 ]}
@@ -110,7 +116,7 @@ def wait_recovered(cluster: BedCluster, timeout_s: float = 90.0) -> None:
     """Until a leader is named, both nodes are READY and the router serves."""
     deadline = time.monotonic() + timeout_s
     cluster.wait_leader(timeout=timeout_s)
-    cluster.wait_nodes_ready(list(NODES), max(deadline - time.monotonic(), 1.0))
+    cluster.wait_ready(list(NODES), max(deadline - time.monotonic(), 1.0))
     cluster.wait_router(max(deadline - time.monotonic(), 1.0))
 
 
