@@ -1,0 +1,75 @@
+"""The partition bed's namespaces and faults, on their own (no kvfleet service): services reach each
+other over the bridge, a cut drops both ways, a one-way cut only one, loss drops a share, the heal
+restores all; and the bed is gone afterwards even when the code inside failed, its processes too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvfleet_cli.partition import netns
+
+pytestmark = pytest.mark.process  # processes run inside the namespaces
+
+RECEIVE = ("import socket,sys; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind((sys.argv[1],9000)); "
+           "s.settimeout(float(sys.argv[2]));\ntry: print(len([s.recv(64) for _ in range(int(sys.argv[3]))]))\n"
+           "except TimeoutError: print('timeout')")
+SEND = ("import socket,sys,time,contextlib; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); time.sleep(0.3)\n"
+        "for _ in range(int(sys.argv[2])):\n with contextlib.suppress(OSError): s.sendto(b'x',(sys.argv[1],9000))")
+# (a DROP in OUTPUT answers the sender EPERM: dropped all the same)
+
+
+@pytest.fixture(autouse=True)
+def _need_namespaces():
+    reason = netns.why_unavailable()
+    if reason:
+        pytest.skip(f"no partition bed here: {reason}")
+
+
+def datagrams(bed: netns.Netbed, src: str, dst: str, count: int = 1, wait_s: float = 1.5) -> str:
+    """How many of ``count`` UDP datagrams from ``src`` reached ``dst`` ('timeout': fewer)."""
+    receiver = subprocess.Popen([*bed.exec_prefix(dst), sys.executable, "-c", RECEIVE, bed.ip[dst], str(wait_s),
+                                 str(count)], stdout=subprocess.PIPE, text=True)
+    subprocess.run([*bed.exec_prefix(src), sys.executable, "-c", SEND, bed.ip[dst], str(count)], check=True)
+    return receiver.communicate(timeout=30)[0].strip()
+
+
+def test_cuts_one_way_cuts_and_the_heal():
+    with netns.Netbed(["a", "b"]) as bed:
+        assert datagrams(bed, "a", "b") == "1" and datagrams(bed, "b", "a") == "1"
+        bed.cut("a", "b", one_way=True)
+        assert datagrams(bed, "a", "b") == "timeout" and datagrams(bed, "b", "a") == "1"
+        bed.heal()
+        bed.cut("a", "b")
+        assert datagrams(bed, "a", "b") == "timeout" and datagrams(bed, "b", "a") == "timeout"
+        bed.heal()
+        assert datagrams(bed, "a", "b") == "1"
+        bed.loss("a", "b", 100.0)
+        assert datagrams(bed, "a", "b") == "timeout"
+        assert bed.faults == ["cut a -> b", "heal", "cut a <-> b", "heal", "loss a -> b 100.0%"]
+
+
+def _ours() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    return [line.split()[0] for line in listed if line.startswith(netns.PREFIX)]
+
+
+def test_the_bed_and_its_processes_are_gone_after_a_failure():
+    with pytest.raises(RuntimeError, match="the test failed"), netns.Netbed(["a"]) as bed:
+        sleeper = subprocess.Popen([*bed.exec_prefix("a"), "sleep", "600"])
+        assert _ours()
+        raise RuntimeError("the test failed")
+    assert sleeper.wait(timeout=10) != 0  # killed with its namespace
+    assert not [n for n in _ours() if n.startswith(bed.tag)]
+
+
+def test_sweep_removes_what_a_dead_run_left():
+    left = f"{netns.PREFIX}4999999-x"  # no process has that id (above the largest pid_max, 2**22)
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    try:
+        assert left in netns.sweep()
+        assert left not in _ours()
+    finally:
+        subprocess.run(["ip", "netns", "del", left], capture_output=True)
