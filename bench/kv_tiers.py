@@ -45,7 +45,7 @@ FULL = dict(system_prompts=4, system_tokens=512, conversations=16, turns=4, user
 QUICK = dict(system_prompts=2, system_tokens=128, conversations=8, turns=3, user_tokens=32, answer_tokens=16,
              preempt_seqs=6, preempt_prompt=48, preempt_output=64)
 SMOKE = dict(system_prompts=1, system_tokens=32, conversations=2, turns=2, user_tokens=16, answer_tokens=4,
-             preempt_seqs=3, preempt_prompt=16, preempt_output=16)
+             preempt_seqs=6, preempt_prompt=32, preempt_output=32)
 
 
 @dataclass(slots=True)
