@@ -64,12 +64,11 @@ def main() -> int:
         print(f"partitions: cannot make network namespaces here: {reason}", file=sys.stderr)
         return 2
     model = ensure_model("tiny", ROOT / "models" / "soak-tiny")
-    from kvfleet_cli.demo_tenants import DEMO_TENANTS
-    from kvfleet_cli.partition.bed_cluster import BedCluster
+    from kvfleet_cli.partition.bed_cluster import BED_TENANTS, BedCluster
     from kvfleet_cli.partition.history import StreamClients
 
     work = Path(tempfile.mkdtemp(prefix="kvfleet-partitions-"))
-    (work / "tenants.yaml").write_text(DEMO_TENANTS)
+    (work / "tenants.yaml").write_text(BED_TENANTS)
     results: dict[str, dict] = {}
     started = time.monotonic()
     with BedCluster(model, work / "cluster", work / "tenants.yaml", lease_ttl_s=args.lease_ttl) as cluster:

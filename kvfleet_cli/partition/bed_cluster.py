@@ -19,6 +19,7 @@ from pathlib import Path
 from kvfleet import certs, parent_death, settings
 from kvfleet.identity import BLOCK_SERVICE_ID, ETCD_ID, ROUTER_ID, Identity
 from kvfleet_cli.cluster_certs import ClusterCerts
+from kvfleet_cli.demo_tenants import DEMO_TENANTS
 from kvfleet_cli.etcd_server import EtcdServer
 from kvfleet_cli.local_cluster import Child, LocalCluster
 from kvfleet_cli.local_nodes import local_node_settings, node_command
@@ -28,6 +29,15 @@ NODES = ("node-0", "node-1")
 REPLICAS = ("bs-a", "bs-b")
 SERVICES = ("etcd", *REPLICAS, *NODES, "router")
 PROBE_NODE = "probe"  # the page-table client's own node id (no compute node holds it)
+# the demo tenants and ``tight``, the page-table client's: 64 blocks of its 4 KiB (history.PageTableClient),
+# so that its allocations run into the quota during the faults and the checker's quota check bites
+BED_TENANTS = DEMO_TENANTS + """\
+  - name: tight
+    api_key: sk-tight
+    quota_mib: 0.25
+    paid_level: 0
+    max_concurrent: 4
+"""
 PORTS = {"etcd": 2379, "bs-a": 7100, "bs-b": 7100, "node-0": 7200, "node-1": 7200, "router": 7300}
 
 

@@ -31,6 +31,7 @@ from kvfleet_cli.partition.checker import QuotaSample, Stream, Write
 
 CALL_TIMEOUT_S = 1.5
 PROBE_BLOCKS = 4096
+PROBE_BLOCK_BYTES = 1 << 12  # BED_TENANTS' tight quota counts in these
 
 
 class _Loop(threading.Thread):
@@ -47,13 +48,14 @@ class _Loop(threading.Thread):
 
 
 class PageTableClient(_Loop):
-    def __init__(self, cluster: BedCluster, prefix: str = "p", tenant: str = "gold", interval_s: float = 0.05,
+    def __init__(self, cluster: BedCluster, prefix: str = "p", tenant: str = "tight", interval_s: float = 0.05,
                  seed: int = 1) -> None:
         super().__init__()
         self.cluster, self.prefix, self.tenant, self.interval_s = cluster, prefix, tenant, interval_s
         self.rng = random.Random(seed)
         self.writes: list[Write] = []
         self.acked: list[str] = []  # live sequences as acknowledged (candidates for a release)
+        self.refusals = 0
 
     def run(self) -> None:
         try:
@@ -84,7 +86,7 @@ class PageTableClient(_Loop):
         while True:
             for client in clients.values():
                 try:
-                    await client.register_node(PROBE_NODE, PROBE_BLOCKS, 16, 1 << 12)
+                    await client.register_node(PROBE_NODE, PROBE_BLOCKS, 16, PROBE_BLOCK_BYTES)
                     return
                 except Exception:
                     pass
@@ -110,6 +112,7 @@ class PageTableClient(_Loop):
                 return True, seq_id, (), time.monotonic()
             [got] = await client.allocate_many([AllocateRequest(PROBE_NODE, seq_id, self.tenant, [], 16)])
             ok = isinstance(got, Allocation)
+            self.refusals += not ok  # the pool or the tenant's quota said no (an answer, not an outage)
             return ok, seq_id, tuple(got.block_ids) if ok else (), time.monotonic()
         except Exception:
             return False, seq_id, (), time.monotonic()
@@ -142,6 +145,23 @@ class PageTableClient(_Loop):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+
+
+    def release_all(self, seq_ids: Sequence[str]) -> None:
+        """Release ``seq_ids`` on the leader (a scenario's leftovers: the next one starts with its
+        tenant's quota free); best effort, after the history is taken."""
+        if not seq_ids:
+            return
+
+        async def release(leader: str) -> None:
+            async with BlockManagerClient(self.cluster.address(leader), timeout_s=10,
+                                          credentials=self.cluster.credentials(Identity.node(PROBE_NODE))) as client:
+                await client.release(list(seq_ids), tenant=self.tenant)
+
+        try:
+            asyncio.run(release(self.cluster.wait_leader(timeout=30)))
+        except Exception:  # noqa: S110 - the next scenario still runs; its refusals show a full quota
+            pass
 
 
 def generate(address: str, prompt: Sequence[int], max_tokens: int, stream: Stream, api_key: str = "sk-gold",

@@ -146,7 +146,9 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
         ended = time.monotonic()
         traffic.stop()
     final = traffic.page_table.final_state()
+    traffic.page_table.release_all(sorted(final))
     result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples, began, ended)
     result.update(faults=cluster.bed.faults[start:], leader_before=leader, leader_after=cluster.leader(),
-                  recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited())
+                  recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited(),
+                  refused_allocations=traffic.page_table.refusals)
     return result

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_cli.demo_tenants import DEMO_TENANTS
 from kvfleet_cli.model_maker import make_model
 from kvfleet_cli.partition import scenarios
+from kvfleet_cli.partition.bed_cluster import BED_TENANTS
 from kvfleet_cli.partition.netns import why_unavailable
 from kvfleet_cli.partition.scenarios import MAX_TOKENS
 
@@ -24,7 +24,7 @@ def bed_cluster(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("partition")
     model = make_model(work / "tiny", "tiny", seed=11)
-    (work / "tenants.yaml").write_text(DEMO_TENANTS)
+    (work / "tenants.yaml").write_text(BED_TENANTS)
     cluster = BedCluster(model, work / "cluster", work / "tenants.yaml", lease_ttl_s=3).start()
     try:
         prompt_list = scenarios.prompts()
