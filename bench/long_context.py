@@ -141,8 +141,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
     add_smoke_flag(parser)
     args = parser.parse_args()
-    if args.smoke:
-        args.tokens, args.decode = args.tokens or 256, 4
+    if args.smoke:  # three blocks: the node's warm-up needs that many in its pool
+        args.tokens, args.decode = args.tokens or 3 * BLOCK_SIZE - 4, 4
     # the full run fills the model's window: prompt + output = 131,072 positions (a prompt of all
     # 131,072 would leave no position for a token, and the node refuses it INVALID_ARGUMENT)
     num_tokens = args.tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS - args.decode)
