@@ -81,14 +81,15 @@ def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]
 
 
 def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
-    """Blocks granted while another live sequence held them (acknowledged history, in the order the
-    acknowledgements came back), and blocks held by two sequences in ``final``."""
+    """Blocks granted while another live sequence held them (acknowledged grants in the order they
+    came back), and blocks held by two sequences in ``final``. A release frees its sequence's blocks
+    from the moment it was sent, acknowledged or not (one that timed out may have been applied)."""
+    events: list[tuple[float, int, Write]] = [(w.t_end, 1, w) for w in writes if w.op == "alloc" and w.ok]
+    events += {(w.seq_id, w.t_start): (w.t_start, 0, w) for w in writes if w.op == "release"}.values()
     holder: dict[int, str] = {}
     held: dict[str, tuple[int, ...]] = {}
     found = []
-    for w in sorted(writes, key=lambda w: w.t_end):
-        if not w.ok:
-            continue
+    for _, _, w in sorted(events, key=lambda e: (e[0], e[1])):
         if w.op == "release":
             for block in held.pop(w.seq_id, ()):
                 holder.pop(block, None)
