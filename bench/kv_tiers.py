@@ -45,7 +45,7 @@ FULL = dict(system_prompts=4, system_tokens=512, conversations=16, turns=4, user
 QUICK = dict(system_prompts=2, system_tokens=128, conversations=8, turns=3, user_tokens=32, answer_tokens=16,
              preempt_seqs=6, preempt_prompt=48, preempt_output=64)
 SMOKE = dict(system_prompts=1, system_tokens=32, conversations=2, turns=2, user_tokens=16, answer_tokens=4,
-             preempt_seqs=6, preempt_prompt=32, preempt_output=32)
+             preempt_seqs=6, preempt_prompt=32, preempt_output=32, token_budget=256)
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ def working_set_blocks(shape: dict) -> int:
     return shape["system_prompts"] * shape["system_tokens"] // BLOCK_SIZE + shape["conversations"] * per_conversation
 
 
-def engine(model: Path, pool_blocks: int, **tiers):
+def engine(model: Path, pool_blocks: int, budget: int = 4096, **tiers):
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from compute_service.kv.pool import bytes_per_block
     from compute_service.model.config import ModelConfig
@@ -94,7 +94,7 @@ def engine(model: Path, pool_blocks: int, **tiers):
     per_block = bytes_per_block(ModelConfig.from_dir(model), BLOCK_SIZE, engine_dtype())  # the dtype auto resolves to
     sized = {k: v * per_block if k in ("kv_host_memory", "kv_disk_bytes") else v for k, v in tiers.items()}
     return LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=pool_blocks * per_block,
-                                         max_num_batched_tokens=4096, **sized))
+                                         max_num_batched_tokens=budget, **sized))
 
 
 def one_request(eng, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -143,7 +143,8 @@ def run_preemption(model: Path, shape: dict, mode: str) -> tuple[PreemptRun, lis
     per_seq = -(-(shape["preempt_prompt"] + shape["preempt_output"]) // BLOCK_SIZE)
     pool = per_seq * shape["preempt_seqs"] // 3  # a third of what they grow to: preemption is the normal state
     host = per_seq * shape["preempt_seqs"] * 2
-    eng = engine(model, pool, **({} if mode == "recompute" else dict(kv_host_memory=host, preemption_mode=mode)))
+    tiers = {} if mode == "recompute" else dict(kv_host_memory=host, preemption_mode=mode)
+    eng = engine(model, pool, shape.get("token_budget", 4096), **tiers)
     start = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_tokens=shape["preempt_output"], ignore_eos=True))
     seconds = time.perf_counter() - start
@@ -173,7 +174,7 @@ def main() -> None:
         configs = {"hot": {}, "hot_cold": dict(kv_host_memory=working),
                    "hot_cold_disk": dict(kv_host_memory=pool, kv_disk_dir=disk, kv_disk_bytes=working)}
         for name, tiers in configs.items():
-            run, outputs[name] = run_chat(engine(model, pool, **tiers), shape)
+            run, outputs[name] = run_chat(engine(model, pool, shape.get("token_budget", 4096), **tiers), shape)
             results[name] = asdict(run)
             print(f"{name:14s} hit {run.hit_rate:6.1%} (hot {run.hot}, host {run.host}, disk {run.disk}, miss {run.miss})"
                   f"  mean TTFT {run.mean_ttft_s:.3f}s  {run.tokens_per_s:.0f} tok/s", file=sys.stderr)
