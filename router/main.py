@@ -70,7 +70,7 @@ async def serve(config: RouterSettings) -> None:
                 admission.set_capacity(nodes.capacity())
             await server.update_health()
             if change.info is None:
-                await prefix.forget_node(change.node_id)  # retried once block_service answers
+                prefix.node_left(change.node_id)  # released after a grace; retried once block_service answers
             else:
                 prefix.node_back(change.node_id)
 

@@ -31,6 +31,11 @@ from router.routing import NO_HIT, PrefixHit
 
 log = logging.getLogger(__name__)
 
+# A node's etcd key gone is not yet a node gone: an etcd outage longer than the nodes' leases drops
+# every key while every node serves on (tests/partition: etcd_unreachable). Its pool is released
+# only if it is not back within this long; a node back in time keeps its blocks and needs no resync.
+FORGET_GRACE_S = 15.0
+
 
 class BlockServicePrefixLookup:
     """Per node, the leading blocks of a prompt it holds: committed ones as block_service's prefix
@@ -43,6 +48,7 @@ class BlockServicePrefixLookup:
         self.recent = recent or RecentRoutes()
         self.failing = False              # lookups fail now (said once)
         self._to_forget: set[str] = set()  # nodes gone while block_service did not answer
+        self._forgetting: dict[str, asyncio.Task] = {}  # nodes gone from etcd, released after a grace
 
     def _hashes(self, tenant: str, token_ids: Sequence[int], block_size: int, prefix_group: str = "") -> list[bytes]:
         """The prompt's full blocks' hashes as a node computes them for ``tenant`` (salted with its
@@ -97,6 +103,21 @@ class BlockServicePrefixLookup:
     def node_back(self, node_id: str) -> None:
         """``node_id`` is listed again: its pool is its own to sync, not to drop."""
         self._to_forget.discard(node_id)
+        pending = self._forgetting.pop(node_id, None)
+        if pending is not None:
+            pending.cancel()
+
+    def node_left(self, node_id: str, grace_s: float = FORGET_GRACE_S) -> None:
+        """``node_id``'s key left etcd: no recent routes to it now, its pool released in ``grace_s``
+        unless it is listed again first (``node_back``)."""
+        self.recent.forget_node(node_id)
+        if node_id not in self._forgetting:
+            self._forgetting[node_id] = asyncio.create_task(self._forget_after(node_id, grace_s))
+
+    async def _forget_after(self, node_id: str, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        self._forgetting.pop(node_id, None)
+        await self.forget_node(node_id)
 
     def routed(self, tenant: str, token_ids: Sequence[int], node: RouterNode, prefix_group: str = "") -> None:
         """``token_ids`` were just sent to ``node``: its blocks count as cached there for a while."""
@@ -119,6 +140,8 @@ class BlockServicePrefixLookup:
         log.info("node %s left: block_service released its pool (%d sequences)", node_id, len(released))
 
     async def close(self) -> None:
+        for pending in self._forgetting.values():
+            pending.cancel()
         if self.client is not None:
             await self.client.close()
 

@@ -15,6 +15,7 @@ from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 from kvfleet.ids import MAX_REQUEST_ID_LEN
 from kvfleet.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
+from router.prefix_lookup import FORGET_GRACE_S
 from tests.compute_service.conftest import late_stop_string
 
 pytestmark = pytest.mark.chaos  # each test kills or drains a node on purpose
@@ -75,8 +76,9 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
     while killed in cluster.node_states():
         assert time.monotonic() - killed_at < LEASE_TTL + 2, "killed node still listed in etcd"
         time.sleep(0.1)
-    # ... and block_service drops its pool: none of its blocks stay charged.
-    deadline = time.monotonic() + 10
+    # ... and block_service drops its pool once the router's grace is over (a key gone is not yet a
+    # node gone: router.prefix_lookup.FORGET_GRACE_S): none of its blocks stay charged.
+    deadline = time.monotonic() + FORGET_GRACE_S + 10
     while killed in (pools := block_pools(cluster)):
         assert time.monotonic() < deadline, f"block_service still holds {killed}'s pool: {pools[killed]}"
         time.sleep(0.1)

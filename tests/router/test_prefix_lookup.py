@@ -45,6 +45,9 @@ class Switchable:
         self.deregistered.append(node_id)
         return []
 
+    async def close(self):
+        pass
+
 
 def node(node_id: str) -> RouterNode:
     return RouterNode(NodeInfo(node_id, "x:1", "m", 64, 16, NodeState.READY), None, None)
@@ -130,3 +133,23 @@ def test_a_node_that_never_fetches_counts_a_peer_held_block_as_a_miss():
     assert RouterNode(info, None, None, 0.0).load(PrefixHit(0, 0, 3)).peer_weight == 0.0
     assert NodeInfo.from_json("off", info.to_json()).fetches_kv is False
     assert NodeInfo.from_json("old", NodeInfo("old", "x:1", "m", 64, 16, NodeState.READY).to_json()).fetches_kv
+
+
+def test_a_node_gone_from_etcd_keeps_its_pool_through_the_grace_and_back_in_time():
+    """An etcd outage drops every node's key while the nodes serve on: a node listed again within
+    the grace keeps its pool; one that stays away has it released once the grace is over."""
+    client = Switchable()
+    lookup = BlockServicePrefixLookup(client)
+
+    async def scenario():
+        lookup.node_left("a", grace_s=0.2)
+        lookup.node_left("b", grace_s=0.2)
+        lookup.node_left("b", grace_s=0.2)  # told twice: one release
+        await asyncio.sleep(0.05)
+        assert client.deregistered == []   # not yet: within the grace
+        lookup.node_back("a")              # a's lease renewed once etcd answered
+        await asyncio.sleep(0.4)
+        await lookup.close()
+
+    asyncio.run(scenario())
+    assert client.deregistered == ["b"]
