@@ -189,7 +189,8 @@ async def main_async(args) -> dict:
     ctl_tokens = sum(r.window(*settled)[1] for r in controlled)
     unc_ms, ctl_ms = p99(unc_itls) * 1e3, p99(ctl_itls) * 1e3
     window_s = 2 * (settled[1] - settled[0])
-    plot([uncontrolled[0], controlled[0]], target_ms, args.seconds)
+    if not args.smoke:  # a smoke run's figures mean nothing: the committed plot stays
+        plot([uncontrolled[0], controlled[0]], target_ms, args.seconds)
     return {
         "target_ms": round(target_ms, 1), "p99_settled_ms": round(ctl_ms, 1),
         "p99_uncontrolled_ms": round(unc_ms, 1), "throughput_frac": round(ctl_tokens / max(unc_tokens, 1), 3),
@@ -200,7 +201,7 @@ async def main_async(args) -> dict:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "dtype": engine.config.dtype,
         "clients": args.clients, "seconds": args.seconds,
-        "plot": str(PLOT.relative_to(ROOT)),
+        "plot": None if args.smoke else str(PLOT.relative_to(ROOT)),
     }
 
 
