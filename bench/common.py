@@ -55,3 +55,15 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def model_dir_or_none(arg: str | None, prog: str) -> Path | None:
+    """The model directory ``--model`` names (default: the pulled SmolLM2), or None where it holds
+    no model (said in one line on stderr)."""
+    from kvfleet_cli.models_pull import default_model_dir
+
+    model_dir = Path(arg) if arg else default_model_dir()
+    if not (model_dir / "config.json").is_file():
+        print(f"{prog}: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
+        return None
+    return model_dir

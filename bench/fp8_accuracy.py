@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_smoke_flag  # noqa: E402
+from bench.common import add_smoke_flag, model_dir_or_none  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.prose_corpus import CHAT_QUESTIONS, CORPORA  # noqa: E402
 
@@ -261,18 +261,6 @@ def _bytes_per_token(mc, name: str) -> int:
     from compute_service.kv.cache_dtype import kv_bytes_per_token
 
     return kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name)
-
-
-def model_dir_or_none(arg: str | None, prog: str) -> Path | None:
-    """The model directory ``--model`` names (default: the pulled SmolLM2), or None where it holds
-    no model (said in one line on stderr)."""
-    from kvfleet_cli.models_pull import default_model_dir
-
-    model_dir = Path(arg) if arg else default_model_dir()
-    if not (model_dir / "config.json").is_file():
-        print(f"{prog}: {model_dir} is not a model directory (`make model` pulls SmolLM2)", file=sys.stderr)
-        return None
-    return model_dir
 
 
 def report(r: dict) -> None:

@@ -36,8 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_smoke_flag  # noqa: E402
-from bench.fp8_accuracy import model_dir_or_none  # noqa: E402
+from bench.common import add_smoke_flag, model_dir_or_none  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.prose_corpus import CORPORA  # noqa: E402
 

@@ -52,6 +52,7 @@ def test_every_benchmark_has_a_smoke_shape():
 
 
 @pytest.mark.process  # interpreters, and the cluster benchmarks' clusters
+@pytest.mark.bench_smoke  # ~45 min in all on 2 shared cores: `make test-bench`
 @pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_benchmark_smoke(name, dtype):
     if name in NEEDS_SMOLLM2 and not (SMOLLM2 / "config.json").is_file():
