@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 CANARY_PREFIX = "/kvfleet/canary/"
 SPLIT, ROLLOUT = "split", "rollout"  # the keys under the prefix
@@ -34,8 +35,27 @@ def check_share(value: object) -> float:
     return share
 
 
+class _JsonRecord:
+    """An etcd value as sorted JSON: ``to_json``, and ``from_json`` (``ValueError`` for a value that
+    is not one, naming ``WHAT``)."""
+
+    __slots__ = ()
+    WHAT: ClassVar[str] = "record"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, value: bytes):
+        try:
+            return cls(**_known(cls, json.loads(value)))
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not a {cls.WHAT}: {e}") from None
+
+
 @dataclass(slots=True, frozen=True)
-class CanarySplit:
+class CanarySplit(_JsonRecord):
+    WHAT: ClassVar[str] = "canary split"
     share: float = 0.0        # of new conversations (of ``tenant``'s, when set) sent to the canary group
     tenant: str = ""          # "": every tenant's conversations
     started_at: float = 0.0   # unix seconds when the split was set
@@ -46,20 +66,11 @@ class CanarySplit:
     def __post_init__(self) -> None:
         object.__setattr__(self, "share", check_share(self.share))
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, value: bytes) -> CanarySplit:
-        """The split in ``value``; ``ValueError`` for one that is not a split."""
-        try:
-            return cls(**_known(cls, json.loads(value)))
-        except (TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"not a canary split: {e}") from None
 
 
 @dataclass(slots=True, frozen=True)
-class Rollout:
+class Rollout(_JsonRecord):
+    WHAT: ClassVar[str] = "canary rollout"
     action: str               # PROMOTE or ROLLBACK
     config_text: str          # the configuration every node of the side being restarted gets
     requested_at: float = 0.0
@@ -68,15 +79,6 @@ class Rollout:
         if self.action not in (PROMOTE, ROLLBACK):
             raise ValueError(f"rollout action must be {PROMOTE} or {ROLLBACK}, got {self.action!r}")
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, value: bytes) -> Rollout:
-        try:
-            return cls(**_known(cls, json.loads(value)))
-        except (TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"not a canary rollout: {e}") from None
 
 
 def _known(cls: type, fields: object) -> dict:
