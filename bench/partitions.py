@@ -14,7 +14,11 @@ TTL per leadership change):
     over_quota          samples of a tenant over its quota
     unavailable_s       the longest a client (page-table or streams) went without service
 
-    python bench/partitions.py [--quick] [--json] [--scenario NAME ...] [--lease-ttl 3] [--soak-s 300]
+    python bench/partitions.py [--quick] [--json] [--scenario NAME ...] [--repeat N] [--history-dir DIR]
+                               [--lease-ttl 3] [--soak-s 300]
+
+Every run's history (each write, stream and quota sample, with times) is saved as JSON under
+``--history-dir`` (default: the run's work directory), and each violation comes with its records.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a 30 s soak instead of 5 minutes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--scenario", action="append", choices=sorted(scenarios.SCENARIOS), help="only these")
+    parser.add_argument("--repeat", type=int, default=1, help="run each scenario N times (results NAME#k)")
+    parser.add_argument("--history-dir", type=Path, default=None, help="save each run's history here as JSON")
     parser.add_argument("--lease-ttl", type=int, default=3, help="the block_service leader lease (default 3 s)")
     parser.add_argument("--soak-s", type=float, default=None, help="the lossy soak's length (default 300, quick 30)")
     add_smoke_flag(parser)
@@ -68,6 +74,7 @@ def main() -> int:
     from kvfleet_cli.partition.history import StreamClients
 
     work = Path(tempfile.mkdtemp(prefix="kvfleet-partitions-"))
+    history_dir = args.history_dir or work / "histories"
     (work / "tenants.yaml").write_text(BED_TENANTS)
     results: dict[str, dict] = {}
     started = time.monotonic()
@@ -75,17 +82,24 @@ def main() -> int:
         prompt_list = scenarios.prompts()
         reference = StreamClients(cluster.router_address, prompt_list, cfg["max_tokens"]).reference()
         for name in names:
-            results[name] = scenarios.run_scenario(cluster, scenarios.SCENARIOS[name], reference, prompt_list,
-                                                   cfg["max_tokens"], soak_s=soak_s)
-            if not args.json:
-                print(_line(name, results[name]), flush=True)
+            for k in range(args.repeat):
+                key = name if args.repeat == 1 else f"{name}#{k}"
+                results[key] = scenarios.run_scenario(cluster, scenarios.SCENARIOS[name], reference, prompt_list,
+                                                      cfg["max_tokens"], soak_s=soak_s, history_dir=history_dir)
+                if not args.json:
+                    print(_line(key, results[key]), flush=True)
+                    for kind, found in results[key]["violations"].items():
+                        for v in found:
+                            print(f"    {kind}: {json.dumps(v)}", flush=True)
     out = {**checker.totals(results), "scenarios": results, "lease_ttl_s": args.lease_ttl, "soak_s": soak_s,
            "delay": "tc netem" if netns.has_netem() else "none (no sch_netem in this kernel)",
-           "wall_s": round(time.monotonic() - started, 1), "logs": str(work / "cluster")}
+           "wall_s": round(time.monotonic() - started, 1), "logs": str(work / "cluster"),
+           "histories": str(history_dir)}
     if args.json:
         print(json.dumps(out))
     else:
-        print("totals: " + "  ".join(f"{k} {out[k]}" for k in checker.KEYS) + f"   (logs: {out['logs']})")
+        print("totals: " + "  ".join(f"{k} {out[k]}" for k in checker.KEYS)
+              + f"   (logs: {out['logs']}, histories: {out['histories']})")
     return 0
 
 

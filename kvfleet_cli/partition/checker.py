@@ -21,12 +21,16 @@ The checks (each a count; every one should be 0 but ``unavailable_s``):
 - ``over_quota``: a sample with a tenant over its quota;
 - ``unavailable_s``: the longer of the page-table client's and the stream clients' time without
   service: every gap of more than ``STALL_S`` between acknowledgements (between tokens), summed.
+
+Each violation is a ``Finding``: its line, and the records that show it (every write of the sequences
+involved), which ``check`` returns as ``violations`` with times from the clients' start and each record's
+term (that replica's run of acknowledgements it falls in), so that a failed run can be read afterwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 STALL_S = 1.0  # a client not served for longer than this is counted unavailable for the whole gap
 KEYS = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota", "unavailable_s")
@@ -62,10 +66,32 @@ class QuotaSample:
     allowed: int | None
 
 
-def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One violation: its line (``str()``), and the writes that show it."""
+
+    what: str
+    records: tuple[Write, ...] = ()
+
+    def __str__(self) -> str:
+        return self.what
+
+    def __eq__(self, other: object) -> bool:  # a finding reads as its line
+        return str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(self.what)
+
+
+def _touching(writes: Iterable[Write], *seq_ids: str) -> tuple[Write, ...]:
+    return tuple(sorted((w for w in writes if w.seq_id in seq_ids), key=lambda w: (w.t_start, w.replica)))
+
+
+def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[Finding]:
     """Acknowledged allocations missing, or held with other blocks, in ``final`` (seq id → block ids
     read from the leader after the heal). A release sent to every replica and acknowledged by none
     makes its sequence uncertain (it may have been applied): not counted."""
+    writes = list(writes)
     granted: dict[str, tuple[int, ...]] = {}
     releases: dict[tuple[str, float], bool] = {}
     for w in sorted(writes, key=lambda w: w.t_end):
@@ -76,14 +102,15 @@ def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]
             if w.ok:
                 granted.pop(w.seq_id, None)
     uncertain = {seq_id for (seq_id, _), ok in releases.items() if not ok}
-    return sorted(s for s, blocks in granted.items()
-                  if s not in uncertain and tuple(final.get(s, ())) != blocks)
+    return [Finding(s, _touching(writes, s)) for s, blocks in sorted(granted.items())
+            if s not in uncertain and tuple(final.get(s, ())) != blocks]
 
 
-def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[str]:
+def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[Finding]:
     """Blocks granted while another live sequence held them (acknowledged grants in the order they
     came back), and blocks held by two sequences in ``final``. A release frees its sequence's blocks
     from the moment it was sent, acknowledged or not (one that timed out may have been applied)."""
+    writes = list(writes)
     events: list[tuple[float, int, Write]] = [(w.t_end, 1, w) for w in writes if w.op == "alloc" and w.ok]
     events += {(w.seq_id, w.t_start): (w.t_start, 0, w) for w in writes if w.op == "release"}.values()
     holder: dict[int, str] = {}
@@ -97,14 +124,16 @@ def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -
         for block in w.block_ids:
             other = holder.get(block)
             if other is not None and other != w.seq_id:
-                found.append(f"block {block} granted to {w.seq_id} while {other} held it")
+                found.append(Finding(f"block {block} granted to {w.seq_id} while {other} held it",
+                                     _touching(writes, other, w.seq_id)))
             holder[block] = w.seq_id
         held[w.seq_id] = w.block_ids
     owners: dict[int, str] = {}
     for seq_id, blocks in sorted(final.items()):
         for block in blocks:
             if block in owners:
-                found.append(f"block {block} held by {owners[block]} and {seq_id} after the heal")
+                found.append(Finding(f"block {block} held by {owners[block]} and {seq_id} after the heal",
+                                     _touching(writes, owners[block], seq_id)))
             owners[block] = seq_id
     return found
 
@@ -159,6 +188,35 @@ def unavailable_s(served: Iterable[float], start: float, end: float, stall_s: fl
     return sum(b - a for a, b in zip(times, times[1:]) if b - a > stall_s)
 
 
+def _split_finding(w: Write, writes: Sequence[Write]) -> Finding:
+    """A split-brain acknowledgement with the other replicas' acknowledgements just before and after it."""
+    others = sorted((o for o in writes if o.ok and o.replica != w.replica), key=lambda o: o.t_start)
+    before = [o for o in others if o.t_end < w.t_start][-1:]
+    after = [o for o in others if o.t_start > w.t_end][:1]
+    return Finding(f"{w.replica} acked {w.op} {w.seq_id} inside another's term", (*before, w, *after))
+
+
+def evidence(findings: Iterable[Finding], writes: Sequence[Write], t0: float, limit: int = 10) -> list[dict]:
+    """Findings as JSON: each record with its times from ``t0`` and the term of its replica it falls
+    in (``[first ack, last ack]`` from ``t0``, None: outside every term of its replica)."""
+    terms = {r: _terms([w for w in writes if w.replica == r]) for r in {w.replica for w in writes}}
+
+    def record(w: Write) -> dict:
+        term = next(([round(lo - t0, 3), round(hi - t0, 3)] for lo, hi in terms[w.replica]
+                     if lo <= w.t_end and w.t_start <= hi), None)
+        return {**asdict(w), "t_start": round(w.t_start - t0, 3), "t_end": round(w.t_end - t0, 3), "term": term}
+
+    return [{"what": str(f), "records": [record(w) for w in f.records]} for f in list(findings)[:limit]]
+
+
+def history_json(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: Sequence[Stream],
+                 samples: Sequence[QuotaSample], start: float, end: float, **meta) -> dict:
+    """Everything a scenario's clients recorded (times as recorded, ``time.monotonic()``), for a file."""
+    return {"start": start, "end": end, **meta, "writes": [asdict(w) for w in writes],
+            "final": {k: list(v) for k, v in final.items()}, "streams": [asdict(s) for s in streams],
+            "quota_samples": [asdict(q) for q in samples]}
+
+
 def check(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: Sequence[Stream],
           reference: Mapping[int, Sequence[int]], samples: Sequence[QuotaSample], start: float, end: float) -> dict:
     """Every figure of one scenario (its clients ran from ``start`` to ``end``), with the first few
@@ -178,8 +236,11 @@ def check(writes: Sequence[Write], final: Mapping[str, Sequence[int]], streams: 
         "streams": len(streams),
         "failed_streams": sum(1 for s in streams if s.error is not None),
         "stream_errors": sorted({s.error for s in streams if s.error is not None})[:3],
-        "examples": [*lost[:3], *doubles[:3], *(f"{w.replica} acked {w.op} {w.seq_id} inside another's term"
-                                               for w in split[:3])],
+        "examples": [*map(str, lost[:3]), *map(str, doubles[:3]),
+                     *(f"{w.replica} acked {w.op} {w.seq_id} inside another's term" for w in split[:3])],
+        "violations": {"lost_acknowledged": evidence(lost, writes, start),
+                       "double_grants": evidence(doubles, writes, start),
+                       "split_brain_writes": evidence((_split_finding(w, writes) for w in split), writes, start)},
     }
 
 

@@ -16,16 +16,20 @@ Every scenario names its parts by role at the time it starts (the leader may be 
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvfleet_cli.partition.bed_cluster import NODES, REPLICAS, SERVICES, BedCluster
-from kvfleet_cli.partition.checker import check
+from kvfleet_cli.partition.checker import check, history_json
 from kvfleet_cli.partition.history import PageTableClient, QuotaSampler, StreamClients
 from kvfleet_cli.partition.netns import has_netem
 
 MAX_TOKENS = 16  # each stream's greedy tokens (the tests'; the bench takes its own)
+_RUNS = itertools.count()  # each run's sequence ids are its own, also when a scenario repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,18 +126,21 @@ def wait_recovered(cluster: BedCluster, timeout_s: float = 90.0) -> None:
 
 def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, list[int]],
                  prompt_list: list[list[int]], max_tokens: int, soak_s: float = 30.0,
-                 settle_s: float = 3.0) -> dict:
+                 settle_s: float = 3.0, history_dir: Path | None = None) -> dict:
     """Traffic, the fault for its hold time, the heal, traffic until the cluster serves again and a
-    little after; then the checker's figures, the faults and the leader before and after."""
+    little after; then the checker's figures, the faults and the leader before and after. With
+    ``history_dir``, the whole history is saved there as ``<scenario>-<run>.json`` (``result["history"]``)."""
     wait_recovered(cluster)
     leader = cluster.wait_leader()
     standby = next(r for r in REPLICAS if r != leader)
-    traffic = Traffic(cluster, f"{scenario.name[:6]}-", prompt_list, max_tokens)
+    run = next(_RUNS)
+    traffic = Traffic(cluster, f"{scenario.name[:6]}{run}-", prompt_list, max_tokens)
     traffic.start()
     began = time.monotonic()
     try:
         time.sleep(settle_s)
         start = len(cluster.bed.faults)
+        injected_at = time.monotonic()
         scenario.inject(cluster, leader, standby)
         time.sleep(soak_s if scenario.soak else scenario.hold_s * cluster.lease_ttl_s)
         cluster.bed.heal()
@@ -150,5 +157,13 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
     result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples, began, ended)
     result.update(faults=cluster.bed.faults[start:], leader_before=leader, leader_after=cluster.leader(),
                   recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited(),
-                  refused_allocations=traffic.page_table.refusals)
+                  refused_allocations=traffic.page_table.refusals,
+                  injected_at_s=round(injected_at - began, 3), healed_at_s=round(healed_at - began, 3))
+    if history_dir is not None:
+        path = Path(history_dir) / f"{scenario.name}-{run}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {k: result[k] for k in ("faults", "leader_before", "leader_after", "injected_at_s", "healed_at_s")}
+        path.write_text(json.dumps(history_json(traffic.page_table.writes, final, traffic.streams.streams,
+                                                traffic.quota.samples, began, ended, scenario=scenario.name, **meta)))
+        result["history"] = str(path)
     return result

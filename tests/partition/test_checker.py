@@ -104,3 +104,17 @@ def test_totals_sum_each_figure_over_the_scenarios():
     assert totals({"a": a, "b": {**a, "unavailable_s": 2.25}}) == {
         "lost_acknowledged": 2, "double_grants": 0, "split_brain_writes": 4, "wrong_tokens": 0, "over_quota": 0,
         "unavailable_s": 3.75}
+
+
+def test_each_violation_carries_its_records_with_times_and_terms():
+    writes, final = clean_history()
+    twice = [*writes, alloc(6, "bs-b", "s6", [1])]                         # s1 still holds block 1
+    result = check(twice, {**final, "s6": [1]}, [], {}, [], 0, 7)
+    [granted, held] = result["violations"]["double_grants"]
+    assert granted["what"] == "block 1 granted to s6 while s1 held it"
+    assert [(r["replica"], r["op"], r["seq_id"], r["ok"], r["block_ids"]) for r in granted["records"]] == [
+        ("bs-a", "alloc", "s1", True, (1,)), ("bs-b", "alloc", "s6", True, (1,))]
+    assert granted["records"][0]["term"] == [0.01, 1] and granted["records"][1]["term"] == [3.01, 6]
+    assert held["records"] == granted["records"]
+    lost = check(writes, {**final, "s1": []}, [], {}, [], 0, 7)["violations"]["lost_acknowledged"]
+    assert [r["seq_id"] for r in lost[0]["records"]] == ["s1"] and lost[0]["what"] == "s1"
