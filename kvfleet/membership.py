@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import Enum
@@ -41,6 +40,8 @@ import aetcd
 
 from kvfleet import tls
 from kvfleet.backoff import LogThrottle, error_line
+from kvfleet.etcd_endpoints import parse_endpoints
+from kvfleet.etcd_failover import FailoverClient
 from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
 from kvfleet.groups import STABLE, check_group
@@ -123,23 +124,22 @@ _warned_plain: set[str] = set()
 
 
 def etcd_client(url: str, timeout: float | None = 5.0, credentials: Credentials | None = None) -> aetcd.Client:
-    """An unconnected aetcd client: ``http://host:port`` (or ``host:port``) in plaintext, or
-    ``https://host:port`` under mutual TLS (``kvfleet.etcd_tls``) with ``credentials``, by default
-    this process's (``kvfleet.tls.current()``); ValueError (one line) when there are none."""
-    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"etcd URL must look like http://host:port or https://host:port, got {url!r}")
-    port = parsed.port or 2379
-    if parsed.scheme == "http":
+    """An unconnected aetcd client over one etcd member or several (``http://a:2379,b:2379``; it
+    moves to the next when one is unavailable: ``kvfleet.etcd_failover``): ``http://`` (or no
+    scheme) in plaintext, ``https://`` under mutual TLS (``kvfleet.etcd_tls``) with
+    ``credentials``, by default this process's (``kvfleet.tls.current()``); ValueError (one line)
+    when there are none, or ``url`` is not a list of members (``kvfleet.etcd_endpoints``)."""
+    endpoints = parse_endpoints(url)
+    if not endpoints.tls:
         if (credentials or tls.current()) is not None and url not in _warned_plain:
             _warned_plain.add(url)  # the likely mistake: etcd serves TLS and the answer is "Socket closed"
             log.warning("etcd at %s in plaintext while this process has a certificate: if etcd serves TLS "
                         "(--client-cert-auth), give https://", url)
-        return aetcd.Client(host=parsed.hostname, port=port, timeout=timeout)
+        return FailoverClient(endpoints, timeout=timeout)
     credentials = credentials or tls.current()
     if credentials is None:
         raise ValueError(f"etcd at {url} speaks TLS, and this process has no certificate (--certs DIR)")
-    return TlsClient(parsed.hostname, port, credentials, timeout=timeout)
+    return TlsClient(endpoints, credentials, timeout=timeout)
 
 
 class NodeRegistration:

