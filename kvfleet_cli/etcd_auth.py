@@ -23,10 +23,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import aetcd
 import grpc
 from aetcd import rpc
 
 from kvfleet.backoff import Backoff
+from kvfleet.etcd_endpoints import parse_endpoints
 from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, ROUTER_ID, Identity
 from kvfleet.leader import LEADER_KEY
 from kvfleet.membership import etcd_client, node_key
@@ -112,20 +114,22 @@ async def apply(auth: rpc.AuthStub, node_ids: Iterable[str], timeout_s: float = 
 
 
 async def apply_at(url: str, credentials: Credentials, node_ids: Iterable[str], wait_s: float = 30.0) -> Applied:
-    """``apply`` on the etcd at ``url`` (https), as ``credentials`` (admin's); waits up to
-    ``wait_s`` for etcd to answer (an init step may start before it)."""
-    if not url.startswith("https://"):
+    """``apply`` on the etcd at ``url`` (https; one member or several), as ``credentials``
+    (admin's); waits up to ``wait_s`` for etcd to answer (an init step may start before it)."""
+    if not parse_endpoints(url).tls:
         raise ValueError(f"etcd auth takes client certificates, so an https:// etcd; got {url!r}")
     node_ids = list(node_ids)
     deadline, backoff = time.monotonic() + wait_s, Backoff()
     async with etcd_client(url, credentials=credentials) as client:
         while True:  # etcd not up yet: UNAVAILABLE, with the handshake's complaint when it is one
             try:
+                await client.status()  # a member that answers: the client moves past those that do not
                 await client.auth_stub.AuthStatus(rpc.AuthStatusRequest(), timeout=5.0)
                 break
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
+            except (aetcd.ConnectionFailedError, grpc.aio.AioRpcError) as err:
+                unavailable = not isinstance(err, grpc.aio.AioRpcError) or err.code() == grpc.StatusCode.UNAVAILABLE
+                if not unavailable or time.monotonic() > deadline:
+                    raise (err.__cause__ if isinstance(err.__cause__, grpc.aio.AioRpcError) else err) from None
             await asyncio.sleep(backoff.next())
         return await apply(client.auth_stub, node_ids)
 

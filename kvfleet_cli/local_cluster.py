@@ -1,6 +1,6 @@
 """The whole cluster as child processes on loopback, for ``kvfleet up``, the demo and the tests.
 
-    etcd (EtcdServer) → block_service → N × ``kvfleet compute`` → ``kvfleet router``
+    etcd (EtcdServer, or EtcdCluster's members) → block_service → N × ``kvfleet compute`` → ``kvfleet router``
 
 With ``block_service_standby`` there are two block_service replicas (``block_service`` and
 ``block_service_standby``, each with its own state directory) electing their leader in the
@@ -34,7 +34,7 @@ from kvfleet.roles import MIXED
 from kvfleet_cli.cluster_certs import ClusterCerts
 from kvfleet_cli.cluster_summary import blocks_table
 from kvfleet_cli.demo_tenants import DEMO_TENANTS
-from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.etcd_server import EtcdCluster, EtcdServer, start_etcd
 from kvfleet_cli.local_nodes import local_node_settings, node_command
 from kvfleet_cli.ports import free_port
 
@@ -81,7 +81,7 @@ class LocalCluster:
         kv_cache_dtype: str | None = None,
         dtype: str | None = None,
         block_service_standby: bool = False,
-        lease_ttl_s: int = 5,
+        lease_ttl_s: int = 5, etcd_members: int = 1,  # 3: a real etcd cluster (kvfleet up --etcd-members)
         node: NodeSettings | None = None,
         insecure_internal: bool = False,
         roles: dict[str, str] | None = None,  # node id -> kvfleet.roles (local_nodes.node_roles); else mixed
@@ -110,11 +110,11 @@ class LocalCluster:
         self.http_port = free_port() if http else None  # the router's OpenAI-compatible door
         self.metrics = metrics
         self.metrics_ports: dict[str, int] = {}  # child name → its Prometheus endpoint's port
-        self.etcd: EtcdServer | None = None
+        self.etcd: EtcdServer | EtcdCluster | None = None
         self.block_service: Child | None = None
         self.block_service_standby: Child | None = None
         self.standby = block_service_standby
-        self.lease_ttl_s = lease_ttl_s
+        self.lease_ttl_s, self.etcd_members = lease_ttl_s, etcd_members
         self.nodes: dict[str, Child] = {}
         self.router: Child | None = None
         socket_path = self.work_dir / "router.sock"
@@ -231,7 +231,7 @@ class LocalCluster:
         try:
             node_ids = [f"node-{i}" for i in range(self.num_nodes)]
             self.certs.prepare(node_ids)
-            self.etcd = EtcdServer(data_dir=self.work_dir / "etcd", certs_dir=self.certs.root).start()
+            self.etcd = start_etcd(self.etcd_members, self.work_dir / "etcd", self.certs.root)
             self.certs.open_etcd(self.etcd.url, node_ids)  # each identity its etcd user; auth on
             self.certs.act_as_admin()  # this process's own calls to the services (stats, etcd reads)
             if self.with_block_service:

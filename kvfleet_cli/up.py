@@ -91,6 +91,8 @@ class UpSettings:
     work_dir: str | None = setting(None, "logs and state", unset="a temporary directory", metavar="DIR")
     block_service_standby: bool = setting(False, "two block_service replicas (a leader and a synchronous standby "
                                           "that takes over when it dies), elected through the cluster's etcd")
+    etcd_members: int = setting(1, "etcd members: 1 starts quickest; 3 are a real etcd cluster (one may die or be cut "
+                                "off: every service is given all three and moves to the next)", at_least=1, metavar="N")
     insecure_internal: bool = setting(False, "plaintext between the services, no identities (a benchmark); by "
                                       "default they speak mutual TLS under a CA made in --work-dir/certs")
     start_timeout_s: float = setting(300.0, "how long the cluster may take to serve (a loaded machine loads models "
@@ -164,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     stable_nodes = up.nodes - up.canary_nodes
     cluster = LocalCluster(model, stable_nodes, up.tenants, up.work_dir, node=up.node,
                            block_service_standby=up.block_service_standby, insecure_internal=up.insecure_internal,
+                           etcd_members=up.etcd_members,
                            roles=node_roles(up.nodes, up.prefill_nodes, up.decode_nodes), eviction=up.eviction)
     stop = False
 

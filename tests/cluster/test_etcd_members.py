@@ -12,8 +12,12 @@ import aetcd
 import pytest
 
 from block_service.election import Election
+from kvfleet import certs
+from kvfleet.identity import ADMIN_ID, ETCD_ID, ROUTER_ID, Identity
 from kvfleet.leader import Leader
 from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client, list_nodes, watch_nodes
+from kvfleet.tls import Credentials
+from kvfleet_cli.etcd_auth import enable
 from kvfleet_cli.etcd_server import EtcdCluster, EtcdServer
 
 pytestmark = pytest.mark.process  # starts etcd processes (EtcdCluster)
@@ -112,3 +116,31 @@ def test_the_raft_leader_is_killed_and_the_lease_holds_through_etcd_electing_ano
         await _through(",".join(m.url for m in order), order[0], TTL_RAFT_LEADER_KILLED_S, writes_may_fail=True)
 
     asyncio.run(main())
+
+
+def test_three_members_under_mutual_tls_with_the_fleets_roles(tmp_path):
+    """What ``kvfleet up --etcd-members 3`` starts: auth set up through the list, its first member
+    down; a node then registers and the router reads it, each as itself, through the others."""
+    node_0 = Identity.node("node-0")
+    certs.ensure(tmp_path / "certs", [ADMIN_ID, ETCD_ID, ROUTER_ID, node_0])
+
+    def as_(identity):
+        return Credentials.load(certs.identity_dir(tmp_path / "certs", identity), identity)
+
+    with EtcdCluster(3, data_dir=tmp_path / "etcd", certs_dir=tmp_path / "certs") as cluster:
+        assert cluster.url.count("https://") == 3
+        cluster.members[0].process.kill()
+        cluster.members[0].process.wait()
+        assert enable(cluster.url, as_(ADMIN_ID), ["node-0"]).enabled_now
+
+        async def main():
+            info = NodeInfo("node-0", "127.0.0.1:7001", "/models/tiny", 64, 16, NodeState.READY)
+            async with etcd_client(cluster.url, credentials=as_(node_0)) as node, \
+                    etcd_client(cluster.url, credentials=as_(ROUTER_ID)) as router:
+                registration = NodeRegistration(node, info, ttl=3)
+                await registration.start()
+                assert registration.lease_id is not None
+                assert (await list_nodes(router))[0] == {"node-0": info}
+                await registration.close()
+
+        asyncio.run(main())
