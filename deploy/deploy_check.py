@@ -31,7 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "kvfleet-check"
 COMPOSE = ["docker-compose", "-p", PROJECT, "-f", str(ROOT / "deploy" / "docker-compose.yml")]
-CORE = ("etcd", "block-service", "block-service-standby", "compute-0", "compute-1", "router")
+ETCD = ("etcd-0", "etcd-1", "etcd-2")  # one etcd cluster of three members
+ETCD_ENDPOINTS = ",".join(f"https://{member}:2379" for member in ETCD)
+CORE = (*ETCD, "block-service", "block-service-standby", "compute-0", "compute-1", "router")
 BLOCK_SERVICES = ("block-service", "block-service-standby")
 API_KEY = "sk-gold-change-me"  # deploy/tenants.yaml
 QUESTION = "What is the capital of France?"
@@ -199,7 +201,7 @@ def operator(*args: str, entrypoint: str | None = None) -> str:
 def leader_term() -> tuple[str, int]:
     """The service whose address the etcd leader key names, and the key's create revision: a new
     leadership term makes the key anew, so a replica that lost the lease and won it back is a new term."""
-    out = operator("--endpoints=https://etcd:2379", "--cacert=/certs/admin/ca.crt", "--cert=/certs/admin/tls.crt",
+    out = operator(f"--endpoints={ETCD_ENDPOINTS}", "--cacert=/certs/admin/ca.crt", "--cert=/certs/admin/tls.crt",
                    "--key=/certs/admin/tls.key", "get", "-w", "json", "/kvfleet/block_service/leader",
                    entrypoint="etcdctl").strip()
     kvs = json.loads(out.splitlines()[-1]).get("kvs") or []
@@ -330,7 +332,7 @@ def check(result: dict) -> None:
     compose("kill", timeout=300)
     compose("down", timeout=300)  # containers gone, volumes kept
     compose("up", "-d", *BLOCK_SERVICES, timeout=HEALTHY_TIMEOUT_S)
-    wait_healthy(("etcd", *BLOCK_SERVICES))
+    wait_healthy((*ETCD, *BLOCK_SERVICES))
     after = durable_part(page_table())
     say(f"after the restart: {json.dumps(after)[:400]}")
     compose("up", "-d", timeout=HEALTHY_TIMEOUT_S)

@@ -28,10 +28,10 @@ OBSERVABILITY = {"otel-collector", "jaeger", "prometheus", "grafana"}  # public 
 def test_the_core_cluster_runs_from_the_kvfleet_image_alone():
     services = compose()
     core = {name for name, s in services.items() if not s.get("profiles")}
-    assert core >= {"etcd", "block-service", "block-service-standby", "compute-0", "compute-1", "router"}
+    assert core >= {"etcd-0", "etcd-1", "etcd-2", "block-service", "block-service-standby", "compute-0", "compute-1", "router"}
     assert {services[name]["image"] for name in core} == {COMPOSE_IMAGE}
     assert {name for name, s in services.items() if s.get("profiles") == ["observability"]} == OBSERVABILITY
-    assert services["etcd"]["command"][0] == "etcd"  # on the image's PATH (deploy/Dockerfile links it)
+    assert services["etcd-0"]["command"][0] == "etcd"  # on the image's PATH (deploy/Dockerfile links it)
     assert re.search(r"for b in etcd etcdctl etcdutl; do ln -sf", dockerfile())
 
 

@@ -31,6 +31,9 @@ from tests.test_deploy import (
 )
 
 INTERNAL_PORTS = {2379, 2380, 50051, 50061, 50071}  # answer only to a client certificate (or are public)
+# --etcd everywhere: every member of etcd's three, the client moving to the next when one fails
+COMPOSE_ETCD = ",".join(f"https://etcd-{i}:2379" for i in range(3))
+K8S_ETCD = ",".join(f"https://etcd-{i}.etcd:2379" for i in range(3))  # the headless Service's pod names
 
 
 def identity_of(command: list[str]) -> Identity | None:
@@ -102,7 +105,7 @@ def test_every_kvfleet_compose_service_runs_as_its_own_identity_and_holds_no_oth
         certs_volumes = [s for s, _ in mounts(service).values() if s.startswith("certs-")]
         assert certs_volumes == [source], f"{name} mounts another identity's key: {certs_volumes}"
         assert identity in certificates, f"{name} runs as {identity}, which `certs` never issues"
-        assert _flag(command, "--etcd") == "https://etcd:2379", name
+        assert _flag(command, "--etcd") == COMPOSE_ETCD, name  # every member
         advertised = _flag(command, "--advertise")  # where its peers dial it: its certificate names that host
         assert advertised is None or advertised.split(":")[0] in certificates[identity], name
     nodes = {identity_of(s["command"]).node_id for s in kvfleet_services().values() if s["command"][0] == "compute"}
@@ -128,12 +131,19 @@ def test_the_certs_step_writes_each_identity_into_its_own_volume_and_the_ca_key_
             assert not any(source == "certs-ca" for source, _ in mounts(service).values()), name
 
 
-def test_compose_etcd_asks_every_client_for_a_certificate():
-    etcd = compose()["etcd"]
+@pytest.mark.parametrize("name", ["etcd-0", "etcd-1", "etcd-2"])
+def test_compose_etcd_asks_every_client_and_peer_for_a_certificate(name):
+    etcd = compose()[name]
     flags = {arg.split("=")[0]: arg.split("=", 1)[-1] for arg in etcd["command"][1:]}
     assert flags["--listen-client-urls"].startswith("https://") and "--client-cert-auth" in flags
-    assert {flags["--cert-file"], flags["--key-file"], flags["--trusted-ca-file"]} == \
-        {"/certs/etcd/tls.crt", "/certs/etcd/tls.key", "/certs/etcd/ca.crt"}
+    assert flags["--listen-peer-urls"].startswith("https://") and "--peer-client-cert-auth" in flags
+    assert {flags[f] for f in ("--cert-file", "--peer-cert-file")} == {"/certs/etcd/tls.crt"}
+    assert {flags[f] for f in ("--trusted-ca-file", "--peer-trusted-ca-file")} == {"/certs/etcd/ca.crt"}
+    assert f"{name}=https://{name}:2380" in flags["--initial-cluster"].split(",")
+    assert etcd["environment"]["ETCD_NAME"] == name
+    assert etcd["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] == f"https://{name}:2379"
+    assert f"https://{name}:2379" in COMPOSE_ETCD.split(",")
+    assert name in issued()[Identity(ETCD)]  # its peers and clients check its name
     assert mounts(etcd)["/certs/etcd"] == ("certs-etcd", True)
     assert [s for s, _ in mounts(etcd).values() if s.startswith("certs-")] == ["certs-etcd"]
     test = etcd["healthcheck"]["test"]
@@ -246,7 +256,7 @@ def test_every_kvfleet_workload_mounts_its_identity_and_passes_certs():
             if kvfleet_command(container) is None:
                 continue
             args = container["args"]
-            assert "--insecure-internal" not in args and _flag(args, "--etcd") == "https://etcd:2379", name
+            assert "--insecure-internal" not in args and _flag(args, "--etcd") == K8S_ETCD, name
             volume = certs_volume(spec, container)
             if args[0] == "compute":  # a certificate per pod, named after it (compute.yaml says why)
                 attributes = volume["csi"]["volumeAttributes"]
