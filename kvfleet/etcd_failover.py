@@ -5,7 +5,15 @@ time (``kvfleet.etcd_endpoints``): a call that finds its member unavailable (kil
 cut off from a quorum: gRPC ``UNAVAILABLE``) moves the client to the next member and is made
 again there, each member at most once per call; a call that times out moves the client too but
 fails as before (its caller retries, as for etcd down), so a call never waits more than one
-timeout. With one member nothing moves: errors reach the caller as they always did.
+timeout; so does a call its caller gave up on (cancelled: the caller's own deadline passed first).
+With one member nothing moves: errors reach the caller as they always did.
+
+A member can also fail silently: cut off from the client (a watch then waits forever) or from its
+peers (it answers, but with nothing new). With several members, the channel pings its member while
+a call or watch is open (gRPC keepalive, above etcd's ``--grpc-keepalive-min-time`` of 5 s), so a
+watch on a member that vanished breaks; and every request asks for a member that has a raft leader
+(etcd's ``hasleader`` metadata, as etcd's own client's ``WithRequireLeader``), so a member cut off
+from the others refuses at once (unavailable: the client moves) and ends its watches.
 
 Moving opens a channel to the next member; the old one's watches end (their consumers list again
 through the new channel: ``kvfleet.etcd_watch``) and the old channel is closed once the calls
@@ -29,6 +37,13 @@ from kvfleet.etcd_endpoints import Endpoint, EndpointRotation, EtcdEndpoints
 
 log = logging.getLogger(__name__)
 
+# with several members: ping the member every 6 s while a call is open (etcd refuses pings more often
+# than every 5 s), however long nothing else was sent (gRPC stops after 2 by default), and give up on
+# it when a ping has no answer in 3 s (gRPC 1.5x times a ping out by ping_timeout_ms, not keepalive's)
+KEEPALIVE = {"grpc.keepalive_time_ms": 6000, "grpc.keepalive_timeout_ms": 3000, "grpc.http2.ping_timeout_ms": 3000,
+             "grpc.keepalive_permit_without_calls": 0, "grpc.http2.max_pings_without_data": 0,
+             "grpc.use_local_subchannel_pool": 1}  # each client its own connection, its own pings
+REQUIRE_LEADER = (("hasleader", "true"),)
 RETIRE_GRACE_S = 10.0  # an old channel's calls get this long (more than their timeout) before it closes
 
 # aetcd's calls that talk to etcd, each wrapped once (the others are built on these: watch_prefix
@@ -52,6 +67,9 @@ def _failing_over(call):
             except aetcd.ConnectionTimeoutError as e:
                 self._move_past(at, e)
                 raise
+            except asyncio.CancelledError as e:
+                self._move_past(at, e)
+                raise
         raise AssertionError("unreachable: the last attempt returns or raises")
     return on_some_member
 
@@ -62,6 +80,8 @@ class FailoverClient(aetcd.Client):
 
     def __init__(self, endpoints: EtcdEndpoints, timeout: float | None = None, options: dict | None = None) -> None:
         first = endpoints.members[0]
+        if len(endpoints.members) > 1:
+            options = {**KEEPALIVE, **(options or {})}
         super().__init__(host=first.host, port=first.port, timeout=timeout, options=options)
         self.endpoints = endpoints
         self.rotation = EndpointRotation(len(endpoints.members))
@@ -85,6 +105,7 @@ class FailoverClient(aetcd.Client):
         if self._connected.is_set():
             return
         self.channel = self._open_channel(self.member.target)
+        self.metadata = REQUIRE_LEADER if self.num_members > 1 else None
         self.auth_stub = rpc.AuthStub(self.channel)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
@@ -98,8 +119,9 @@ class FailoverClient(aetcd.Client):
         many calls saw it fail). Nothing here awaits."""
         if not self.rotation.move_past(failed):
             return
+        why = "the call was given up" if isinstance(error, asyncio.CancelledError) else error_line(error)
         log.warning("etcd member %s did not answer (%s); moving to %s", self.endpoints.members[failed].target,
-                    error_line(error), self.member.target)
+                    why, self.member.target)
         channel, old_watcher = self.channel, self._watcher
         self._init_channel_attrs()
         self._connected.clear()

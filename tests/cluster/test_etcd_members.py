@@ -6,6 +6,7 @@ leave, and writes go on, through the other two. Real etcd processes on loopback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 
 import aetcd
@@ -144,3 +145,49 @@ def test_three_members_under_mutual_tls_with_the_fleets_roles(tmp_path):
                 await registration.close()
 
         asyncio.run(main())
+
+
+def test_a_member_that_hangs_is_left_behind_too(members):
+    """A member stopped (SIGSTOP): connections stay open and nothing answers, as when it is cut off.
+    The node's keep-alive times out there once and goes on through the next member; the router's
+    watch on it breaks (keepalive pings) and lists again there, so it sees a node that joins later.
+    (The block_service leader's refresh has TTL/6 left for a retry after a hung one, so its lease
+    moves to the standby here: kept out of this test, said in issue 34.)"""
+    async def main():
+        raft_leader = await _raft_leader(members.url)
+        order = sorted(members.members, key=lambda m: m.url == raft_leader)
+        url, hung = ",".join(m.url for m in order), order[0]
+        info = NodeInfo("n1", "127.0.0.1:7001", "/models/tiny", 64, 16, NodeState.READY)
+        async with etcd_client(url, timeout=1.0) as node, etcd_client(url, timeout=1.0) as router:
+            registration = NodeRegistration(node, info, ttl=TTL_S, prefix=PREFIX)
+            await registration.start()
+            lease = registration.lease_id
+            changes = watch_nodes(router, PREFIX, retry_s=0.2)
+            assert (await asyncio.wait_for(anext(changes), 10.0)).info == info
+            seen = []
+            watching = asyncio.create_task(_collect(changes, seen))  # as the router reads it: all the time
+            hung.process.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(300):  # the keep-alive's ticks time out, the watch's pings go unanswered
+                    if hung.client_port not in (node.member.port, router.member.port):
+                        break
+                    await asyncio.sleep(0.1)
+                assert node.member.port != hung.client_port and router.member.port != hung.client_port
+                assert registration.lease_id == lease  # the lease held
+                late = dataclasses.replace(info, node_id="n2")
+                joined = NodeRegistration(node, late, ttl=TTL_S, prefix=PREFIX)
+                await joined.start()
+                for _ in range(100):
+                    if any(change.info == late for change in seen):
+                        break
+                    await asyncio.sleep(0.1)
+                assert [c for c in seen if c.info is None] == [] and any(c.info == late for c in seen), seen
+                await joined.close()
+            finally:
+                hung.process.send_signal(signal.SIGCONT)
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+            await registration.close()
+            await changes.aclose()
+
+    asyncio.run(main())
