@@ -14,7 +14,13 @@ which breaks every stream on the connection. So the two sides are set here toget
 
 Every server allows pings at half the shortest interval any client may use, so no setting of a
 client, from the default to ``KVFLEET_KEEPALIVE_MS``'s lowest, can earn a strike, whatever the
-other processes were started with. ``violations`` reads a pair of option lists the way gRPC core
+other processes were started with.
+
+The router's channels to the nodes ping faster (``node_link``: every second, closed when an answer
+is 1.5 s late): a node the router can no longer reach is noticed within ~2.5 s, its Serve stream
+breaks and the router resumes that stream's requests on another node. gRPC's transport answers a
+ping itself, whatever the node's engine is doing, so a long prefill (no token for seconds) never
+looks like a dead link; only a link that carries nothing back does. ``violations`` reads a pair of option lists the way gRPC core
 does (unknown names are ignored by gRPC: a misspelt one is how the servers once kept the
 five-minute default and sent GOAWAY after a minute of idle).
 """
@@ -29,6 +35,8 @@ MIN_PING_INTERVAL_MS = 1_000
 DEFAULT_PING_INTERVAL_MS = 20_000
 DEFAULT_PING_TIMEOUT_MS = 10_000
 SERVER_MIN_PING_INTERVAL_MS = MIN_PING_INTERVAL_MS // 2  # half: timer jitter never makes a strike
+NODE_LINK_PING_INTERVAL_MS = MIN_PING_INTERVAL_MS  # router → node: a dead link found in interval + timeout
+NODE_LINK_PING_TIMEOUT_MS = 1_500
 
 # gRPC core's names (channel_arg_names.h) and the defaults it uses when one is not given
 KEEPALIVE_TIME = "grpc.keepalive_time_ms"
@@ -71,6 +79,12 @@ class KeepalivePolicy:
         except ValueError:
             raise ValueError(f"{ENV_VAR} must be a whole number of milliseconds, got {raw!r}") from None
         return cls(ping_interval_ms=interval, ping_timeout_ms=min(DEFAULT_PING_TIMEOUT_MS, interval))
+
+    def node_link(self) -> KeepalivePolicy:
+        """This policy for a router → node channel: pinging at least every
+        ``NODE_LINK_PING_INTERVAL_MS`` and giving up after at most ``NODE_LINK_PING_TIMEOUT_MS``."""
+        return KeepalivePolicy(min(self.ping_interval_ms, NODE_LINK_PING_INTERVAL_MS),
+                               min(self.ping_timeout_ms, NODE_LINK_PING_TIMEOUT_MS))
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [

@@ -49,8 +49,9 @@ def keepalive_policy() -> KeepalivePolicy:
         return KeepalivePolicy()
 
 
-def channel_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
-    options = keepalive_policy().channel_options()
+def channel_options(max_receive_bytes: int | None = None,
+                    keepalive: KeepalivePolicy | None = None) -> list[tuple[str, int]]:
+    options = (keepalive or keepalive_policy()).channel_options()
     if max_receive_bytes is not None:
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
     return options
@@ -70,12 +71,15 @@ def _secure_options(options: list, peer: Identity | None, credentials: tls.Crede
 
 
 def channel(target: str, max_receive_bytes: int | None = None, peer: Identity | None = None,
-            credentials: tls.Credentials | None = None, public_ca: bytes | None = None) -> grpc.aio.Channel:
+            credentials: tls.Credentials | None = None, public_ca: bytes | None = None,
+            keepalive: KeepalivePolicy | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` that pings by the fleet's keepalive policy. ``peer``: the
     internal service expected there, reached over mutual TLS when this process has credentials
     (``kvfleet.tls``, or ``credentials``: a test's admin); None: a public door, in plaintext, or
-    over TLS trusting ``public_ca`` (PEM: the CA of the router's ``--tls-cert``)."""
-    credentials, options = _secure_options(channel_options(max_receive_bytes), peer, credentials, public_ca)
+    over TLS trusting ``public_ca`` (PEM: the CA of the router's ``--tls-cert``). ``keepalive``: another
+    policy than this process's (the router's node links)."""
+    credentials, options = _secure_options(channel_options(max_receive_bytes, keepalive), peer, credentials,
+                                           public_ca)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
