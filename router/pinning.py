@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from block_service.pins import DEFAULT_TTL_S, MAX_TTL_S
 from kvfleet.backoff import error_line
 from kvfleet.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from kvfleet.run_to_end import run_to_end
 from kvfleet.wire import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ async def pin_prompt(prefix, ask: PinAsk, tenant, prompt_ids, node) -> int:
     if not hashes:
         return 0  # shorter than one block: nothing to pin
     try:
-        await client.pin_prefix(node.node_id, tenant.name, hashes, ask.ttl_s)
+        await run_to_end(client.pin_prefix(node.node_id, tenant.name, hashes, ask.ttl_s))  # see kvfleet.run_to_end
     except REFUSED as e:
         raise PinRefused(e.code, str(e)) from None
     except Exception as e:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from kvfleet.backoff import error_line
 from kvfleet.block_hash import block_hashes, tenant_extra_key
 from kvfleet.errors import NotFound, Unavailable
+from kvfleet.run_to_end import run_to_end
 from router.nodes import RouterNode
 from router.recent_routes import RecentRoutes
 from router.routing import NO_HIT, PrefixHit
@@ -85,7 +86,8 @@ class BlockServicePrefixLookup:
     async def _committed(self, hashes: list[bytes]) -> dict[str, PrefixHit]:
         """block_service's answer for every node it knows, or nothing when it cannot give one."""
         try:
-            hot, lower = await self.client.match_tiers(hashes)
+            # run_to_end: a client that leaves mid-lookup must not cancel the call (grpc.aio leaks it)
+            hot, lower = await run_to_end(self.client.match_tiers(hashes))
             found = {n: PrefixHit(k, lower.get(n, 0)) for n, k in hot.items()}
         except Exception as e:
             if not self.failing:
