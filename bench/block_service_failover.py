@@ -3,10 +3,11 @@ serves, and is anything lost or failed?
 
 A local cluster with two block_service replicas (``--block-service-standby``: a leader and a
 standby with ``--sync-standby``, electing through the cluster's etcd), compute nodes and a router.
-Clients stream greedy requests through the router without pause; a probe client (the bench's own,
-following the leader through etcd like the nodes do) makes block_service changes one after another
-(an allocation with prefix hashes, then the commit of its full blocks) and records each one
-block_service acknowledged. Then the leader is SIGKILLed (no resignation: its lease must lapse).
+Clients stream greedy requests through the router without pause; a probe (the bench's own node,
+with a node certificate of its own under the cluster's CA, following the leader through etcd like
+the nodes do) makes block_service changes one after another (an allocation with prefix hashes, then
+the commit of its full blocks) and records each one block_service acknowledged; what the leader holds
+is read back as admin (GetSequences is admin's). Then the leader is SIGKILLed (no resignation: its lease must lapse).
 
     takeover_s       kill → the first probe change the new leader acknowledged
     lost_records     probe changes acknowledged before the kill that the new leader does not hold
@@ -35,7 +36,7 @@ from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seede
 
 FULL = dict(clients=4, warm_s=10.0, after_s=10.0, new_tokens=48)
 QUICK = dict(clients=2, warm_s=4.0, after_s=4.0, new_tokens=24)
-SMOKE = dict(clients=1, warm_s=1.0, after_s=1.0, new_tokens=4)
+SMOKE = dict(clients=1, warm_s=0.5, after_s=0.5, new_tokens=2, nodes=1, lease_ttl=3)  # the nodes and TTL too
 PROBE_NODE = "failover-probe"
 
 
@@ -84,11 +85,25 @@ class RouterLoad:
                         self.errors.append(f"{e.code().name}: {e.details()}")
 
 
-class Probe:
-    """Block changes one after another through a client that follows the leader via etcd."""
+def node_credentials(cluster, node_id: str):
+    """A node certificate for ``node_id`` under the cluster's CA, issued as the cluster issues its nodes'
+    (only ``node:<id>`` may register and change its own pool), or None when the cluster is plaintext."""
+    if cluster.certs.root is None:
+        return None
+    from kvfleet import certs
+    from kvfleet.identity import Identity
+    from kvfleet.tls import Credentials
 
-    def __init__(self, client, block_size: int) -> None:
-        self.client, self.block_size = client, block_size
+    identity = Identity.node(node_id)
+    certs.ensure(cluster.certs.root, [identity])
+    return Credentials.load(certs.identity_dir(cluster.certs.root, identity), identity)
+
+
+class Probe:
+    """Block changes one after another as node ``PROBE_NODE``, on the leader the admin client follows via etcd."""
+
+    def __init__(self, client, admin, block_size: int) -> None:
+        self.client, self.admin, self.block_size = client, admin, block_size
         self.acknowledged: dict[str, list[int]] = {}   # seq → its block table, once its commit was acknowledged
         self.latencies: list[tuple[float, float]] = []  # (when, seconds) of each acknowledged change
         self.n = 0
@@ -97,6 +112,8 @@ class Probe:
         """One allocation and its commit; True once both were acknowledged."""
         from kvfleet.allocator import AllocateRequest, Allocation
 
+        if self.admin.target:
+            self.client.retarget(self.admin.target)
         seq = f"probe-{self.n}"
         hashes = [self.n.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(2)]
         started = time.monotonic()
@@ -119,7 +136,7 @@ class Probe:
 
     async def _known(self, seqs):
         try:
-            return await self.client.sequences(seqs)
+            return await self.admin.sequences(seqs)
         except Exception:
             return []
 
@@ -131,7 +148,7 @@ class Probe:
 
     async def lost(self) -> int:
         """Acknowledged changes the current leader does not hold (its table, both blocks committed)."""
-        held = {s.seq_id: s for s in await self.client.sequences(list(self.acknowledged))}
+        held = {s.seq_id: s for s in await self.admin.sequences(list(self.acknowledged))}
         return sum(1 for seq, blocks in self.acknowledged.items()
                    if seq not in held or held[seq].block_ids != blocks or held[seq].num_committed != 2)
 
@@ -139,11 +156,13 @@ class Probe:
 async def _run(cluster, cfg: dict, stop_load, old: str) -> dict:
     """Warm up, kill the leader ``old``, measure the takeover, carry on, then count what was lost."""
     from block_service import leader_client
+    from block_service.client import BlockManagerClient
 
-    client = await leader_client.connect("etcd", cluster.etcd.url, timeout_s=2.0)
+    admin = await leader_client.connect("etcd", cluster.etcd.url, timeout_s=2.0)  # this process's: admin
+    client = BlockManagerClient(admin.target, timeout_s=2.0, credentials=node_credentials(cluster, PROBE_NODE))
     try:
         await client.register_node(PROBE_NODE, 1 << 16, cluster.block_size, 1 << 10)
-        probe = Probe(client, cluster.block_size)
+        probe = Probe(client, admin, cluster.block_size)
         deadline = time.monotonic() + cfg["warm_s"]
         while time.monotonic() < deadline:
             await probe.change()
@@ -153,7 +172,7 @@ async def _run(cluster, cfg: dict, stop_load, old: str) -> dict:
         while not await probe.change():
             await asyncio.sleep(0.02)
         takeover_s = time.monotonic() - killed
-        new = client.target
+        new = admin.target
         deadline = time.monotonic() + cfg["after_s"]
         while time.monotonic() < deadline:
             await probe.change()
@@ -170,6 +189,7 @@ async def _run(cluster, cfg: dict, stop_load, old: str) -> dict:
                     alone_change_ms_p50=statistics.median(alone_lat) * 1e3 if alone_lat else None)
     finally:
         await client.close()
+        await admin.close()
 
 
 def main() -> None:
@@ -180,6 +200,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.nodes, args.lease_ttl = SMOKE["nodes"], SMOKE["lease_ttl"]
     if args.lease_ttl < 2 or args.nodes < 1:
         parser.error("--lease-ttl must be at least 2 and --nodes at least 1")
     cfg = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)

@@ -26,7 +26,7 @@ from compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
-HELPERS = {"__init__", "common", "disagg_client", "disagg_sweep", "prose_corpus"}  # imported, not run
+HELPERS = {"__init__", "chat_prompts", "common", "disagg_client", "disagg_sweep", "prose_corpus"}  # imported, not run
 NOT_HERE = {"partitions": "issue 34's partition bed, smoke-tested with tests/partition"}
 BENCHMARKS = sorted(p.stem for p in BENCH.glob("*.py")
                     if p.stem not in HELPERS | NOT_HERE.keys() and not p.stem.startswith("gpu_"))
@@ -36,12 +36,9 @@ NEEDS_SMOLLM2 = {"disagg", "fp8_accuracy", "fp8_kv_variants", "kv_transfer", "kv
 REPORTS_DEFAULT = {"block_service_failover", "canary", "cluster_ab", "cluster_overhead", "cold_start", "kv_layout",
                    "kv_tiers", "long_context", "p99_controller", "p99_sweep", "plan_vs_measured"}
 PINNED = {"disagg": "float32", "engine_vs_transformers": "float32", "engine_vs_vllm": "bfloat16",
-          "kv_transfer": "float32", "paged_attention": "float32", "routing": "float32", "tenant_fairness": "float32"}
-# broken whatever the shape or dtype: strict, so the test says when they are mended
-BROKEN = {"block_service_failover": "its probe client calls RegisterNode as admin, which the internal access "
-                                    "table refuses (PermissionDenied: only node:<id>); --quick fails alike"}
-CASES = [pytest.param(name, dtype, id=f"{name}-{dtype}",
-                      marks=[pytest.mark.xfail(strict=True, reason=BROKEN[name])] if name in BROKEN else [])
+          "kv_transfer": "float32", "memory_breakdown": "float32", "paged_attention": "float32", "routing": "float32",
+          "tenant_fairness": "float32"}
+CASES = [pytest.param(name, dtype, id=f"{name}-{dtype}")
          for name in BENCHMARKS for dtype in ("float32", "bfloat16") if not (name in NO_ENGINE and dtype == "float32")]
 
 
@@ -52,7 +49,7 @@ def test_every_benchmark_has_a_smoke_shape():
 
 
 @pytest.mark.process  # interpreters, and the cluster benchmarks' clusters
-@pytest.mark.bench_smoke  # ~45 min in all on 2 shared cores: `make test-bench`
+@pytest.mark.bench_smoke  # in `make test` (its process tier); `make test-bench` runs only these
 @pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_benchmark_smoke(name, dtype):
     if name in NEEDS_SMOLLM2 and not (SMOLLM2 / "config.json").is_file():
