@@ -36,6 +36,9 @@ from kvfleet.leader import Leader, watch_leader
 log = logging.getLogger(__name__)
 
 
+DRAIN_IDLE_S = 0.5  # a lapsed leader's stream still delivering records is read until this long idle
+
+
 def _never() -> bool:
     return False
 
@@ -115,10 +118,28 @@ class Replica:
         changed = asyncio.create_task(self._changed.wait())
         await asyncio.wait({follow, changed}, return_when=asyncio.FIRST_COMPLETED)
         await close_quietly(changed)
+        if not follow.done() and self.leader is None:
+            await self._drain(follow)
         if follow.done():
             return follow.result()
         await close_quietly(follow)
         return None
+
+    async def _drain(self, follow: asyncio.Task) -> None:
+        """The leader's key is gone (its lease lapsed) while its stream is still open here: the
+        records still on their way were written while it led, and may have been acknowledged to
+        clients while this standby lagged (out of sync). They are applied before this replica may
+        campaign, for as long as they keep coming: the old leader ends the stream once fenced, and
+        one that is unreachable stops sending at once (``DRAIN_IDLE_S`` more to a takeover)."""
+        start = self.follower.store.lsn
+        while not follow.done():
+            before = self.follower.store.lsn
+            await asyncio.wait({follow}, timeout=DRAIN_IDLE_S)
+            if self.follower.store.lsn == before:
+                break
+        if self.follower.store.lsn > start:
+            log.info("standby: applied records %d-%d that the lapsed leader had still to deliver", start,
+                     self.follower.store.lsn - 1)
 
     async def _may_lead(self) -> bool:
         """Before following anyone in this run: with no leader's mark in etcd (a new fleet), the

@@ -5,7 +5,8 @@
     standby: FollowLogRequest(acked_lsn) ... (what is durable on it; --sync-standby waits for it)
 
 gRPC glue over ``ReplicationLog`` (which records it still has), ``StandbyAcks`` (who acknowledged
-what) and ``Role`` (the stream ends, UNAVAILABLE, as soon as this replica stops leading).
+what) and ``Role`` (the stream ends, UNAVAILABLE, as soon as this replica stops leading, after the
+records it holds that the standby has not been sent: the standby's ``Replica._drain`` applies them).
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ class ReplicationSource:
                     lsn = entry.lsn
             while not acks.done():
                 if not self.role.holds():
+                    # fenced: no record is added any more; the ones the standby lacks go first (some
+                    # may have been acknowledged while it was out of sync), then the stream ends
+                    with contextlib.suppress(Exception):  # a failed log: what is durable still goes
+                        await self.store.flush()
+                    data = self.rlog.read(lsn)
+                    if data:
+                        yield pb.LogEntry(lineage=lineage, lsn=lsn, records=data)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "this replica stopped leading")
                 data = self.rlog.read(lsn)
                 if data is None:  # it fell behind what is kept in memory

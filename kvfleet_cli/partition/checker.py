@@ -45,6 +45,7 @@ class Write:
     seq_id: str
     ok: bool                      # acknowledged
     block_ids: tuple[int, ...] = ()
+    error: str = ""               # not acknowledged: the error's class (``NotFound``, ``Unavailable``, ...)
 
 
 @dataclass(slots=True)
@@ -90,20 +91,25 @@ def _touching(writes: Iterable[Write], *seq_ids: str) -> tuple[Write, ...]:
 def lost_acknowledged(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[Finding]:
     """Acknowledged allocations missing, or held with other blocks, in ``final`` (seq id → block ids
     read from the leader after the heal). A release sent to every replica and acknowledged by none
-    makes its sequence uncertain (it may have been applied): not counted."""
+    makes its sequence uncertain (it may have been applied): not counted; unless a replica answered
+    it ``NotFound`` (only the leader answers a write so): the sequence was gone before its release."""
     writes = list(writes)
     granted: dict[str, tuple[int, ...]] = {}
     releases: dict[tuple[str, float], bool] = {}
+    vanished: set[str] = set()
     for w in sorted(writes, key=lambda w: w.t_end):
         if w.op == "alloc" and w.ok:
             granted[w.seq_id] = w.block_ids
         elif w.op == "release":
             releases[w.seq_id, w.t_start] = releases.get((w.seq_id, w.t_start), False) or w.ok
+            if w.error == "NotFound" and w.seq_id in granted:
+                vanished.add(w.seq_id)
             if w.ok:
                 granted.pop(w.seq_id, None)
-    uncertain = {seq_id for (seq_id, _), ok in releases.items() if not ok}
+    uncertain = {seq_id for (seq_id, _), ok in releases.items() if not ok} - vanished
     return [Finding(s, _touching(writes, s)) for s, blocks in sorted(granted.items())
-            if s not in uncertain and tuple(final.get(s, ())) != blocks]
+            if s not in uncertain | vanished and tuple(final.get(s, ())) != blocks] + [
+        Finding(f"{s} (its release found it gone)", _touching(writes, s)) for s in sorted(vanished)]
 
 
 def double_grants(writes: Iterable[Write], final: Mapping[str, Sequence[int]]) -> list[Finding]:

@@ -100,8 +100,8 @@ class PageTableClient(_Loop):
         start = time.monotonic()
         results = await asyncio.gather(*(self._call(c, op, seq_id if op == "release" else f"{seq_id}{r[-2:]}")
                                          for r, c in clients.items()))
-        for replica, (ok, sent_id, blocks, end) in zip(clients, results):
-            self.writes.append(Write(start, end, replica, op, sent_id, ok, blocks))
+        for replica, (ok, sent_id, blocks, end, error) in zip(clients, results):
+            self.writes.append(Write(start, end, replica, op, sent_id, ok, blocks, error))
             if ok and op == "alloc":
                 self.acked.append(sent_id)
 
@@ -109,13 +109,13 @@ class PageTableClient(_Loop):
         try:
             if op == "release":
                 await client.release([seq_id], tenant=self.tenant)
-                return True, seq_id, (), time.monotonic()
+                return True, seq_id, (), time.monotonic(), ""
             [got] = await client.allocate_many([AllocateRequest(PROBE_NODE, seq_id, self.tenant, [], 16)])
             ok = isinstance(got, Allocation)
             self.refusals += not ok  # the pool or the tenant's quota said no (an answer, not an outage)
-            return ok, seq_id, tuple(got.block_ids) if ok else (), time.monotonic()
-        except Exception:
-            return False, seq_id, (), time.monotonic()
+            return ok, seq_id, tuple(got.block_ids) if ok else (), time.monotonic(), "" if ok else "Refusal"
+        except Exception as e:
+            return False, seq_id, (), time.monotonic(), type(e).__name__
 
     def final_state(self, timeout_s: float = 60.0) -> dict[str, list[int]]:
         """Seq id → block ids of every sequence this client allocated, as the leader holds them now."""

@@ -10,6 +10,9 @@ Every scenario names its parts by role at the time it starts (the leader may be 
 - ``node_cut_from_etcd``: node-0 cut off from etcd only (its lease lapses; it still serves);
 - ``etcd_unreachable``: etcd cut off from every service for longer than a lease;
 - ``one_way_leader_to_etcd``: the leader's packets to etcd dropped, etcd's to it delivered;
+- ``one_way_standby_lagging``: the same cut while the standby is stalled (SIGSTOP) from 2.4 s before
+  it until after the lease lapsed: the leader acknowledges alone (out of sync) before it fences, and
+  the standby must apply those records before it takes over (issue 34's double grant);
 - ``lossy``: 10 % of every service's packets dropped (and 200 ms ± jitter of delay where the kernel
   has ``tc netem``) for the hold time: the soak.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +73,17 @@ def _one_way_leader_to_etcd(c: BedCluster, leader: str, standby: str) -> None:
     c.bed.cut(leader, "etcd", one_way=True)
 
 
+def _one_way_standby_lagging(c: BedCluster, leader: str, standby: str) -> None:
+    pid = c.child(standby).process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.4)  # past the leader's wait for the standby (--sync-timeout 2 s): it acknowledges alone
+        c.bed.cut(leader, "etcd", one_way=True)
+        time.sleep(1.5 * c.lease_ttl_s)  # the leader fences at TTL/2, its lease lapses at TTL
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def _lossy(c: BedCluster, leader: str, standby: str) -> None:
     netem = has_netem()
     for s in SERVICES:
@@ -80,6 +96,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("leader_isolated", _leader_isolated, 3.0),
     Scenario("node_cut_from_router", _node_cut_from_router, 3.0),
     Scenario("one_way_leader_to_etcd", _one_way_leader_to_etcd, 3.0),
+    Scenario("one_way_standby_lagging", _one_way_standby_lagging, 1.0),
     Scenario("leader_cut_from_nodes", _leader_cut_from_nodes, 3.0),
     Scenario("node_cut_from_block_service", _node_cut_from_block_service, 3.0),
     Scenario("node_cut_from_etcd", _node_cut_from_etcd, 3.0),

@@ -118,3 +118,21 @@ def test_each_violation_carries_its_records_with_times_and_terms():
     assert held["records"] == granted["records"]
     lost = check(writes, {**final, "s1": []}, [], {}, [], 0, 7)["violations"]["lost_acknowledged"]
     assert [r["seq_id"] for r in lost[0]["records"]] == ["s1"] and lost[0]["what"] == "s1"
+
+
+def test_an_acknowledged_grant_the_new_leader_never_had_is_lost_and_granted_twice():
+    """The shape of issue 34's finding: the deposed leader acknowledged ``x`` (block 3); the new leader
+    never had it and granted block 3 to ``y``; ``x``'s release, refused by the deposed leader and
+    answered NotFound by the new one, is not an uncertain release but proof that ``x`` was gone."""
+    writes = [alloc(0, "bs-a", "s0", [0]), alloc(0, "bs-b", "n0", [], ok=False),
+              alloc(1, "bs-a", "x", [3]), alloc(1, "bs-b", "n1", [], ok=False),
+              alloc(2, "bs-a", "d2", [], ok=False), alloc(2, "bs-b", "n2", [], ok=False),
+              alloc(3, "bs-a", "d3", [], ok=False), alloc(3, "bs-b", "y", [3]),
+              Write(4, 4.01, "bs-a", "release", "x", False, error="Unavailable"),
+              Write(4, 4.01, "bs-b", "release", "x", False, error="NotFound")]
+    final = {"s0": [0], "y": [3]}
+    assert lost_acknowledged(writes, final) == ["x (its release found it gone)"]
+    assert double_grants(writes, final) == ["block 3 granted to y while x held it"]
+    timed_out = [*writes[:-2], Write(4, 4.01, "bs-a", "release", "x", False, error="Unavailable"),
+                 Write(4, 4.01, "bs-b", "release", "x", False, error="DeadlineExceeded")]
+    assert lost_acknowledged(timed_out, final) == []                       # may have been applied: uncertain

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from kvfleet_cli.partition.scenarios import MAX_TOKENS, SCENARIOS, run_scenario
 
 CLEAN = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota")
@@ -40,12 +38,16 @@ def test_a_node_cut_off_from_the_router_only(bed_cluster, tmp_path):
     _run(bed_cluster, "node_cut_from_router", tmp_path)
 
 
-@pytest.mark.xfail(strict=False, reason="OPEN (issue 34): a fresh-clone CI run on 2026-12-02 counted double_grants 2 "
-                   "in this scenario (passed in the helper's runs); a real double grant or the checker's — not yet "
-                   "known; every other figure was 0")
 def test_a_one_way_cut_from_the_leader_to_etcd(bed_cluster, tmp_path):
     result = _run(bed_cluster, "one_way_leader_to_etcd", tmp_path)
     assert result["leader_after"] != result["leader_before"], result  # its keep-alives never arrived
+
+
+def test_a_one_way_cut_while_the_standby_lags_loses_nothing_the_old_leader_acknowledged(bed_cluster, tmp_path):
+    """Issue 34's double grant, made likely: the old leader acknowledges alone (its standby is
+    stalled, out of sync) until it fences; the standby takes over only with those records."""
+    result = _run(bed_cluster, "one_way_standby_lagging", tmp_path)
+    assert result["leader_after"] != result["leader_before"], result
 
 
 def test_the_leader_cut_off_from_the_nodes_only(bed_cluster, tmp_path):
