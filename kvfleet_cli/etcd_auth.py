@@ -127,7 +127,8 @@ async def apply_at(url: str, credentials: Credentials, node_ids: Iterable[str], 
                 await client.auth_stub.AuthStatus(rpc.AuthStatusRequest(), timeout=5.0)
                 break
             except (aetcd.ConnectionFailedError, grpc.aio.AioRpcError) as err:
-                unavailable = not isinstance(err, grpc.aio.AioRpcError) or err.code() == grpc.StatusCode.UNAVAILABLE
+                unavailable = not isinstance(err, grpc.aio.AioRpcError) or err.code() in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # or electing its raft leader
                 if not unavailable or time.monotonic() > deadline:
                     raise (err.__cause__ if isinstance(err.__cause__, grpc.aio.AioRpcError) else err) from None
             await asyncio.sleep(backoff.next())

@@ -41,9 +41,9 @@ def members(tmp_path):
         cluster.stop()
 
 
-async def _raft_leader(url: str) -> str:
+async def _raft_leader(url: str, credentials: Credentials | None = None) -> str:
     """The client URL of the member that leads etcd's raft now."""
-    async with etcd_client(url, timeout=5.0) as client:
+    async with etcd_client(url, timeout=5.0, credentials=credentials) as client:
         status = await client.status()
     return status.leader.client_urls[0]
 
@@ -130,14 +130,17 @@ def test_three_members_under_mutual_tls_with_the_fleets_roles(tmp_path):
 
     with EtcdCluster(3, data_dir=tmp_path / "etcd", certs_dir=tmp_path / "certs") as cluster:
         assert cluster.url.count("https://") == 3
-        cluster.members[0].process.kill()
-        cluster.members[0].process.wait()
-        assert enable(cluster.url, as_(ADMIN_ID), ["node-0"]).enabled_now
+        raft_leader = asyncio.run(_raft_leader(cluster.url, as_(ADMIN_ID)))
+        first = next(m for m in cluster.members if m.url != raft_leader)  # down: a quorum stays, with its leader
+        url = ",".join(m.url for m in sorted(cluster.members, key=lambda m: m is not first))
+        first.process.kill()
+        first.process.wait()
+        assert enable(url, as_(ADMIN_ID), ["node-0"]).enabled_now
 
         async def main():
             info = NodeInfo("node-0", "127.0.0.1:7001", "/models/tiny", 64, 16, NodeState.READY)
-            async with etcd_client(cluster.url, credentials=as_(node_0)) as node, \
-                    etcd_client(cluster.url, credentials=as_(ROUTER_ID)) as router:
+            async with etcd_client(url, credentials=as_(node_0)) as node, \
+                    etcd_client(url, credentials=as_(ROUTER_ID)) as router:
                 registration = NodeRegistration(node, info, ttl=3)
                 await registration.start()
                 assert registration.lease_id is not None
