@@ -50,10 +50,10 @@ IN_PROCESS := not process and not cluster and not chaos
 test: setup protos $(REAL_MODEL)/config.json
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --durations=10 -m "$(IN_PROCESS)"
-	$(PY) -m pytest -q --durations=25 -m "not ($(IN_PROCESS)) and not bench_smoke"
+	$(PY) -m pytest -q --durations=25 -m "not ($(IN_PROCESS))"
 
-# every benchmark's --smoke shape under both dtype defaults (tests/bench/test_bench_smoke.py): ~45 min on
-# 2 shared cores, too long for `make test` as it stands; run it before changing a benchmark or the engine's dtype
+# only every benchmark's --smoke shape under both dtype defaults (tests/bench/test_bench_smoke.py; `make test`
+# runs them too, in its process tier): before changing a benchmark or the engine's dtype
 test-bench: setup protos $(REAL_MODEL)/config.json
 	$(PY) -m pytest -q --durations=25 -m bench_smoke
 
