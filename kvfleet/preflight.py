@@ -65,13 +65,16 @@ def check_side_ports_free(listen: str, metrics_port: int | None, health_port: in
 
 
 def reachable(address: str, timeout_s: float = 1.0) -> str | None:
-    """None when a TCP connection to ``address`` opens, else why not."""
-    host, port = host_port(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
+    """None when a TCP connection to ``address`` opens (to any one of a comma-separated list, as
+    etcd's members are given: ``http://a:2379,http://b:2379``), else why not (the last one's why)."""
+    why = None
+    for host, port in [host_port(one.strip()) for one in address.split(",")]:
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return None
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+    return why
 
 
 def wait_reachable(what: str, address: str, timeout_s: float, on_wait: Callable[[str], None],

@@ -205,6 +205,13 @@ class EtcdCluster:
         self.members = [EtcdServer(self.data_dir / f"member-{i}", host, binary, certs_dir, name=f"etcd-{i}")
                         for i in range(num_members)]
 
+    @classmethod
+    def of(cls, members: list[EtcdServer]) -> EtcdCluster:
+        """The members made and started elsewhere (the partition bed's, in their namespaces), as one."""
+        cluster = cls.__new__(cls)
+        cluster.members, cluster.data_dir, cluster._own_data_dir = list(members), members[0].data_dir.parent, False
+        return cluster
+
     @property
     def url(self) -> str:
         return ",".join(member.url for member in self.members)

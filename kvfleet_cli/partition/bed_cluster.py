@@ -1,4 +1,5 @@
-"""A kvfleet cluster in the partition bed: etcd, two block_service replicas (``bs-a`` leads, ``bs-b``
+"""A kvfleet cluster in the partition bed: etcd (one member, ``etcd``, or three: ``etcd-0``..``etcd-2``,
+every service given them all), two block_service replicas (``bs-a`` leads, ``bs-b``
 stands by, semi-synchronous), ``node-0``/``node-1`` and the router, each in its own network namespace
 (``netns.Netbed``) listening on its own address, under mutual TLS, started with ``ip netns exec``.
 
@@ -20,7 +21,7 @@ from kvfleet import certs, parent_death, settings
 from kvfleet.identity import BLOCK_SERVICE_ID, ETCD_ID, ROUTER_ID, Identity
 from kvfleet_cli.cluster_certs import ClusterCerts
 from kvfleet_cli.demo_tenants import DEMO_TENANTS
-from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet_cli.etcd_server import EtcdCluster, EtcdServer
 from kvfleet_cli.local_cluster import Child, LocalCluster
 from kvfleet_cli.local_nodes import local_node_settings, node_command
 from kvfleet_cli.partition.netns import Netbed
@@ -42,28 +43,30 @@ PORTS = {"etcd": 2379, "bs-a": 7100, "bs-b": 7100, "node-0": 7200, "node-1": 720
 
 
 class _BedEtcd(EtcdServer):
-    """etcd inside the bed's ``etcd`` namespace, on its fixed ports."""
+    """An etcd member inside the bed's namespace ``name``, on its fixed ports."""
 
-    def __init__(self, bed: Netbed, data_dir: Path, certs_dir: Path) -> None:
-        super().__init__(data_dir=data_dir, host=bed.ip["etcd"], certs_dir=certs_dir)
+    def __init__(self, bed: Netbed, name: str, data_dir: Path, certs_dir: Path) -> None:
+        super().__init__(data_dir=data_dir, host=bed.ip[name], certs_dir=certs_dir, name=name)
         self.bed = bed
-
-    def start(self, timeout: float = 20.0) -> EtcdServer:
         self.client_port, self.peer_port = PORTS["etcd"], PORTS["etcd"] + 1
+
+    def launch(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._spawn()
+
+    def wait(self, timeout: float = 20.0) -> None:
         if not self._wait_healthy(timeout):
-            raise RuntimeError(f"etcd did not become healthy in the bed: {self._reap()[-2000:]}")
-        return self
+            raise RuntimeError(f"etcd {self.name} did not become healthy in the bed: {self._reap()[-2000:]}")
 
     def _spawn(self) -> None:
-        peer = f"http://{self.host}:{self.peer_port}"
-        argv = [self.binary, "--name", "bed", "--data-dir", str(self.data_dir / "member"),
+        peer = self.peer_url
+        argv = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"bed={peer}", "--log-level", "error", *self._tls_flags()]
+                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "error",
+                *self._tls_flags()]
         with open(self.data_dir / "etcd.log", "ab") as log:
-            self.process = subprocess.Popen([*self.bed.exec_prefix("etcd"), *parent_death.wrap(argv)],
+            self.process = subprocess.Popen([*self.bed.exec_prefix(self.name), *parent_death.wrap(argv)],
                                             stdout=subprocess.DEVNULL, stderr=log,
                                             env=parent_death.child_env(os.environ), start_new_session=True)
 
@@ -74,23 +77,25 @@ class BedCluster(LocalCluster):
     ``block_service_standby`` is ``bs-b``)."""
 
     def __init__(self, model_dir: str | Path, work_dir: Path, tenants_file: Path, lease_ttl_s: int = 3,
-                 block_size: int = 16, kv_cache_memory: int = 16 << 20) -> None:
+                 block_size: int = 16, kv_cache_memory: int = 16 << 20, etcd_members: int = 1) -> None:
         # not LocalCluster.__init__: no loopback ports, no HTTP door, no metrics; what its methods read
         self.model_dir, self.work_dir, self.tenants_file = str(model_dir), Path(work_dir), str(tenants_file)
         self.lease_ttl_s, self.standby, self.metrics, self._own_work_dir = lease_ttl_s, True, False, False
         self.node = local_node_settings(None, block_size=block_size, kv_cache_memory=kv_cache_memory,
                                         dtype="float32")
         self.env, self.log_level = dict(os.environ), "INFO"
-        self.bed = Netbed(SERVICES)
+        self.etcd_names = ("etcd",) if etcd_members == 1 else tuple(f"etcd-{i}" for i in range(etcd_members))
+        self.services = (*self.etcd_names, *SERVICES[1:])  # SERVICES with etcd's members for "etcd"
+        self.bed = Netbed(self.services)
         self.certs = ClusterCerts(self.work_dir / "certs")
-        self.etcd: _BedEtcd | None = None
+        self.etcd: _BedEtcd | EtcdCluster | None = None
         self.block_service: Child | None = None
         self.block_service_standby: Child | None = None
         self.nodes: dict[str, Child] = {}
         self.router: Child | None = None
 
     def address(self, name: str) -> str:
-        return f"{self.bed.ip[name]}:{PORTS[name]}"
+        return f"{self.bed.ip[name]}:{PORTS['etcd' if name in self.etcd_names else name]}"
 
     @property
     def router_address(self) -> str:
@@ -101,8 +106,9 @@ class BedCluster(LocalCluster):
         return self.etcd.url
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        if name == "etcd":
-            return (self.etcd.data_dir / "etcd.log").read_text(errors="replace")[-4000:]
+        if name in self.etcd_names:
+            member = self.work_dir / name
+            return (member / "etcd.log").read_text(errors="replace")[-4000:]
         return self.child(name).log_tail(lines)
 
     # -- starting ---------------------------------------------------------------------------------
@@ -113,9 +119,9 @@ class BedCluster(LocalCluster):
         try:
             # etcd's certificate names its bed address (the services verify it); the rest are checked
             # against their identities' host names (kvfleet.rpc), wherever they listen
-            certs.ensure(self.certs.directory, [ETCD_ID], hosts=[self.bed.ip["etcd"]])
+            certs.ensure(self.certs.directory, [ETCD_ID], hosts=[self.bed.ip[n] for n in self.etcd_names])
             self.certs.prepare([*NODES, PROBE_NODE])
-            self.etcd = _BedEtcd(self.bed, self.work_dir / "etcd", self.certs.directory).start()
+            self.etcd = self._start_etcd()
             self.certs.open_etcd(self.etcd.url, [*NODES, PROBE_NODE])
             self.certs.act_as_admin()
             self.block_service = self._start_replica("bs-a", timeout)
@@ -135,6 +141,17 @@ class BedCluster(LocalCluster):
             self.stop()
             raise
         return self
+
+    def _start_etcd(self) -> _BedEtcd | EtcdCluster:
+        """etcd's members, started together (each waits for a quorum), healthy."""
+        members = [_BedEtcd(self.bed, name, self.work_dir / name, self.certs.directory) for name in self.etcd_names]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in members) if len(members) > 1 else None
+        for member in members:
+            member.initial_cluster = initial
+            member.launch()
+        for member in members:
+            member.wait()
+        return members[0] if len(members) == 1 else EtcdCluster.of(members)
 
     def _start_replica(self, name: str, timeout: float) -> Child:
         argv = ["block-service", "--listen", self.address(name), "--tenants", self.tenants_file,

@@ -15,6 +15,12 @@ Every scenario names its parts by role at the time it starts (the leader may be 
   the standby must apply those records before it takes over (issue 34's double grant);
 - ``lossy``: 10 % of every service's packets dropped (and 200 ms ± jitter of delay where the kernel
   has ``tc netem``) for the hold time: the soak.
+
+Those run on a bed whose etcd is one member (``etcd``). ``ETCD_MEMBER_SCENARIOS`` need three
+(``BedCluster(..., etcd_members=3)``: ``etcd-0``..``etcd-2``), so they are not in ``SCENARIOS``:
+
+- ``etcd_member_cut_off``: the member every service and client starts on (the first of ``--etcd``)
+  cut off from everyone, its peers and the clients included, for three lease TTLs.
 """
 
 from __future__ import annotations
@@ -92,6 +98,11 @@ def _lossy(c: BedCluster, leader: str, standby: str) -> None:
             c.bed.delay(s, 200, 100)
 
 
+def _etcd_member_cut_off(c: BedCluster, leader: str, standby: str) -> None:
+    first = c.etcd_names[0]
+    c.bed.isolate(first, *(s for s in c.services if s != first), "client")
+
+
 SCENARIOS = {s.name: s for s in [
     Scenario("leader_isolated", _leader_isolated, 3.0),
     Scenario("node_cut_from_router", _node_cut_from_router, 3.0),
@@ -102,6 +113,9 @@ SCENARIOS = {s.name: s for s in [
     Scenario("node_cut_from_etcd", _node_cut_from_etcd, 3.0),
     Scenario("etcd_unreachable", _etcd_unreachable, 2.5),
     Scenario("lossy", _lossy, 0.0, soak=True),
+]}
+ETCD_MEMBER_SCENARIOS = {s.name: s for s in [
+    Scenario("etcd_member_cut_off", _etcd_member_cut_off, 3.0),
 ]}
 
 
