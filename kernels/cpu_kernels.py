@@ -1,5 +1,6 @@
-"""Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``) and KV
-store (``csrc/store_kv_cpu.cpp``), one extension registering ``torch.ops.kvfleet_kernels.*``.
+"""Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``), KV
+store (``csrc/store_kv_cpu.cpp``) and the fused per-layer steps (``csrc/fused_cpu.cpp``: residual add
++ RMSNorm, RoPE + KV store), one extension registering ``torch.ops.kvfleet_kernels.*``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed, in a
 directory of the building process's own, and the library is moved into the cache under
@@ -27,7 +28,7 @@ from kernels.reference import prepare_store
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [str(_CSRC / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp", "fused_cpu.cpp")]
 _HEADERS = [str(_CSRC / "vec16.h")]  # not compiled on their own, but a change rebuilds
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = (*_QUERY_DTYPES, torch.float8_e4m3fn)
@@ -155,3 +156,24 @@ def cpu_store_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerCache, slot
         raise RuntimeError("the native CPU kernels could not be built")
     key, value = prepare_store(key, value, cache, slot_mapping)
     torch.ops.kvfleet_kernels.store_kv_cpu.default(key, value, cache.k, cache.v, slot_mapping)
+
+
+def supports_fused(x: torch.Tensor) -> bool:
+    """Whether the fused per-layer ops serve a model whose activations look like ``x`` (CPU, 16- or
+    32-bit floats, the extension built; not under ``KVFLEET_ATTENTION=reference``)."""
+    return (x.device.type == "cpu" and x.dtype in _QUERY_DTYPES
+            and os.environ.get("KVFLEET_ATTENTION", "").lower() != "reference" and (_loaded or load_extension())
+            and hasattr(torch.ops.kvfleet_kernels, "rope_store_cpu"))
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += h`` in place (when ``h`` is given), then ``weight * norm(x)`` as ``RMSNorm`` (offset 0)
+    computes it; x and h ``[T, hidden]``."""
+    return torch.ops.kvfleet_kernels.add_rms_norm_cpu.default(x, h, weight, eps)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: LayerCache, slot_mapping: torch.Tensor) -> None:
+    """q ``[T, H, D]`` turned in place; k turned and v copied into their slots of ``cache`` (of q's
+    dtype, not FP8); cos/sin ``[T, D]`` in q's dtype (the whole head turned)."""
+    torch.ops.kvfleet_kernels.rope_store_cpu.default(q, k, v, cos, sin, cache.k, cache.v, slot_mapping)

@@ -4,6 +4,12 @@ Gemma 2) as one small decoder over a paged KV pool; what differs comes from ``co
 Tokens of all sequences in a step are packed into one ``[T]`` batch; attention reads and writes
 the pool through ``kernels`` (``store_kv``, ``paged_prefill``, ``paged_decode``). q/k/v and
 gate/up projections are fused into single matmuls whether or not the checkpoint fuses them.
+
+On CPU, a Llama-style model (no norms after the blocks, no q/k norms, the whole head turned, a 16- or
+32-bit cache) takes the fused path: each layer is residual add + RMSNorm, the qkv matmul, RoPE + KV
+store, attention, the o matmul, residual add + RMSNorm, the MLP — the native ops of
+``kernels/csrc/fused_cpu.cpp`` in place of a dozen small torch ops per layer, which on a model of
+30 thin layers (SmolLM2-135M) cost as much per step as the arithmetic around them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 import kernels
 from compute_service.model.config import ModelConfig
 from compute_service.model.rope import RotaryEmbedding, apply_rope
+from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -80,6 +87,25 @@ class Attention(nn.Module):
             out[p:] = kernels.paged_decode(q[p:], cache, meta, self.params)
         return self.o_proj(out.view(num_tokens, -1))
 
+    def forward_fused(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """``forward`` with RoPE and the KV store in one native call (cos/sin ``[T, head_dim]``)."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        cpu_kernels.rope_store(q, k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                               v.view(num_tokens, self.num_kv_heads, self.head_dim), *rope, cache, meta.slot_mapping)
+        p = meta.num_prefill_tokens
+        if p == 0:
+            out = kernels.paged_decode(q, cache, meta, self.params)
+        elif p == num_tokens:
+            out = kernels.paged_prefill(q, cache, meta, self.params)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype)
+            out[:p] = kernels.paged_prefill(q[:p], cache, meta, self.params)
+            out[p:] = kernels.paged_decode(q[p:], cache, meta, self.params)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -117,6 +143,13 @@ class DecoderLayer(nn.Module):
         h = self.mlp(mlp_in(x))
         return x + (h if mlp_out is None else mlp_out(h))
 
+    def forward_fused(self, x, h, rope, cache, meta) -> torch.Tensor:
+        """The fused path (``CausalLM.fusable``): ``x += h`` in place (the previous layer's output; None
+        at the first layer), and this layer's output, still to be added to ``x``."""
+        attn_in, _, mlp_in, _ = self.places
+        h = self.self_attn.forward_fused(cpu_kernels.add_rms_norm(x, h, attn_in.weight, attn_in.eps), rope, cache, meta)
+        return self.mlp(cpu_kernels.add_rms_norm(x, h, mlp_in.weight, mlp_in.eps))
+
 
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -131,6 +164,9 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = rotary_embedding(config)
+        arch = config.architecture
+        self.fusable = (arch.norms.attn_out is None and arch.norms.mlp_out is None and not arch.norm_weight_offset
+                        and not config.qk_norm and config.rotary_dim == config.head_dim and self.embed_scale is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: Sequence[LayerCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -141,6 +177,13 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         rope = self.rope.tables(positions, x.dtype, meta)
+        if self.fusable and caches[0].k.dtype == caches[0].v.dtype == x.dtype and cpu_kernels.supports_fused(x):
+            cos, sin = (t.view(t.shape[0], -1) for t in rope)
+            h = None
+            for layer, cache in zip(self.layers, caches, strict=True):
+                h = layer.forward_fused(x, h, (cos, sin), cache, meta)
+            x = self.norm(x[logits_indices] + h[logits_indices])
+            return soft_cap(self.lm_head(x), self.config.final_logit_softcap).float()
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, rope, cache, meta)
         x = self.norm(x[logits_indices])
