@@ -1,7 +1,10 @@
 """Leadership among block_service replicas: an etcd lease and a key created only if absent.
 
     campaign: grant a lease (TTL) ─▶ txn(if create_revision(key) == 0: put(key, me, lease)) ─▶ won / lost
-    lead:     refresh the lease every TTL/3; each success moves the fence to (sent + TTL/2)
+    lead:     refresh the lease every TTL/6; each success moves the fence to (sent + TTL/2); a refresh that
+              fails is tried again at once, each try given half the time left to the fence, so a
+              moment without an answer (etcd electing its raft leader, a member that hangs and is
+              left for the next) costs tries, not leadership, while TTL/3 remains
     fence:    past it, or the lease or the key gone: not the leader any more (no write is accepted)
     watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
 
@@ -28,6 +31,7 @@ from kvfleet.backoff import error_line
 from kvfleet.leader import LEADER_KEY, Leader
 
 log = logging.getLogger(__name__)
+RETRY_PAUSE_S = 0.05  # between tries of a refresh that failed, and the shortest a try is given
 
 
 class Election:
@@ -89,9 +93,10 @@ class Election:
                     return
 
     async def _refresh(self) -> str:
-        interval = self.ttl_s / 3
+        interval = self.ttl_s / 6
+        failing = False  # the last try failed: the next one comes at once
         while True:
-            wait = min(interval, max(self._fence_at - self.clock(), 0.0))
+            wait = min(RETRY_PAUSE_S if failing else interval, max(self._fence_at - self.clock(), 0.0))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._lost.wait(), wait)
             if self._lost.is_set():
@@ -101,7 +106,7 @@ class Election:
             sent = self.clock()
             try:
                 reply = await asyncio.wait_for(self.client.refresh_lease(self.lease_id),
-                                               max(self._fence_at - sent, 0.01))
+                                               max((self._fence_at - sent) / 2, RETRY_PAUSE_S))
                 if reply is None or reply.TTL <= 0:
                     return self._lose("the lease expired")
                 current = await self.client.get(self.key)
@@ -110,10 +115,13 @@ class Election:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd unreachable: the fence decides
-                log.warning("leader lease refresh failed (%s); fencing in %.1f s unless one succeeds",
-                            error_line(e), max(self._fence_at - self.clock(), 0.0))
+                if not failing:  # the first of a run of failed tries: one line, not one per try
+                    log.warning("leader lease refresh failed (%s); trying again until one succeeds or the "
+                                "fence in %.1f s", error_line(e), max(self._fence_at - self.clock(), 0.0))
+                failing = True
                 continue
             self._fence_at = sent + self.ttl_s / 2
+            failing = False
 
     def _lose(self, why: str) -> str:
         if self._lost.is_set():

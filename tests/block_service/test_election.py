@@ -62,3 +62,28 @@ def test_a_leader_cut_off_from_etcd_fences_itself_at_half_its_ttl(etcd) -> None:
                 etcd.process.send_signal(signal.SIGCONT)
 
     assert "TTL/2" in asyncio.run(run())
+
+
+def test_a_pause_of_etcd_shorter_than_the_margin_costs_tries_not_leadership(etcd) -> None:
+    """etcd frozen for 3 s (as while a three-member etcd elects its raft leader, or a member hangs
+    and the client moves on): with TTL 10 the leader refreshes every TTL/6 and fences TTL/2 after
+    its last success, so a failed refresh must be tried again in the TTL/3 left, not given up on.
+    Refreshing every TTL/3 with one try, the leader lost its lease to any pause of more than TTL/6."""
+    async def run() -> bool:
+        async with etcd_client(etcd.url, timeout=0.5) as client:
+            election = Election(client, Leader("a:1", "L"), ttl_s=10)
+            assert await election.campaign()
+            leading = asyncio.create_task(election.lead())
+            await asyncio.sleep(2.0)              # past the first refresh
+            etcd.process.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.0)
+            finally:
+                etcd.process.send_signal(signal.SIGCONT)
+            await asyncio.sleep(3.0)              # past the fence of a refresh sent before the pause
+            still = election.holds() and not leading.done()
+            await election.resign()
+            await asyncio.wait_for(leading, 10)
+            return still
+
+    assert asyncio.run(run())
