@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--arrivals", type=int, default=64, help="new sequences per trace step")
     add_smoke_flag(parser)
     args = parser.parse_args()
-    seconds = 0.5 if args.smoke else 3.0 if args.quick else 15.0
+    seconds = 0.2 if args.smoke else 3.0 if args.quick else 15.0
     warmup = 2 if args.smoke else WARMUP_STEPS
     clients, arrivals = (1, 8) if args.smoke else (args.clients, args.arrivals)
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as d:

@@ -41,9 +41,9 @@ from bench.kv_transfer import progress  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 
 SHARE = 0.33
-FULL = dict(requests=360, max_tokens=16)
-QUICK = dict(requests=150, max_tokens=12)
-SMOKE = dict(requests=12, max_tokens=4)
+FULL = dict(requests=360, max_tokens=16, warmup=12, promote_s=2.0)
+QUICK = dict(requests=150, max_tokens=12, warmup=12, promote_s=2.0)
+SMOKE = dict(requests=4, max_tokens=2, warmup=2, promote_s=0.5)
 START_TIMEOUT_S = 300
 
 
@@ -126,7 +126,7 @@ def measure(cluster, args, shape: dict, seed: int) -> dict:
     from kvfleet.event_loop import run as run_loop
     from kvfleet_cli.canary_command import fetch_samples, report
 
-    run_loop(arrivals(cluster.router_address, 12, 4.0, 4, seed=1000 + seed))  # warm-up, before the split
+    run_loop(arrivals(cluster.router_address, shape["warmup"], 4.0, 4, seed=1000 + seed))  # warm-up, before the split
     set_share(cluster, SHARE)  # a new started_at: the comparison starts now
     results = run_loop(arrivals(cluster.router_address, shape["requests"], args.rate, shape["max_tokens"], seed))
     data = report(fetch_samples([cluster.metrics_urls["router"]]), args.confidence, args.resamples, seed=0)
@@ -146,9 +146,9 @@ def promote_under_load(cluster, canary, args, shape: dict) -> dict:
     load.start()
     started = time.monotonic()
     try:
-        time.sleep(2.0)
+        time.sleep(shape["promote_s"])
         canary.carry_out(PROMOTE, canary_split(cluster))
-        time.sleep(2.0)
+        time.sleep(shape["promote_s"])
     finally:
         done.set()
         load.join()

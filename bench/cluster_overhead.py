@@ -36,7 +36,7 @@ from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model, seede
 
 FULL = dict(requests=16, min_len=32, max_len=384, new_tokens=96, repeats=7)
 QUICK = dict(requests=8, min_len=32, max_len=256, new_tokens=48, repeats=3)
-SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4, repeats=1)  # on models/bench-tiny
+SMOKE = dict(requests=1, min_len=8, max_len=16, new_tokens=2, repeats=1)  # on models/bench-tiny
 BLOCK_SIZE = 64
 KV_CACHE_MEMORY = 512 << 20
 

@@ -49,7 +49,7 @@ from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model  # noq
 
 FULL = dict(prefix=1024, suffix=16, prefixes=2, requests=6, rounds=3)
 QUICK = dict(prefix=512, suffix=16, prefixes=2, requests=4, rounds=1)
-SMOKE = dict(prefix=64, suffix=16, prefixes=1, requests=2, rounds=1)  # on models/bench-tiny
+SMOKE = dict(prefix=32, suffix=8, prefixes=1, requests=1, rounds=1)  # on models/bench-tiny
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 BLOCK_SIZE = 32
 KV_CACHE_MEMORY = 512 << 20

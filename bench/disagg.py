@@ -64,7 +64,7 @@ FULL = dict(chats=36, chat_len=(64, 128), chat_tokens=64, chat_window_s=320.0, d
             doc_tokens=8, doc_gap_s=80.0, kv_cache_mib=1024, sweep=(64, 256, 1024, 4096))
 QUICK = dict(chats=12, chat_len=(64, 128), chat_tokens=48, chat_window_s=70.0, docs=3, doc_len=(2048, 3072),
              doc_tokens=8, doc_gap_s=20.0, kv_cache_mib=512, sweep=(64, 256, 1024))
-SMOKE = dict(chats=2, chat_len=(8, 16), chat_tokens=4, chat_window_s=5.0, docs=1, doc_len=(128, 192),
+SMOKE = dict(chats=2, chat_len=(8, 16), chat_tokens=4, chat_window_s=2.0, docs=1, doc_len=(128, 192),
              doc_tokens=4, doc_gap_s=2.0, kv_cache_mib=64, sweep=(64,))
 BLOCK_SIZE = 16
 # one tenant that holds every document at once on either arm (the demo's gold has 256 MiB)

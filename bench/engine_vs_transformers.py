@@ -21,7 +21,7 @@ from bench.common import ROOT, add_smoke_flag, ensure_model, peak_rss_mib, run_c
 
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
-SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4)  # on models/bench-tiny
+SMOKE = dict(requests=1, min_len=8, max_len=16, new_tokens=2)  # on models/bench-tiny
 
 
 def run_engine(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:

@@ -42,7 +42,7 @@ from bench.common import BENCH_MODEL, add_smoke_flag, peak_rss_mib, seeded_promp
 
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
-SMOKE = dict(requests=2, min_len=8, max_len=16, new_tokens=4)
+SMOKE = dict(requests=1, min_len=8, max_len=16, new_tokens=2)
 CHAT_NEW_TOKENS = dict(full=128, quick=32, smoke=4)  # --prompts chat: every question, or 2 in the smoke
 BLOCK_SIZE, TOKEN_BUDGET, MAX_SEQS, KV_GIB = 64, 2048, 64, 1
 # vLLM's interpreter (bench/gpu_e2e.sh points it at a CUDA build's venv) and kvfleet's device

@@ -36,7 +36,7 @@ from pathlib import Path
 logging.getLogger("block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_smoke_flag, engine_dtype, ensure_model
+from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model
 from bench.plan_vs_measured import cpu_model
 
 BLOCK_SIZE = 16
@@ -161,11 +161,11 @@ def main() -> None:
     add_smoke_flag(parser)
     args = parser.parse_args()
     shape = SMOKE if args.smoke else QUICK if args.quick else FULL
-    model = ensure_model()
+    model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()  # smoke: models/bench-tiny
     working = working_set_blocks(shape)
     longest = -(-(shape["system_tokens"] + shape["turns"] * (shape["user_tokens"] + shape["answer_tokens"])) // BLOCK_SIZE)
     pool = max(working // 4, longest + 1)
-    print(f"{cpu_model()}; bench-small {engine_dtype()}, block {BLOCK_SIZE}; working set {working} blocks, hot pool {pool} "
+    print(f"{cpu_model()}; {model.name} {engine_dtype()}, block {BLOCK_SIZE}; working set {working} blocks, hot pool {pool} "
           f"({working / pool:.1f}x)", file=sys.stderr)
     results: dict = {"shape": shape, "working_set_blocks": working, "hot_pool_blocks": pool, "cpu": cpu_model(),
                      "dtype": engine_dtype()}

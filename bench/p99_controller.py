@@ -154,10 +154,10 @@ async def main_async(args) -> dict:
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(args.threads)
-    model = ensure_model()
+    model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()  # smoke: models/bench-tiny
     engine = LLMEngine(model, EngineConfig(block_size=16, kv_cache_memory=512 << 20, max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens))
-    probe_s = 2.0 if args.smoke else 6.0 if args.quick else 10.0
+    probe_s = 1.0 if args.smoke else 6.0 if args.quick else 10.0
     plain = AsyncEngine(engine)
     batch1 = await drive(plain, "batch-1", 1, probe_s)
     settled = (args.seconds * (1 - SETTLED_SHARE), args.seconds)
@@ -222,10 +222,10 @@ def main() -> None:
     add_smoke_flag(parser)
     args = parser.parse_args()
     if args.smoke:  # short runs, a fixed target (no probe to derive it from), a small engine
-        args.seconds, args.clients, args.max_num_seqs, args.max_num_batched_tokens = 6.0, 4, 4, 16
+        args.seconds, args.clients, args.max_num_seqs, args.max_num_batched_tokens = 2.0, 4, 4, 16
         args.target_ms, args.interval_s = args.target_ms or 1000.0, 1.0
     args.seconds = args.seconds or (45.0 if args.quick else 90.0)
-    least = 4 if args.smoke else 20
+    least = 2 if args.smoke else 20
     if (args.seconds < least or args.clients < 2 or args.max_num_seqs < 1 or args.threads < 1 or not args.interval_s > 0
             or args.max_num_batched_tokens < args.max_num_seqs):
         parser.error("need --seconds >= 20, --clients >= 2, --max-num-seqs >= 1, --threads >= 1, --interval-s > 0, "

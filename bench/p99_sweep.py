@@ -42,7 +42,7 @@ async def sweep(args) -> list[dict]:
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(1)
-    model = ensure_model()
+    model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()  # smoke: models/bench-tiny
     points = []
     for budget in args.budgets:
         config = EngineConfig(block_size=16, kv_cache_memory=512 << 20, max_num_seqs=args.max_num_seqs,
@@ -76,10 +76,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="per point (default 30, quick 15)")
     add_smoke_flag(parser)
     args = parser.parse_args()
-    if args.smoke:  # one budget, two caps, 4 s each
-        args.seconds, args.caps, args.budgets, args.clients, args.max_num_seqs = 4.0, [4, 2], [64], 4, 4
+    if args.smoke:  # one budget, two caps, 2 s each
+        args.seconds, args.caps, args.budgets, args.clients, args.max_num_seqs = 2.0, [4, 2], [64], 4, 4
     args.seconds = args.seconds or (15.0 if args.quick else 30.0)
-    if args.seconds < 4 or args.clients < 1 or max(args.caps) > args.max_num_seqs:
+    if args.seconds < (2 if args.smoke else 4) or args.clients < 1 or max(args.caps) > args.max_num_seqs:
         parser.error("need --seconds >= 4, --clients >= 1, every cap <= --max-num-seqs")
     started = time.monotonic()
     points = asyncio.run(sweep(args))

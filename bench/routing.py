@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_smoke_flag, ensure_model  # noqa: E402
+from bench.common import ROOT, add_smoke_flag, ensure_model  # noqa: E402
 from router.routing import RoutingConfig  # noqa: E402
 
 # Long-context chat: each conversation opens with a document (768-1,024 tokens) under one of four
@@ -230,7 +230,8 @@ def main() -> int:
         parser.error("--think-s must be >= 0")
     shape.update({k: v for k, v in (("mean_gap_s", args.mean_gap_s), ("think_s", args.think_s)) if v is not None})
     args.kv_cache_mib = args.kv_cache_mib or shape["kv_cache_mib"]
-    model = Path(args.model) if args.model else ensure_model()
+    model = Path(args.model) if args.model else (ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke
+                                                 else ensure_model())
     conversations = schedule(shape)
     kv_runs, load_runs = [], []
     for _ in range(args.rounds):

@@ -219,8 +219,8 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
     add_smoke_flag(parser)
     args = parser.parse_args()
-    if args.smoke:  # 20 s, 5 of warm-up, memory every 2 s
-        args.minutes, args.warmup_minutes, args.rss_interval_s, args.clients = 1 / 3, 1 / 12, 2.0, 2
+    if args.smoke:  # 6 s, 1 of warm-up, memory every second
+        args.minutes, args.warmup_minutes, args.rss_interval_s, args.clients = 1 / 10, 1 / 60, 1.0, 2
     for name, full, quick in (("minutes", 30.0, 3.0), ("rss_interval_s", 30.0, 5.0), ("warmup_minutes", None, 1.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)

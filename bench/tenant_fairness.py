@@ -54,7 +54,7 @@ FULL = dict(system_prompts=4, system_len=256, user_len=(24, 48), reply=8, turns=
             b_prompt_len=768, b_reply=2, b_concurrency=4, alone_s=60, flooded_s=90, settle_s=20,
             kv_cache_mib=8, a_share_mib=3)
 QUICK = dict(FULL, alone_s=30, flooded_s=40, settle_s=10)
-SMOKE = dict(FULL, alone_s=4, flooded_s=5, settle_s=1, turns=2)  # one policy
+SMOKE = dict(FULL, alone_s=2, flooded_s=2, settle_s=0.5, turns=2, think_s=0.2, system_prompts=1, b_concurrency=2)  # one policy
 # the tiny model (the tests' and the demo's preset): its prefill is fast enough on a CPU for B to
 # flood at several times A's token rate; ``--model models/bench-small`` for a bigger one (size the
 # pool again: 16 KiB per token)
