@@ -74,7 +74,7 @@ class BlockServiceSettings:
     snapshot_log_mib: float = setting(1024.0, "also snapshot when the log grows past this size", above=0,
                                       metavar="MIB")
     etcd: str | None = setting(None, "run as one of several replicas: elect the leader in this etcd "
-                               "(http://host:port)", metavar="URL")
+                               "(http://host:port; several members comma-separated)", metavar="URL[,URL...]")
     advertise: str | None = setting(None, "the address the other replicas and the clients reach this one at",
                                     unset="--listen", metavar="HOST:PORT")
     standby: bool = setting(False, "with --etcd: start as a standby; campaign only after following a leader once")

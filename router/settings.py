@@ -16,7 +16,8 @@ from router.routing import RoutingConfig
 class RouterSettings:
     """``kvfleet router``: the public doors, the queue and the routing weights."""
 
-    etcd: str = setting(help="etcd URL, e.g. http://127.0.0.1:2379", metavar="URL")
+    etcd: str = setting(help="etcd URL, e.g. http://127.0.0.1:2379; several members comma-separated",
+                        metavar="URL[,URL...]")
     tenants: str = setting(help="tenants YAML file", metavar="FILE")
     listen: str = setting("127.0.0.1:50051", "host:port to serve on (port 0: any)", metavar="ADDR")
     listen_unix: str | None = setting(None, "also serve on this Unix domain socket, for clients on the same machine "

@@ -91,8 +91,8 @@ class NodeCommand:
         None, "block_service host:port, or 'etcd': the leader elected in --etcd (with --etcd a fixed address is left "
               "for the leader too once one is elected)", unset="an in-process page table, for one node alone",
         metavar="ADDR|etcd")
-    etcd: str | None = setting(None, "etcd URL to register in, e.g. http://127.0.0.1:2379", unset="none, no membership",
-                               metavar="URL")
+    etcd: str | None = setting(None, "etcd URL to register in, e.g. http://127.0.0.1:2379; several members comma-"
+                               "separated", unset="none, no membership", metavar="URL[,URL...]")
     lease_ttl: int = setting(5, "etcd lease seconds", at_least=1, metavar="S")
     role: str = setting(MIXED, "mixed: prefill and decode; prefill: compute prompts and their first token, then hand "
                         "the sequence to a decode node; decode: continue handed-over sequences, and short prompts",
