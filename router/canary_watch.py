@@ -32,7 +32,10 @@ class CanaryRouting:
         return OutcomeTimer(group)
 
     def record(self, outcome: Outcome) -> None:
-        self.samples.add(outcome)
+        """Keep ``outcome`` for the comparison under way; with no split there is none (a split that
+        starts clears what came before), so nothing is kept and the rings stay empty."""
+        if self.split is not None:
+            self.samples.add(outcome)
 
     def set_split(self, split: CanarySplit | None) -> None:
         before = self.split

@@ -60,5 +60,7 @@ def test_the_split_follows_etcd_values_and_a_new_split_starts_a_new_comparison()
     assert not canary.samples.by_group
     canary.apply(SPLIT, None)
     assert canary.split is None
+    canary.record(Outcome("stable", 0, 0, None))  # no comparison under way: nothing kept (the ring stays empty)
+    assert not canary.samples.by_group
     body = canary.samples_json(["stable", "blue", "canary"])
     assert body["ready_nodes"] == {"stable": 2, "canary": 1} and body["split"] is None
