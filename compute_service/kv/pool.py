@@ -10,6 +10,8 @@ an FP8 row's scale sits at the same (block, head, offset) of ``kv_scales``. A bl
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 
 import torch
@@ -72,6 +74,20 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(kv_cache, kv_scales)``: the pool, and for FP8 its per-row scales (None otherwise)."""
     shape = (config.num_layers, 2, num_blocks, config.num_kv_heads, block_size)
-    kv_cache = torch.zeros(*shape, config.head_dim, dtype=dtype, device=device)
+    kv_cache = untouched_zeros((*shape, config.head_dim), dtype, device)
     scales = torch.ones(shape, dtype=torch.float32, device=device) if dtype == KV_TORCH_DTYPES["fp8_e4m3"] else None
     return kv_cache, scales
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take no resident memory until written: on CPU a private anonymous mapping, whose
+    pages the kernel hands out zero-filled on first touch (``torch.zeros`` writes every page at
+    once: a 1 GiB pool was 1 GiB resident before the first request). The values are the same
+    zeros, so nothing that reads a block before it is written sees anything else."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

@@ -100,16 +100,20 @@ def pack_linears(model: nn.Module, batch_hint: int, thread_counts: tuple[int, ..
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    dtype = next(model.parameters()).dtype
     try:
-        packed = [(parent, name, PackedLinear(child, batch_hint)) for parent, name, child in targets]
-        probe = torch.zeros(1, packed[0][2].in_features, dtype=next(model.parameters()).dtype)
-        packed[0][2](probe)
+        first = PackedLinear(targets[0][2], batch_hint)
+        first(torch.zeros(1, first.in_features, dtype=dtype))
     except (RuntimeError, AttributeError) as exc:
         log.warning("oneDNN linear layers unavailable (%s); using torch's default matmul", exc)
         return 0
-    for parent, name, module in packed:
-        setattr(parent, name, module)
-    layers, current = [module for _, _, module in packed], torch.get_num_threads()
+    packed = []
+    for i in range(len(targets)):  # one layer at a time: its unpacked weight goes as its packed one comes
+        (parent, name, child), targets[i] = targets[i], None
+        packed.append(first if i == 0 else PackedLinear(child, batch_hint))
+        setattr(parent, name, packed[-1])
+    del child
+    layers, current = packed, torch.get_num_threads()
     try:
         for threads in thread_counts or (current,):
             torch.set_num_threads(threads)

@@ -67,9 +67,10 @@ class _Checkpoint:
             del self.left[name]
 
     def cat(self, parts: list[Part]) -> torch.Tensor:
-        """The named tensors joined along their first dimension (one part: itself)."""
+        """The named tensors joined along their first dimension (one part: a copy of it)."""
         tensors = [self.take(name, shape) for name, shape in parts]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        # a copy either way: a view would keep the whole memory-mapped file resident (the model twice)
+        return tensors[0].clone() if len(tensors) == 1 else torch.cat(tensors)
 
     def done(self) -> None:
         if self.missing:
@@ -86,14 +87,17 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     model_dir = Path(model_dir)
     ckpt = _Checkpoint(model_dir, read_safetensors(model_dir))
     c = config
-    state = {name: ckpt.cat(parts) for name, parts in model_layout(c).items()}
+    state = {name: ckpt.cat(parts).to(device) for name, parts in model_layout(c).items()}
     if c.tie_word_embeddings:  # some tied checkpoints store the head anyway: a copy of the embedding is used up
         ckpt.take_copy("lm_head.weight", state["embed_tokens.weight"])
     ckpt.done()
 
-    with torch.device(device):
+    with torch.device("meta"):  # no storage: the checkpoint's tensors become the parameters (assign)
         model = CausalLM(c)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    if c.tie_word_embeddings:  # assigned, the embedding is a new tensor: the head shares it again
+        model.lm_head.weight = model.embed_tokens.weight
     missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:  # the mapping above and CausalLM disagree: a bug here, not the model's
         raise ModelLoadError(f"{model_dir}: parameters left unfilled {missing}, unexpected {unexpected}")
