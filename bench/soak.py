@@ -148,9 +148,13 @@ async def run(args: argparse.Namespace, cluster) -> int:
             outcomes = await load.stop()
         soak.supervise(expected_down=set())
         elapsed = time.monotonic() - started
-        problems = await checker.check_health() + await checker.check_probe()
+        # tokens are compared with the references only in float32, where a stream's tokens do not depend
+        # on what else shares its batch; in bfloat16 they may (rounding), so only statuses are checked
+        exact = tokens_checked(soak)
+        problems = await checker.check_health() + (await checker.check_probe() if exact else [])
         leak = await checker.check_no_leak()
-        problems += leak + await checker.check_durability() + violations(outcomes, book.references, soak.policies)
+        problems += leak + await checker.check_durability() + violations(outcomes, book.references if exact else {},
+                                                                         soak.policies)
         leaked_blocks, live_sequences = await checker.blocks_in_use()
         soak.sample_rss("end")
     heap = soak.heap(args.warmup_minutes * 60, started_wall)
@@ -161,12 +165,16 @@ async def run(args: argparse.Namespace, cluster) -> int:
     return 1 if problems or soak.deaths else 0
 
 
+def tokens_checked(soak: Soak) -> bool:
+    return soak.cluster.node.engine.dtype == "float32"
+
+
 def counts(soak: Soak, outcomes, elapsed: float, problems: list[str], leaked: int, live: int) -> tuple[Tally, dict]:
     tally = Tally()
     tally.add(outcomes)
     return tally, dict(
         dtype=soak.cluster.node.engine.dtype, minutes=round(elapsed / 60, 2), nodes=len(soak.cluster.nodes),
-        requests=tally.total, tokens=tally.tokens,
+        tokens_checked=tokens_checked(soak), requests=tally.total, tokens=tally.tokens,
         tokens_per_s=round(tally.tokens / elapsed, 1), per_status=dict(tally.per_status()), restarts=soak.restarts,
         node_deaths=sum(d.startswith("node-") for d in soak.deaths), process_deaths=len(soak.deaths),
         faults_injected=len(soak.policies), leaked_blocks=leaked, live_sequences=live, violations=len(problems))
@@ -216,6 +224,8 @@ def main() -> int:
     parser.add_argument("--faults", default="", help=f"comma-separated, in turn: {','.join(FAULTS)}")
     parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+                        help="the nodes' compute dtype (auto: the engine's default here); default float32")
     parser.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
     add_smoke_flag(parser)
     args = parser.parse_args()
@@ -232,7 +242,7 @@ def main() -> int:
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="kvfleet-soak-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(probe_env(work_dir / "mem", args.rss_interval_s))  # the nodes inherit it
-    cluster = chaos.start_cluster(ensure_model("tiny", SOAK_MODEL), work_dir)
+    cluster = chaos.start_cluster(ensure_model("tiny", SOAK_MODEL), work_dir, dtype=args.dtype)
     print(f"cluster up; logs in {work_dir}", flush=True)
     try:
         return asyncio.run(run(args, cluster))

@@ -50,12 +50,13 @@ ETCD_DOWN = FaultPolicy("etcd down", "membership may lapse for new requests; str
                         excused=frozenset({"UNAVAILABLE"}))
 
 
-def start_cluster(model_dir, work_dir, num_nodes: int = 2, **kw) -> LocalCluster:
-    """``kw``: LocalCluster's own (roles, router_args)."""
+def start_cluster(model_dir, work_dir, num_nodes: int = 2, dtype: str = "float32", **kw) -> LocalCluster:
+    """``kw``: LocalCluster's own (roles, router_args); the nodes compute in ``dtype`` (float32: the
+    suite's references are exact there; the soak measures bfloat16 too)."""
     tenants = work_dir / "tenants.yaml"
     tenants.write_text(TENANTS)
     cluster = LocalCluster(model_dir, num_nodes, tenants_file=tenants, work_dir=work_dir, block_size=BLOCK_SIZE,
-                           kv_cache_memory=KV_CACHE_MEMORY, dtype="float32",
+                           kv_cache_memory=KV_CACHE_MEMORY, dtype=dtype,
                            compute_args=("--lease-ttl", str(LEASE_TTL_S)), **kw)
     return cluster.start()
 
