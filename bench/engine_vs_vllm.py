@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.chat_prompts import QUESTIONS  # noqa: E402
-from bench.common import BENCH_MODEL, add_smoke_flag, peak_rss_mib, seeded_prompts  # noqa: E402
+from bench.common import BENCH_MODEL, add_smoke_flag, seeded_prompts  # noqa: E402
+from bench.tree_memory import TreeMemory  # noqa: E402
 
 FULL = dict(requests=32, min_len=32, max_len=1024, new_tokens=128)
 QUICK = dict(requests=32, min_len=32, max_len=256, new_tokens=32)
@@ -58,28 +59,18 @@ def run_vllm(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model), dtype=dtype, block_size=BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
-              max_num_seqs=MAX_SEQS, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)
-    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])],
-                 SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
-    elapsed = time.perf_counter() - started
+    with TreeMemory() as memory:  # its engine core and worker are child processes: the tree, sampled
+        llm = LLM(model=str(model), dtype=dtype, block_size=BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
+                  max_num_seqs=MAX_SEQS, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)
+        greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])],
+                     SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
+        started = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+        elapsed = time.perf_counter() - started
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
-    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=_tree_peak_rss_mib(),
-                outputs=outputs)
-
-
-def _tree_peak_rss_mib() -> float:
-    """Peak resident memory of this process and its waited-for children: vLLM's engine core is a
-    child process, and it holds the weights and the KV cache."""
-    import resource
-
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return (own + children) / 1024
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, **memory.figures(), outputs=outputs)
 
 
 def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
@@ -90,15 +81,17 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
 
-    engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_GIB << 30, max_num_seqs=MAX_SEQS,
-                                           max_num_batched_tokens=TOKEN_BUDGET, dtype=dtype, device=DEVICE))
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up
-    started = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - started
+    with TreeMemory() as memory:  # measured as vLLM's side is
+        engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_GIB << 30,
+                                               max_num_seqs=MAX_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
+                                               dtype=dtype, device=DEVICE))
+        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up
+        started = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - started
     outputs = [list(o.new_token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
-    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, peak_rss_mib=peak_rss_mib(),
+    return dict(seconds=elapsed, tokens=tokens, tokens_per_s=tokens / elapsed, **memory.figures(),
                 outputs=outputs, threads=torch.get_num_threads(), thread_probes=_thread_probes(engine))
 
 
@@ -206,7 +199,10 @@ def compare(args, flags: list[str], model: Path, prompts: list[list[int]], shape
     result = dict(
         **named, shape=shape, ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
         kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1), vllm_tokens_per_s=round(theirs["tokens_per_s"], 1),
-        kvfleet_peak_rss_mib=round(ours["peak_rss_mib"]), vllm_peak_rss_mib=round(theirs["peak_rss_mib"]),
+        # resident memory of each side's process tree: the highest PSS sampled (shared pages split, a
+        # lower bound of the peak) and the sum of each process's own peak (an upper bound)
+        kvfleet_peak_pss_mib=round(ours["peak_pss_mib"]), vllm_peak_pss_mib=round(theirs["peak_pss_mib"]),
+        kvfleet_peak_hwm_sum_mib=round(ours["peak_hwm_sum_mib"]), vllm_peak_hwm_sum_mib=round(theirs["peak_hwm_sum_mib"]),
         greedy_requests_identical=same, requests=len(prompts), greedy_prefix_agreement=round(prefix, 4),
         greedy_tokens_agree=same == len(prompts), kvfleet_threads=ours["threads"],
         kvfleet_thread_probes=ours["thread_probes"],
@@ -218,9 +214,10 @@ def compare(args, flags: list[str], model: Path, prompts: list[list[int]], shape
     print(f"{shape['requests']} requests, prompts {shape['min_len']}-{shape['max_len']} tokens, {shape['new_tokens']} "
           f"new tokens each, greedy, {model.name} ({args.prompts} prompts), {args.dtype}, block {BLOCK_SIZE}, "
           f"budget {TOKEN_BUDGET}")
-    print(f"{'':10}{'tokens/s':>10}{'peak RSS MiB':>14}")
-    print(f"{'vLLM-CPU':10}{result['vllm_tokens_per_s']:>10}{result['vllm_peak_rss_mib']:>14}")
-    print(f"{'kvfleet':10}{result['kvfleet_tokens_per_s']:>10}{result['kvfleet_peak_rss_mib']:>14}")
+    print(f"{'':10}{'tokens/s':>10}{'peak PSS MiB':>14}{'sum of peaks MiB':>18}  (the process tree)")
+    for label, side in (("vLLM-CPU", "vllm"), ("kvfleet", "kvfleet")):
+        print(f"{label:10}{result[side + '_tokens_per_s']:>10}{result[side + '_peak_pss_mib']:>14}"
+              f"{result[side + '_peak_hwm_sum_mib']:>18}")
     print(f"ratio (kvfleet / vLLM): {result['ratio']}x; greedy tokens identical on {same}/{len(prompts)} requests, "
           f"{prefix:.1%} of tokens before the first difference")
     print(f"kvfleet ended on {ours['threads']} intra-op thread(s) (its probes chose, count: times: "

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import BENCH_MODEL, add_smoke_flag, seeded_prompts  # noqa: E402
 from bench.engine_vs_vllm import FULL, KV_GIB, PEERS_PYTHON, QUICK, SMOKE  # noqa: E402
+from bench.tree_memory import tree_pids  # noqa: E402
 
 MIB = 1 << 20
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
@@ -146,7 +147,8 @@ def run_kvfleet_side(model: Path, prompts: list[list[int]], new_tokens: int, dty
     cpu_linear.warm_up = timed_warm_up
     _watch_generate(LLMEngine, found, lambda engine: _kvfleet_parts(engine))
     result = run_kvfleet(model, prompts, new_tokens, dtype)
-    return {**found, "peak_rss_mib": result["peak_rss_mib"], "tokens": result["tokens"]}
+    return {**found, "peak_pss_mib": result["peak_pss_mib"], "peak_hwm_sum_mib": result["peak_hwm_sum_mib"],
+            "tokens": result["tokens"]}
 
 
 def _watch_generate(cls, found: dict, read) -> None:
@@ -168,22 +170,9 @@ def _watch_generate(cls, found: dict, read) -> None:
 
 # -- vLLM's side ----------------------------------------------------------------------------------
 
-def _tree(pid: int) -> list[int]:
-    pids, i = [pid], 0
-    while i < len(pids):
-        for task in os.listdir(f"/proc/{pids[i]}/task"):
-            try:
-                with open(f"/proc/{pids[i]}/task/{task}/children") as f:
-                    pids += [int(p) for p in f.read().split()]
-            except OSError:
-                pass
-        i += 1
-    return pids
-
-
 def _tree_parts(_llm=None) -> dict:
     procs = {}
-    for pid in _tree(os.getpid()):
+    for pid in tree_pids(os.getpid()):
         try:
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()
@@ -202,7 +191,8 @@ def run_vllm_side(model: Path, prompts: list[list[int]], new_tokens: int, dtype:
     found: dict = {"imports_mib": status_mib()["rss_mib"]}
     _watch_generate(LLM, found, _tree_parts)
     result = run_vllm(model, prompts, new_tokens, dtype)
-    return {**found, "engine_vs_vllm_peak_rss_mib": result["peak_rss_mib"], "tokens": result["tokens"]}
+    return {**found, "peak_pss_mib": result["peak_pss_mib"], "peak_hwm_sum_mib": result["peak_hwm_sum_mib"],
+            "tokens": result["tokens"]}
 
 
 # -- the two processes and the table --------------------------------------------------------------
@@ -253,7 +243,7 @@ def print_table(result: dict) -> None:
         print(f"{name:46}{rest:>10}{proc['hwm_mib']:>10}"
               f"{proc['largest_anon_mib']:>12} ({proc['largest_anon_rss_mib']})")
     print(f"vLLM tree: at rest {theirs['rest']['rss_mib']} MiB, peak (sum of each process's VmHWM) "
-          f"{theirs['peak']['hwm_mib']} MiB; engine_vs_vllm.py's figure {theirs['engine_vs_vllm_peak_rss_mib']} MiB")
+          f"{theirs['peak']['hwm_mib']} MiB; highest tree PSS sampled {theirs['peak_pss_mib']} MiB")
     print(f"weights of the checkpoint at {result['dtype']}: {result['checkpoint_weights_mib']} MiB")
 
 
