@@ -8,32 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_cli.model_maker import make_model
-from kvfleet_cli.partition import scenarios
-from kvfleet_cli.partition.bed_cluster import BED_TENANTS
-from kvfleet_cli.partition.netns import why_unavailable
 from kvfleet_cli.partition.scenarios import ETCD_MEMBER_SCENARIOS, MAX_TOKENS, run_scenario
+from tests.partition.beds import started_bed
 from tests.partition.test_partitions import CLEAN, _evidence
 
 
 @pytest.fixture(scope="module")
 def bed_cluster(tmp_path_factory):
     """(a started BedCluster with three etcd members, its prompts, their fault-free tokens)."""
-    reason = why_unavailable()
-    if reason:
-        pytest.skip(f"no partition bed here: {reason}")
-    from kvfleet_cli.partition.bed_cluster import BedCluster
-    from kvfleet_cli.partition.history import StreamClients
-
-    work = tmp_path_factory.mktemp("partition-etcd3")
-    (work / "tenants.yaml").write_text(BED_TENANTS)
-    cluster = BedCluster(make_model(work / "tiny", "tiny", seed=11), work / "cluster", work / "tenants.yaml",
-                         lease_ttl_s=3, etcd_members=3).start()
-    try:
-        prompt_list = scenarios.prompts()
-        yield cluster, prompt_list, StreamClients(cluster.router_address, prompt_list, MAX_TOKENS).reference()
-    finally:
-        cluster.stop()
+    yield from started_bed(tmp_path_factory, "partition-etcd3", etcd_members=3)
 
 
 def test_the_etcd_member_everyone_talks_to_is_cut_off(bed_cluster, tmp_path):
