@@ -19,6 +19,8 @@ TTL per leadership change):
 
 Every run's history (each write, stream and quota sample, with times) is saved as JSON under
 ``--history-dir`` (default: the run's work directory), and each violation comes with its records.
+The scenarios of a three-member etcd (``ETCD_MEMBER_SCENARIOS``: one member cut off) run on a bed of
+their own, started after the one-member bed's scenarios.
 """
 
 from __future__ import annotations
@@ -46,13 +48,39 @@ def _line(name: str, r: dict) -> str:
             f"{r['streams']} streams, {r['failed_streams']} failed{', exited ' + str(r['exited']) if r['exited'] else ''})")
 
 
+def _run_bed(args, model: Path, work: Path, etcd_members: int, chosen: list, max_tokens: int, soak_s: float,
+             history_dir: Path) -> dict[str, dict]:
+    """Each of ``chosen`` (``--repeat`` times) on one bed whose etcd has ``etcd_members`` members."""
+    from kvfleet_cli.partition import scenarios
+    from kvfleet_cli.partition.bed_cluster import BedCluster
+    from kvfleet_cli.partition.history import StreamClients
+
+    results: dict[str, dict] = {}
+    with BedCluster(model, work / f"cluster-etcd{etcd_members}", work / "tenants.yaml", lease_ttl_s=args.lease_ttl,
+                    etcd_members=etcd_members) as cluster:
+        prompt_list = scenarios.prompts()
+        reference = StreamClients(cluster.router_address, prompt_list, max_tokens).reference()
+        for scenario in chosen:
+            for k in range(args.repeat):
+                key = scenario.name if args.repeat == 1 else f"{scenario.name}#{k}"
+                results[key] = scenarios.run_scenario(cluster, scenario, reference, prompt_list, max_tokens,
+                                                      soak_s=soak_s, history_dir=history_dir)
+                if not args.json:
+                    print(_line(key, results[key]), flush=True)
+                    for kind, found in results[key]["violations"].items():
+                        for v in found:
+                            print(f"    {kind}: {json.dumps(v)}", flush=True)
+    return results
+
+
 def main() -> int:
     from kvfleet_cli.partition import checker, netns, scenarios
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 30 s soak instead of 5 minutes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--scenario", action="append", choices=sorted(scenarios.SCENARIOS), help="only these")
+    every = {**scenarios.SCENARIOS, **scenarios.ETCD_MEMBER_SCENARIOS}
+    parser.add_argument("--scenario", action="append", choices=sorted(every), help="only these")
     parser.add_argument("--repeat", type=int, default=1, help="run each scenario N times (results NAME#k)")
     parser.add_argument("--history-dir", type=Path, default=None, help="save each run's history here as JSON")
     parser.add_argument("--lease-ttl", type=int, default=3, help="the block_service leader lease (default 3 s)")
@@ -60,7 +88,7 @@ def main() -> int:
     add_smoke_flag(parser)
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick or args.smoke else FULL)
-    names = args.scenario or (SMOKE_SCENARIOS if args.smoke else list(scenarios.SCENARIOS))
+    names = args.scenario or (SMOKE_SCENARIOS if args.smoke else list(every))
     soak_s = args.soak_s if args.soak_s is not None else cfg["soak_s"]
     reason = netns.why_unavailable()
     if reason:
@@ -70,30 +98,21 @@ def main() -> int:
         print(f"partitions: cannot make network namespaces here: {reason}", file=sys.stderr)
         return 2
     model = ensure_model("tiny", ROOT / "models" / "soak-tiny")
-    from kvfleet_cli.partition.bed_cluster import BED_TENANTS, BedCluster
-    from kvfleet_cli.partition.history import StreamClients
+    from kvfleet_cli.partition.bed_cluster import BED_TENANTS
 
     work = Path(tempfile.mkdtemp(prefix="kvfleet-partitions-"))
     history_dir = args.history_dir or work / "histories"
     (work / "tenants.yaml").write_text(BED_TENANTS)
     results: dict[str, dict] = {}
     started = time.monotonic()
-    with BedCluster(model, work / "cluster", work / "tenants.yaml", lease_ttl_s=args.lease_ttl) as cluster:
-        prompt_list = scenarios.prompts()
-        reference = StreamClients(cluster.router_address, prompt_list, cfg["max_tokens"]).reference()
-        for name in names:
-            for k in range(args.repeat):
-                key = name if args.repeat == 1 else f"{name}#{k}"
-                results[key] = scenarios.run_scenario(cluster, scenarios.SCENARIOS[name], reference, prompt_list,
-                                                      cfg["max_tokens"], soak_s=soak_s, history_dir=history_dir)
-                if not args.json:
-                    print(_line(key, results[key]), flush=True)
-                    for kind, found in results[key]["violations"].items():
-                        for v in found:
-                            print(f"    {kind}: {json.dumps(v)}", flush=True)
+    for members, table in ((1, scenarios.SCENARIOS), (3, scenarios.ETCD_MEMBER_SCENARIOS)):
+        on_this_bed = [n for n in names if n in table]
+        if on_this_bed:
+            results |= _run_bed(args, model, work, members, [table[n] for n in on_this_bed], cfg["max_tokens"],
+                                soak_s, history_dir)
     out = {**checker.totals(results), "scenarios": results, "lease_ttl_s": args.lease_ttl, "soak_s": soak_s,
            "delay": "tc netem" if netns.has_netem() else "none (no sch_netem in this kernel)",
-           "wall_s": round(time.monotonic() - started, 1), "logs": str(work / "cluster"),
+           "wall_s": round(time.monotonic() - started, 1), "logs": str(work),
            "histories": str(history_dir)}
     if args.json:
         print(json.dumps(out))
