@@ -144,10 +144,11 @@ class PageTable:
         return replace(seq, block_ids=list(seq.block_ids))
 
     def num_available(self, node_id: str, tenant: str | None = None) -> int:
-        """Blocks an allocation could take now (for ``tenant``: less what others have reserved)."""
+        """Blocks an allocation could take now (for ``tenant``: less what others have reserved, and
+        none when their reservations exceed what is available)."""
         node = self._node(node_id)
         avail = node.pool.num_available()
-        return avail - node.ledger.reserved_for_others(tenant) if tenant else avail
+        return max(avail - node.ledger.reserved_for_others(tenant), 0) if tenant else avail
 
     # ---- sequences -----------------------------------------------------------------------------
 
