@@ -26,7 +26,8 @@ from compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
-HELPERS = {"__init__", "chat_prompts", "common", "disagg_client", "disagg_sweep", "prose_corpus", "tree_memory"}  # imported, not run
+# imported, not run
+HELPERS = {"__init__", "chat_prompts", "common", "disagg_client", "disagg_sweep", "prose_corpus", "tree_memory"}
 NOT_HERE = {"partitions": "issue 34's partition bed, smoke-tested with tests/partition"}
 BENCHMARKS = sorted(p.stem for p in BENCH.glob("*.py")
                     if p.stem not in HELPERS | NOT_HERE.keys() and not p.stem.startswith("gpu_"))
