@@ -55,15 +55,30 @@ def load_extension() -> bool:
 
 
 def _load_or_build(name: str, flags: list[str]) -> None:
-    """Load the cached library, else build it in a directory of this process's own and move the
-    result into the cache in one rename. No lock is shared: torch's own build lock is a file that a
-    process killed mid-build (a node stopped while it started) leaves behind, and every later load
-    would wait on it forever. Two processes building at once both build, and the last rename wins
-    (the same bytes)."""
+    """Load the cached library, else build it once for every process that wants it now: the builder
+    holds an ``flock`` on the build's lock file, and the others wait on it and then load what it
+    built (two nodes of ``kvfleet up`` starting on a new machine compile once, not twice on the same
+    cores). The kernel drops an ``flock`` when its process dies, so a process killed mid-build
+    leaves nothing to wait on forever (torch's own lock file would). The build runs in a directory
+    of the process's own and moves into the cache in one rename."""
     library = library_path(name, flags)
     if os.path.exists(library):
         torch.ops.load_library(library)
         return
+    import fcntl
+
+    os.makedirs(os.path.dirname(library), exist_ok=True)
+    with open(os.path.dirname(library) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released at close, or by the kernel when this process dies
+        if os.path.exists(library):  # built by another process while this one waited
+            torch.ops.load_library(library)
+            return
+        log.warning("building the native CPU kernels for this CPU (once per machine; ~30 s on 2 cores)")
+        _build(name, flags, library)  # cpp_extension.load has loaded it into this process
+
+
+def _build(name: str, flags: list[str], library: str) -> None:
+    """Compile in a private directory and move the library into the cache in one rename."""
     import shutil
     import tempfile
 
@@ -82,7 +97,6 @@ def _load_or_build(name: str, flags: list[str]) -> None:
             is_python_module=False,
             verbose=False,
         )
-        os.makedirs(os.path.dirname(library), exist_ok=True)
         os.replace(built, library)
     finally:
         shutil.rmtree(private, ignore_errors=True)
