@@ -70,6 +70,7 @@ class ThreadGovernor:
         self.current = self.candidates[0]
         self.chosen = Counter()  # count -> how many probes chose it
         self._last_probe: float | None = None
+        self._pending: int | None = None  # a probe's answer that another must confirm before it moves the count
 
     @property
     def adaptive(self) -> bool:
@@ -78,18 +79,34 @@ class ThreadGovernor:
     def due(self, now: float) -> bool:
         if not self.adaptive:
             return False
+        if self._pending is not None:  # the confirming probe: at the next step
+            return True
         if self._last_probe is None:  # the clock starts at the first step
             self._last_probe = now - self.interval_s + self.first_probe_s
         interval = self.interval_more_s if self.current == self.candidates[-1] else self.interval_s
         return now - self._last_probe >= interval * self._backoff
 
     def decide(self, seconds: Mapping[int, float], now: float) -> int:
-        """The count to run with after a probe that took ``seconds[count]`` at each candidate."""
+        """The count to run with after a probe that took ``seconds[count]`` at each candidate. A
+        probe that answers another count than the current one moves it only when the next probe,
+        made at the next step (``due``), answers the same: one probe slowed by a moment of the
+        host's noise (seen on a quiet 2-vCPU VM: 1 probe in 10 had two threads at 0.84x one
+        thread's speed against 1.8x in the others) would otherwise halve the engine's speed until
+        the next probe, seconds later; a neighbour that holds a CPU slows both probes. The first
+        probe moves it at once: a burst's first step is its longest (prefill)."""
         fewer, more = self.candidates
         needed = self.speedup_keep if self.current == more else self.speedup_up
-        chosen = more if seconds[more] * needed <= seconds[fewer] else fewer
-        self._backoff = min(self._backoff * 2, MAX_BACKOFF) if chosen == self.current else 1
-        self.current = chosen
+        answer = more if seconds[more] * needed <= seconds[fewer] else fewer
+        first = not self.chosen
         self._last_probe = now
-        self.chosen[self.current] += 1
+        self.chosen[answer] += 1
+        if first and answer != self.current:
+            self.current = answer
+        elif answer == self.current:
+            self._pending = None
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+        elif self._pending == answer:
+            self._pending, self.current, self._backoff = None, answer, 1
+        else:
+            self._pending = answer
         return self.current

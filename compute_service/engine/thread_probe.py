@@ -11,6 +11,7 @@ to 4x that while they keep the count (under 1 % of the engine's time in bfloat16
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 
@@ -22,13 +23,18 @@ from compute_service.engine.thread_governor import ThreadGovernor
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = 64   # a decode batch's rows; a row count the packed layers were warmed up for
-ROUNDS, CALLS = 3, 4  # rounds alternate the counts; each round times CALLS calls at a count
+ROUNDS, CALLS = 3, 4  # rounds alternate the counts; each round times CALLS calls at a count, at least
+MIN_PROBE_S = 0.02    # ...and as many more as make the fewer count's share this long: SmolLM2's MLP
+#                       (576 x 3,072) takes 0.57 ms a call in bfloat16, so 12 calls were 7 ms, and a
+#                       moment of a VM's noise flipped the answer
+MAX_CALLS = 64
 
 
 class ThreadProbe:
     def __init__(self, model: nn.Module, dtype: torch.dtype, governor: ThreadGovernor):
         """``dtype``: the model's activations'; the probe feeds its layer rows of it."""
         self.governor = governor
+        self.calls = CALLS  # per round; grown after the first probe to last MIN_PROBE_S (calls_for)
         self._layer = _widest_linear(model, dtype) if governor.adaptive else None
         torch.set_num_threads(governor.current)
 
@@ -53,9 +59,10 @@ class ThreadProbe:
                 for threads in seconds:
                     torch.set_num_threads(threads)
                     started = time.perf_counter()
-                    for _ in range(CALLS):
+                    for _ in range(self.calls):
                         layer(x)
                     seconds[threads] += time.perf_counter() - started
+        self.calls = calls_for(seconds[self.governor.candidates[0]] / (ROUNDS * self.calls))
         # compared by the total, not the median call: a neighbour that holds a CPU stalls some of
         # the calls at the larger count, and the stalls are what it costs (by the median, two
         # threads won under a busy neighbour and then ran at 0.7x one thread's speed)
@@ -80,3 +87,9 @@ def _widest_linear(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, tor
     candidates = [m for m in linears if shapes[m.in_features, m.out_features] > 1] or linears
     module = max(candidates, key=lambda m: m.in_features * m.out_features)
     return module, torch.zeros(PROBE_ROWS, module.in_features, dtype=dtype)
+
+
+def calls_for(seconds_per_call: float) -> int:
+    """Calls per round that make a probe's rounds at the fewer count last ``MIN_PROBE_S``."""
+    wanted = MIN_PROBE_S / (ROUNDS * max(seconds_per_call, 1e-6))
+    return max(CALLS, min(MAX_CALLS, math.ceil(wanted)))

@@ -90,4 +90,6 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

@@ -20,6 +20,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <optional>
 
 namespace {
@@ -72,6 +74,52 @@ inline void turn(const T* x, const T* c, const T* s, T* out, int64_t half) {
     const T hi = b * c[i + half] + a * s[i + half];
     out[i] = lo;
     out[i + half] = hi;
+  }
+}
+
+// bfloat16 rounded to nearest even from a float, as c10::BFloat16's constructor rounds (NaN: quiet
+// NaN), but in plain 32-bit integer steps the compiler vectorises: the generic ``turn`` on
+// c10::BFloat16 rounds one scalar at a time, 51 us a decode step of 16 rows on SmolLM2 (10 % of
+// the step) against 5 us in float32.
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return std::isnan(f) ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+
+constexpr int64_t kMaxHeadDim = 512;
+
+// The same products and sums as the generic ``turn``, each rounded to bfloat16 where it is
+// (bit for bit), computed over float copies of the row (``out`` may be ``x``).
+template <>
+inline void turn<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
+                                c10::BFloat16* out, int64_t half) {
+  if (2 * half > kMaxHeadDim) {
+    for (int64_t i = 0; i < half; ++i) {
+      const c10::BFloat16 a = x[i], b = x[i + half];
+      out[i] = a * c[i] + (-b) * s[i];
+      out[i + half] = b * c[i + half] + a * s[i + half];
+    }
+    return;
+  }
+  float xf[kMaxHeadDim], cf[kMaxHeadDim], sf[kMaxHeadDim], of[kMaxHeadDim];
+  for (int64_t i = 0; i < 2 * half; ++i) {
+    xf[i] = static_cast<float>(x[i]);
+    cf[i] = static_cast<float>(c[i]);
+    sf[i] = static_cast<float>(s[i]);
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = xf[i], b = xf[i + half];
+    of[i] = round_bf16(round_bf16(a * cf[i]) + round_bf16(-b * sf[i]));
+    of[i + half] = round_bf16(round_bf16(b * cf[i + half]) + round_bf16(a * sf[i + half]));
+  }
+  for (int64_t i = 0; i < 2 * half; ++i) {  // already rounded: the upper 16 bits are the bfloat16
+    uint32_t u;
+    std::memcpy(&u, &of[i], sizeof u);
+    out[i] = c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
   }
 }
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from compute_service.engine.thread_governor import ThreadGovernor
-from compute_service.engine.thread_probe import ThreadProbe
+from compute_service.engine.thread_probe import CALLS, MAX_CALLS, ThreadProbe, calls_for
 
 
 class _Refusing(nn.Linear):
@@ -26,6 +26,7 @@ def test_the_probe_times_both_counts_and_sets_the_chosen_one():
         probe.maybe_probe()
         assert sum(probe.governor.chosen.values()) == 1
         assert torch.get_num_threads() == probe.governor.current
+        assert CALLS <= probe.calls <= MAX_CALLS  # sized from the first probe's calls to last MIN_PROBE_S
         probe.maybe_probe()  # not due again so soon
         assert sum(probe.governor.chosen.values()) == 1
     finally:
@@ -43,3 +44,9 @@ def test_a_failing_probe_turns_probing_off_and_keeps_the_count(caplog):
         probe.maybe_probe()  # off: nothing happens
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_probe_lasts_long_enough_for_a_moments_noise_not_to_decide():
+    assert calls_for(0.57e-3) == 12  # SmolLM2's MLP in bfloat16: 3 rounds of 12 calls, 20 ms at one thread
+    assert calls_for(10e-3) == CALLS  # a wide layer: the fewest calls
+    assert calls_for(1e-9) == MAX_CALLS  # a tiny one: no more than the most
