@@ -129,10 +129,14 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=BENCH_MODEL, help="model directory (default: %(default)s)")
     parser.add_argument("--prompts", choices=["seeded", "chat"], default="seeded",
                         help="seeded token prompts, or real questions in the model's chat template")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of runs (vLLM then kvfleet), the median pair's ratio reported (default 1)")
     parser.add_argument("--side", choices=["kvfleet", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", type=Path, help=argparse.SUPPRESS)
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     shape = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     model = args.model.resolve()
@@ -190,15 +194,22 @@ def compare(args, flags: list[str], model: Path, prompts: list[list[int]], shape
         print(json.dumps(dict(**named, shape=shape, ratio=None, vllm_skipped=reason,
                               kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1))))
         return 0
-    # a shared host's load moves each side's figure: the 1-minute load average as each side starts
-    load_vllm = os.getloadavg()[0]
-    theirs = _side(PEERS_PYTHON, flags + ["--side", "vllm"])
-    load_kvfleet = os.getloadavg()[0]
-    ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
+    # a shared host's load moves each side's figure: the 1-minute load average as each side starts;
+    # and a VM's speed drifts by tens of percent over minutes (both sides together): with --rounds,
+    # pairs run back to back (vLLM, kvfleet, vLLM, ...) and the ratio is the median pair's
+    pairs = []
+    for _ in range(args.rounds):
+        load_vllm = os.getloadavg()[0]
+        theirs = _side(PEERS_PYTHON, flags + ["--side", "vllm"])
+        load_kvfleet = os.getloadavg()[0]
+        ours = _side(Path(sys.executable), flags + ["--side", "kvfleet"])
+        pairs.append((ours["tokens_per_s"] / theirs["tokens_per_s"], ours, theirs, load_vllm, load_kvfleet))
+    ratio, ours, theirs, load_vllm, load_kvfleet = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
     same, prefix = agreement(ours["outputs"], theirs["outputs"])
     result = dict(
-        **named, shape=shape, ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
+        **named, shape=shape, ratio=round(ratio, 2),
         kvfleet_tokens_per_s=round(ours["tokens_per_s"], 1), vllm_tokens_per_s=round(theirs["tokens_per_s"], 1),
+        ratios=[round(p[0], 2) for p in pairs],
         # resident memory of each side's process tree: the highest PSS sampled (shared pages split, a
         # lower bound of the peak) and the sum of each process's own peak (an upper bound)
         kvfleet_peak_pss_mib=round(ours["peak_pss_mib"]), vllm_peak_pss_mib=round(theirs["peak_pss_mib"]),
@@ -218,7 +229,8 @@ def compare(args, flags: list[str], model: Path, prompts: list[list[int]], shape
     for label, side in (("vLLM-CPU", "vllm"), ("kvfleet", "kvfleet")):
         print(f"{label:10}{result[side + '_tokens_per_s']:>10}{result[side + '_peak_pss_mib']:>14}"
               f"{result[side + '_peak_hwm_sum_mib']:>18}")
-    print(f"ratio (kvfleet / vLLM): {result['ratio']}x; greedy tokens identical on {same}/{len(prompts)} requests, "
+    print(f"ratio (kvfleet / vLLM): {result['ratio']}x (the median of {result['ratios']}); "
+          f"greedy tokens identical on {same}/{len(prompts)} requests, "
           f"{prefix:.1%} of tokens before the first difference")
     print(f"kvfleet ended on {ours['threads']} intra-op thread(s) (its probes chose, count: times: "
           f"{ours['thread_probes']}); load average as each side started: vLLM "
