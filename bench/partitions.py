@@ -1,8 +1,8 @@
 """Partitions, not crashes: a cluster with each service in its own network namespace (etcd, two
 block_service replicas, two nodes, the router), links cut, cut one way or made lossy while clients
 record every acknowledged page-table change and every streamed token; then the heal and the checker
-(``kvfleet_cli.partition``). As root (``ip netns``, ``iptables``; ``tc netem`` for delay where the
-kernel has it).
+(``kvfleet_cli.partition``). As root (``ip netns``, ``iptables``). The lossy soak's delay is ``tc netem``
+where the kernel has it, else a userspace TCP delay proxy per namespace (JSON ``delay_mechanism``).
 
 Per scenario, and summed at the top level (goal: every total 0 but ``unavailable_s``, near one lease
 TTL per leadership change):
@@ -111,7 +111,7 @@ def main() -> int:
             results |= _run_bed(args, model, work, members, [table[n] for n in on_this_bed], cfg["max_tokens"],
                                 soak_s, history_dir)
     out = {**checker.totals(results), "scenarios": results, "lease_ttl_s": args.lease_ttl, "soak_s": soak_s,
-           "delay": "tc netem" if netns.has_netem() else "none (no sch_netem in this kernel)",
+           "delay_mechanism": netns.delay_mechanism(),
            "wall_s": round(time.monotonic() - started, 1), "logs": str(work),
            "histories": str(history_dir)}
     if args.json:

@@ -12,21 +12,31 @@ Every name starts with ``kvp<pid>``: ``sweep()`` removes what a dead run left be
 
 Faults, each inside a service's own namespace: ``cut(a, b)`` drops a's packets to b and b's to a
 (``one_way=True``: only a → b); ``loss(a, b, pct)`` drops a share of a's packets at random (iptables
-``statistic``); ``delay(a, ms, jitter)`` delays a's outgoing packets (``tc netem``; a kernel without
-``sch_netem`` answers ``BedUnavailable``); ``heal()`` removes every fault.
+``statistic``); ``delay(a, ms, jitter)`` delays what a sends: its packets (``tc netem``) where the
+kernel has ``sch_netem``, else its TCP bytes (``delay_proxy``: iptables ``nat`` rules hand every bed
+connection that a's ``eth0`` carries, dialled out or in, to a proxy in a's namespace that delays the
+bytes a sends); ``heal()`` removes every fault (the proxies stop accepting and stop delaying, and
+exit once the connections they carry close).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import sys
+import zlib
 from collections.abc import Iterable
+
+from kvfleet import parent_death
+from kvfleet_cli.partition import delay_proxy
 
 PREFIX = "kvp"
 SUBNET = "10.213"
+PROXY_PORT = 15999  # the delay proxy's, in each delayed namespace (no service listens there)
 
 
 class BedUnavailable(RuntimeError):
@@ -59,6 +69,7 @@ def why_unavailable() -> str | None:
     return None
 
 
+@functools.cache
 def has_netem() -> bool:
     """Whether this kernel delays packets (``tc netem``; some VMs' kernels have no ``sch_netem``)."""
     probe = f"{PREFIX}{os.getpid()}-netem"
@@ -69,6 +80,11 @@ def has_netem() -> bool:
                     check=False).returncode == 0
     finally:
         _run("ip", "netns", "del", probe, check=False)
+
+
+def delay_mechanism() -> str:
+    """How ``Netbed.delay`` delays here: ``"netem"`` (packets) or ``"proxy"`` (TCP bytes, ``delay_proxy``)."""
+    return "netem" if has_netem() else "proxy"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -122,6 +138,8 @@ class Netbed:
         self.ip = {name: f"{self.subnet}.{i + 2}" for i, name in enumerate(self.services)}
         self.client_ip = f"{self.subnet}.1"
         self.faults: list[str] = []  # each fault, in words, in the order injected
+        self.proxies: dict[str, subprocess.Popen] = {}  # service -> its delay proxy, accepting
+        self._draining: list[subprocess.Popen] = []     # healed proxies, carrying their last connections
         self._open = False
 
     # -- making and removing ----------------------------------------------------------------------
@@ -173,10 +191,16 @@ class Netbed:
         if not self._open:
             return
         self._open = False
+        for proxy in [*self.proxies.values(), *self._draining]:
+            proxy.kill()
         for namespace in [*self.ns.values(), self.hub]:
             _kill_inside(namespace)
             _run("ip", "netns", "del", namespace, check=False)
         _run("ip", "link", "del", f"{self.tag}ir", check=False)  # gone with the hub's end, normally
+        for proxy in [*self.proxies.values(), *self._draining]:
+            proxy.wait()
+            proxy.stdout.close()
+        self.proxies, self._draining = {}, []
         atexit.unregister(self.close)
 
     def __enter__(self) -> Netbed:
@@ -210,20 +234,54 @@ class Netbed:
             self.cut(a, b)
 
     def loss(self, a: str, b: str | None = None, pct: float = 10.0) -> None:
-        """Drop ``pct`` % of a's outgoing packets (to ``b`` only when given), at random (iptables)."""
+        """Drop ``pct`` % of a's packets out of ``eth0`` (to ``b`` only when given), at random (iptables;
+        not on ``lo``, where a delay proxy's legs run)."""
         dst = [] if b is None else ["-d", self.client_ip if b == "client" else self.ip[b]]
-        self._in(a, "iptables", "-A", "OUTPUT", *dst, "-m", "statistic", "--mode", "random",
+        self._in(a, "iptables", "-A", "OUTPUT", "-o", "eth0", *dst, "-m", "statistic", "--mode", "random",
                  "--probability", f"{pct / 100:.4f}", "-j", "DROP")
         self.faults.append(f"loss {a}{'' if b is None else ' -> ' + b} {pct}%")
 
     def delay(self, a: str, delay_ms: int, jitter_ms: int = 0) -> None:
-        """Delay a's outgoing packets by ``delay_ms`` ± ``jitter_ms`` (``tc netem``; ``BedUnavailable``
-        where the kernel has no netem, as in some VMs)."""
-        spec = ["netem", "delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
-        done = _run(*self.exec_prefix(a), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec, check=False)
-        if done.returncode != 0:
-            raise BedUnavailable(f"tc netem: {done.stderr.strip()} (this kernel has no sch_netem)")
-        self.faults.append(f"delay {a} {' '.join(spec[2:])}")
+        """Delay what a sends by ``delay_ms`` ± ``jitter_ms``: its packets (``tc netem``) where the kernel
+        has netem, else the bytes of its TCP connections in the bed (``delay_proxy``; UDP undelayed)."""
+        if delay_mechanism() == "netem":
+            spec = ["netem", "delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
+            done = _run(*self.exec_prefix(a), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec, check=False)
+            if done.returncode != 0:
+                raise BedUnavailable(f"tc netem: {done.stderr.strip()}")
+        else:
+            self._start_proxy(a, delay_ms, jitter_ms)
+        self.faults.append(f"delay {a} {delay_ms}ms" + (f" {jitter_ms}ms" if jitter_ms else ""))
+
+    def _start_proxy(self, a: str, delay_ms: int, jitter_ms: int) -> None:
+        """A delay proxy in a's namespace, accepting, then the rules that hand it a's connections."""
+        self._stop_proxy(a)
+        seed = zlib.crc32(f"{a}:{len(self.faults)}".encode())
+        argv = [sys.executable, "-m", "kvfleet_cli.partition.delay_proxy", "--listen", str(PROXY_PORT),
+                "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--seed", str(seed)]
+        proxy = subprocess.Popen([*self.exec_prefix(a), *argv], stdout=subprocess.PIPE, text=True,
+                                 env=parent_death.child_env(os.environ), start_new_session=True)
+        if proxy.stdout.readline().strip() != "listening":
+            proxy.kill()
+            proxy.wait()
+            proxy.stdout.close()
+            raise BedUnavailable(f"the delay proxy in {a} did not start (exit {proxy.returncode})")
+        self.proxies[a] = proxy
+        for rule in delay_proxy.redirect_rules(f"{self.subnet}.0/24", PROXY_PORT):
+            self._in(a, "iptables", "-t", "nat", "-A", *rule)
+
+    def _stop_proxy(self, a: str) -> None:
+        """a's redirection removed and its proxy told to drain (it answers once it no longer accepts)."""
+        proxy = self.proxies.pop(a, None)
+        if proxy is None:
+            return
+        self._in(a, "iptables", "-t", "nat", "-F")
+        proxy.terminate()
+        proxy.stdout.readline()  # "draining" (or "" where it has died)
+        self._draining.append(proxy)
+        for done in [p for p in self._draining if p.poll() is not None]:
+            done.stdout.close()
+            self._draining.remove(done)
 
     def heal(self) -> None:
         """Remove every cut, loss and delay of the bed."""
@@ -231,5 +289,6 @@ class Netbed:
             return
         for name in self.services:
             self._in(name, "iptables", "-F")
+            self._stop_proxy(name)
             _run(*self.exec_prefix(name), "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
         self.faults.append("heal")

@@ -13,8 +13,8 @@ Every scenario names its parts by role at the time it starts (the leader may be 
 - ``one_way_standby_lagging``: the same cut while the standby is stalled (SIGSTOP) from 2.4 s before
   it until after the lease lapsed: the leader acknowledges alone (out of sync) before it fences, and
   the standby must apply those records before it takes over (issue 34's double grant);
-- ``lossy``: 10 % of every service's packets dropped (and 200 ms ± jitter of delay where the kernel
-  has ``tc netem``) for the hold time: the soak.
+- ``lossy``: 10 % of every service's packets dropped and what each sends delayed 200 ms ± 100 ms
+  (``tc netem``, or ``delay_proxy`` where the kernel has no netem) for the soak time.
 
 Those run on a bed whose etcd is one member (``etcd``). ``ETCD_MEMBER_SCENARIOS`` need three
 (``BedCluster(..., etcd_members=3)``: ``etcd-0``..``etcd-2``), so they are not in ``SCENARIOS``:
@@ -37,7 +37,6 @@ from pathlib import Path
 from kvfleet_cli.partition.bed_cluster import NODES, REPLICAS, SERVICES, BedCluster
 from kvfleet_cli.partition.checker import check, history_json
 from kvfleet_cli.partition.history import PageTableClient, QuotaSampler, StreamClients
-from kvfleet_cli.partition.netns import has_netem
 
 MAX_TOKENS = 16  # each stream's greedy tokens (the tests'; the bench takes its own)
 _RUNS = itertools.count()  # each run's sequence ids are its own, also when a scenario repeats
@@ -91,11 +90,9 @@ def _one_way_standby_lagging(c: BedCluster, leader: str, standby: str) -> None:
 
 
 def _lossy(c: BedCluster, leader: str, standby: str) -> None:
-    netem = has_netem()
     for s in SERVICES:
         c.bed.loss(s, None, 10.0)
-        if netem:
-            c.bed.delay(s, 200, 100)
+        c.bed.delay(s, 200, 100)  # tc netem, or the delay proxy where the kernel has no netem
 
 
 def _etcd_member_cut_off(c: BedCluster, leader: str, standby: str) -> None:

@@ -1,9 +1,11 @@
 """The partition bed's namespaces and faults, on their own (no kvfleet service): services reach each
-other over the bridge, a cut drops both ways, a one-way cut only one, loss drops a share, the heal
-restores all; and the bed is gone afterwards even when the code inside failed, its processes too."""
+other over the bridge, a cut drops both ways, a one-way cut only one, loss drops a share, a delay
+(netem or the delay proxy) holds each round trip at least its configured minimum, the heal restores
+all; and the bed is gone afterwards even when the code inside failed, its processes too."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -73,3 +75,44 @@ def test_sweep_removes_what_a_dead_run_left():
         assert left not in _ours()
     finally:
         subprocess.run(["ip", "netns", "del", left], capture_output=True)
+
+
+ECHO = ("import socket,sys; s=socket.create_server((sys.argv[1],9001)); print('up',flush=True)\n"
+        "while True:\n c,_=s.accept()\n while d:=c.recv(64): c.sendall(d)\n c.close()")
+PING = ("import socket,sys,time,json; c=socket.create_connection((sys.argv[1],9001),timeout=30); rtts=[]\n"
+        "for _ in range(int(sys.argv[2])):\n t=time.monotonic(); c.sendall(b'p'); assert c.recv(1)==b'p'; "
+        "rtts.append(time.monotonic()-t)\nc.close(); print(json.dumps(rtts))")
+
+
+def round_trips(bed: netns.Netbed, src: str, dst: str, count: int = 5) -> list[float]:
+    """Seconds of ``count`` one-byte TCP round trips from ``src`` to an echo in ``dst``."""
+    done = subprocess.run([*bed.exec_prefix(src), sys.executable, "-c", PING, bed.ip[dst], str(count)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+def test_delay_delays_each_way_and_the_heal_removes_it():
+    with netns.Netbed(["a", "b"]) as bed:
+        echo = subprocess.Popen([*bed.exec_prefix("b"), sys.executable, "-c", ECHO, bed.ip["b"]],
+                                stdout=subprocess.PIPE, text=True)
+        assert echo.stdout.readline().strip() == "up"
+        bed.delay("a", 200, 100)
+        bed.delay("b", 200, 100)
+        proxies = list(bed.proxies.values())
+        rtts = round_trips(bed, "a", "b")
+        # a's request and b's reply, each delayed 200 ± 100 ms: no round trip under 2 × 100 ms
+        assert len(rtts) == 5 and min(rtts) >= 2 * (0.200 - 0.100), rtts
+        bed.heal()
+        assert bed.faults == ["delay a 200ms 100ms", "delay b 200ms 100ms", "heal"]
+        for name in ("a", "b"):
+            nat = subprocess.run([*bed.exec_prefix(name), "iptables", "-t", "nat", "-S"], capture_output=True,
+                                 text=True, check=True).stdout
+            qdisc = subprocess.run([*bed.exec_prefix(name), "tc", "qdisc", "show", "dev", "eth0"],
+                                   capture_output=True, text=True, check=True).stdout
+            assert "REDIRECT" not in nat and "netem" not in qdisc, (nat, qdisc)
+        assert not bed.proxies
+        for proxy in proxies:  # the ping's connection has closed: the drained proxies have exited
+            assert proxy.wait(timeout=30) == 0
+        assert len(round_trips(bed, "a", "b", count=3)) == 3  # and the link works, undelayed
+        echo.kill()
+        echo.wait()
