@@ -23,27 +23,62 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <vector>
 
 namespace {
+
+// bfloat16 rounded to nearest even from a float, as c10::BFloat16's constructor rounds (NaN: quiet
+// NaN), but in plain 32-bit integer steps the compiler vectorises: c10::BFloat16's own operators
+// round one scalar at a time (RoPE + store of 16 decode rows on SmolLM2: 69 us against 13 us so;
+// a prefill chunk's residual + norm, 2,048 x 768, ~7x float32's time).
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return std::isnan(f) ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+
+// A float rounded to T's precision, kept as a float: what an op of torch's on T tensors gives.
+template <typename T>
+inline float round_to(float f) { return static_cast<float>(static_cast<T>(f)); }
+template <>
+inline float round_to<float>(float f) { return f; }
+template <>
+inline float round_to<c10::BFloat16>(float f) { return round_bf16(f); }
+
+// Stores a float already rounded to T's precision (``round_to<T>``).
+template <typename T>
+inline T from_rounded(float f) { return static_cast<T>(f); }
+template <>
+inline c10::BFloat16 from_rounded<c10::BFloat16>(float f) {  // exact: the upper 16 bits are the value
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
 
 template <typename T>
 void rms_rows(T* x, const T* h, int64_t x_stride, int64_t h_stride, const T* w, T* out, int64_t rows,
               int64_t width, double eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * x_stride;
       if (h != nullptr) {
         const T* hr = h + r * h_stride;
-        for (int64_t i = 0; i < width; ++i) xr[i] = xr[i] + hr[i];  // rounded to T, as torch's add
+        for (int64_t i = 0; i < width; ++i)  // rounded to T, as torch's add
+          row[i] = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(hr[i]));
+        for (int64_t i = 0; i < width; ++i) xr[i] = from_rounded<T>(row[i]);
+      } else {
+        for (int64_t i = 0; i < width; ++i) row[i] = static_cast<float>(xr[i]);
       }
       float sum = 0.f;
-      for (int64_t i = 0; i < width; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        sum += v * v;
-      }
+      for (int64_t i = 0; i < width; ++i) sum += row[i] * row[i];
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
       T* o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = w[i] * static_cast<T>(static_cast<float>(xr[i]) * inv);
+      for (int64_t i = 0; i < width; ++i)  // weight * (x * inv).to(T), each rounded to T
+        o[i] = from_rounded<T>(round_to<T>(static_cast<float>(w[i]) * round_to<T>(row[i] * inv)));
     }
   });
 }
@@ -65,46 +100,12 @@ at::Tensor add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& h,
   return out;
 }
 
+constexpr int64_t kMaxHeadDim = 1024;
+
 // out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];  out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half]
+// each product and sum rounded to T where torch's ops round, over float copies (``out`` may be ``x``)
 template <typename T>
 inline void turn(const T* x, const T* c, const T* s, T* out, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    const T a = x[i], b = x[i + half];
-    const T lo = a * c[i] + (-b) * s[i];
-    const T hi = b * c[i + half] + a * s[i + half];
-    out[i] = lo;
-    out[i + half] = hi;
-  }
-}
-
-// bfloat16 rounded to nearest even from a float, as c10::BFloat16's constructor rounds (NaN: quiet
-// NaN), but in plain 32-bit integer steps the compiler vectorises: the generic ``turn`` on
-// c10::BFloat16 rounds one scalar at a time, 51 us a decode step of 16 rows on SmolLM2 (10 % of
-// the step) against 5 us in float32.
-inline float round_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  float r;
-  std::memcpy(&r, &u, sizeof r);
-  return std::isnan(f) ? std::numeric_limits<float>::quiet_NaN() : r;
-}
-
-constexpr int64_t kMaxHeadDim = 512;
-
-// The same products and sums as the generic ``turn``, each rounded to bfloat16 where it is
-// (bit for bit), computed over float copies of the row (``out`` may be ``x``).
-template <>
-inline void turn<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
-                                c10::BFloat16* out, int64_t half) {
-  if (2 * half > kMaxHeadDim) {
-    for (int64_t i = 0; i < half; ++i) {
-      const c10::BFloat16 a = x[i], b = x[i + half];
-      out[i] = a * c[i] + (-b) * s[i];
-      out[i + half] = b * c[i + half] + a * s[i + half];
-    }
-    return;
-  }
   float xf[kMaxHeadDim], cf[kMaxHeadDim], sf[kMaxHeadDim], of[kMaxHeadDim];
   for (int64_t i = 0; i < 2 * half; ++i) {
     xf[i] = static_cast<float>(x[i]);
@@ -113,14 +114,10 @@ inline void turn<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* c, 
   }
   for (int64_t i = 0; i < half; ++i) {
     const float a = xf[i], b = xf[i + half];
-    of[i] = round_bf16(round_bf16(a * cf[i]) + round_bf16(-b * sf[i]));
-    of[i + half] = round_bf16(round_bf16(b * cf[i + half]) + round_bf16(a * sf[i + half]));
+    of[i] = round_to<T>(round_to<T>(a * cf[i]) + round_to<T>(-b * sf[i]));
+    of[i + half] = round_to<T>(round_to<T>(b * cf[i + half]) + round_to<T>(a * sf[i + half]));
   }
-  for (int64_t i = 0; i < 2 * half; ++i) {  // already rounded: the upper 16 bits are the bfloat16
-    uint32_t u;
-    std::memcpy(&u, &of[i], sizeof u);
-    out[i] = c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
-  }
+  for (int64_t i = 0; i < 2 * half; ++i) out[i] = from_rounded<T>(of[i]);
 }
 
 template <typename T>
@@ -162,6 +159,7 @@ void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T, H, D], k and v [T, Hkv, D]");
   const int64_t tokens = q.size(0), dim = q.size(2);
   TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim && dim % 2 == 0, "q, k and v must share T and D");
+  TORCH_CHECK(dim <= kMaxHeadDim, "head dim ", dim, " is past the ", kMaxHeadDim, " this kernel turns");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rows must be contiguous");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim &&
                   cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0),
