@@ -22,10 +22,13 @@ port match cannot either). Its inward dial goes to the namespace's own address o
 rule matches.
 
 Not delayed: the TCP handshake (the proxy accepts at once, then dials) and UDP. A failed dial (a cut,
-a refused port) resets the accepted connection. SIGTERM (the heal) stops accepting and switches the
-delay off (queued chunks go out at once, in order); connections already carried keep working
-(conntrack keeps their redirection once the rules are gone) and the proxy exits when the last one
-closes. It prints ``listening`` once it accepts and ``draining`` once it no longer does.
+a refused port) resets the accepted connection. Connections open before the rules go in are reset
+by them (conntrack picks one up mid-stream, the redirection sends its next packet to this port,
+which answers RST): the onset of a delay costs each open connection one reconnect, through the
+proxy. SIGTERM (the heal) stops accepting and switches the delay off (queued chunks go out at once,
+in order); connections already carried keep working (conntrack keeps their translation once the
+rules are gone, as long as something keeps conntrack on: ``netns``) and the proxy exits when the
+last one closes. It prints ``listening`` once it accepts and ``draining`` once it no longer does.
 """
 
 from __future__ import annotations

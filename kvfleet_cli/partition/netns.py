@@ -140,6 +140,7 @@ class Netbed:
         self.faults: list[str] = []  # each fault, in words, in the order injected
         self.proxies: dict[str, subprocess.Popen] = {}  # service -> its delay proxy, accepting
         self._draining: list[subprocess.Popen] = []     # healed proxies, carrying their last connections
+        self._tracking: set[str] = set()                # services whose conntrack a rule keeps on
         self._open = False
 
     # -- making and removing ----------------------------------------------------------------------
@@ -267,6 +268,10 @@ class Netbed:
             proxy.stdout.close()
             raise BedUnavailable(f"the delay proxy in {a} did not start (exit {proxy.returncode})")
         self.proxies[a] = proxy
+        if a not in self._tracking:  # conntrack kept on for good: see _stop_proxy
+            self._in(a, "iptables", "-t", "mangle", "-A", "OUTPUT", "-m", "conntrack", "--ctstate", "INVALID",
+                     "-j", "RETURN")
+            self._tracking.add(a)
         for rule in delay_proxy.redirect_rules(f"{self.subnet}.0/24", PROXY_PORT):
             self._in(a, "iptables", "-t", "nat", "-A", *rule)
 
@@ -275,7 +280,10 @@ class Netbed:
         proxy = self.proxies.pop(a, None)
         if proxy is None:
             return
-        self._in(a, "iptables", "-t", "nat", "-F")
+        for rule in delay_proxy.redirect_rules(f"{self.subnet}.0/24", PROXY_PORT):
+            # the mangle rule's conntrack match (never removed) keeps conntrack on in the namespace: were
+            # the REDIRECT rules its last users, the carried connections would lose their translation
+            self._in(a, "iptables", "-t", "nat", "-D", *rule)
         proxy.terminate()
         proxy.stdout.readline()  # "draining" (or "" where it has died)
         self._draining.append(proxy)

@@ -6,8 +6,10 @@ all; and the bed is gone afterwards even when the code inside failed, its proces
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,7 +18,8 @@ from kvfleet_cli.partition import netns
 pytestmark = pytest.mark.process  # processes run inside the namespaces
 
 RECEIVE = ("import socket,sys; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind((sys.argv[1],9000)); "
-           "s.settimeout(float(sys.argv[2]));\ntry: print(len([s.recv(64) for _ in range(int(sys.argv[3]))]))\n"
+           "print('bound',flush=True); sys.stdin.readline(); s.settimeout(float(sys.argv[2]));\n"
+           "try: print(len([s.recv(64) for _ in range(int(sys.argv[3]))]))\n"
            "except TimeoutError: print('timeout')")
 SEND = ("import socket,sys,time,contextlib; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); time.sleep(0.3)\n"
         "for _ in range(int(sys.argv[2])):\n with contextlib.suppress(OSError): s.sendto(b'x',(sys.argv[1],9000))")
@@ -31,11 +34,13 @@ def _need_namespaces():
 
 
 def datagrams(bed: netns.Netbed, src: str, dst: str, count: int = 1, wait_s: float = 1.5) -> str:
-    """How many of ``count`` UDP datagrams from ``src`` reached ``dst`` ('timeout': fewer)."""
+    """How many of ``count`` UDP datagrams from ``src`` reached ``dst`` ('timeout': fewer within ``wait_s``
+    of the last one sent; the receiver's interpreter start-up, slow on a loaded machine, not counted)."""
     receiver = subprocess.Popen([*bed.exec_prefix(dst), sys.executable, "-c", RECEIVE, bed.ip[dst], str(wait_s),
-                                 str(count)], stdout=subprocess.PIPE, text=True)
+                                 str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert receiver.stdout.readline().strip() == "bound"
     subprocess.run([*bed.exec_prefix(src), sys.executable, "-c", SEND, bed.ip[dst], str(count)], check=True)
-    return receiver.communicate(timeout=30)[0].strip()
+    return receiver.communicate("sent\n", timeout=30)[0].strip()  # its wait starts once all were sent
 
 
 def test_cuts_one_way_cuts_and_the_heal():
@@ -77,8 +82,9 @@ def test_sweep_removes_what_a_dead_run_left():
         subprocess.run(["ip", "netns", "del", left], capture_output=True)
 
 
-ECHO = ("import socket,sys; s=socket.create_server((sys.argv[1],9001)); print('up',flush=True)\n"
-        "while True:\n c,_=s.accept()\n while d:=c.recv(64): c.sendall(d)\n c.close()")
+ECHO = ("import socket,sys,threading; s=socket.create_server((sys.argv[1],9001)); print('up',flush=True)\n"
+        "def serve(c):\n while d:=c.recv(64): c.sendall(d)\n c.close()\n"
+        "while True: threading.Thread(target=serve,args=(s.accept()[0],),daemon=True).start()")
 PING = ("import socket,sys,time,json; c=socket.create_connection((sys.argv[1],9001),timeout=30); rtts=[]\n"
         "for _ in range(int(sys.argv[2])):\n t=time.monotonic(); c.sendall(b'p'); assert c.recv(1)==b'p'; "
         "rtts.append(time.monotonic()-t)\nc.close(); print(json.dumps(rtts))")
@@ -102,7 +108,14 @@ def test_delay_delays_each_way_and_the_heal_removes_it():
         rtts = round_trips(bed, "a", "b")
         # a's request and b's reply, each delayed 200 ± 100 ms: no round trip under 2 × 100 ms
         assert len(rtts) == 5 and min(rtts) >= 2 * (0.200 - 0.100), rtts
+        held = socket.create_connection((bed.ip["b"], 9001), timeout=30)  # from the root namespace: dialled in
+        began = time.monotonic()
+        held.sendall(b"q")
+        assert held.recv(1) == b"q" and time.monotonic() - began >= 0.200 - 0.100  # b's reply delayed
         bed.heal()
+        held.sendall(b"r")
+        assert held.recv(1) == b"r"  # a connection carried through the fault outlives the heal
+        held.close()
         assert bed.faults == ["delay a 200ms 100ms", "delay b 200ms 100ms", "heal"]
         for name in ("a", "b"):
             nat = subprocess.run([*bed.exec_prefix(name), "iptables", "-t", "nat", "-S"], capture_output=True,
