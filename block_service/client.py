@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from block_service import wire
 from block_service.blocks_report import BlocksReport, NodeBlocks
@@ -42,16 +43,21 @@ class BlockManagerClient:
         self._channel = channel or (self._connect(target) if target else None)
         self._stub = pb_grpc.BlockManagerStub(self._channel) if self._channel else None
         self._on_close: list[Callable[[], Awaitable[None]]] = []
+        self._closing: set[asyncio.Task] = set()  # old channels being closed (retarget)
 
     def retarget(self, target: str) -> None:
-        """Send the next calls to ``target``; calls under way on the old channel finish or fail there."""
+        """Send the next calls to ``target``; calls under way on the old channel end now, as
+        ``Unavailable`` (the old leader may be cut off: waiting out their deadlines would hold up
+        every call queued behind them; whether a write there took effect is what a resync settles)."""
         if target == self.target:
             return
         old, self.target = self._channel, target
         self._channel = self._connect(target)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
         if old is not None:
-            asyncio.get_running_loop().call_later(self.timeout_s, lambda: asyncio.ensure_future(old.close()))
+            closing = asyncio.get_running_loop().create_task(old.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _connect(self, target: str) -> grpc.aio.Channel:
         return rpc.channel(target, peer=BLOCK_SERVICE_ID, credentials=self._credentials)
@@ -77,11 +83,34 @@ class BlockManagerClient:
             raise Unavailable("no block_service leader is named in etcd yet")
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
 
+    async def ping(self, timeout_s: float) -> None:
+        """One health check of the replica this client targets, on the channel its calls take (so
+        it fails as they would); raises ``Unavailable`` or the transport's ``AioRpcError``."""
+        channel = self._channel
+        if channel is None:
+            raise Unavailable("no block_service leader is named in etcd yet")
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        await self._unless_moved(channel, check)
+
+    async def _unless_moved(self, channel: grpc.aio.Channel, call):
+        """``call``'s answer; a call that ``retarget`` cut short by closing ``channel`` (grpc.aio
+        raises ``CancelledError`` in its awaiter then, though nobody cancelled the task) raises
+        ``Unavailable``, as a call to a leader that went away does."""
+        try:
+            return await call
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as err:
+            cancelled = isinstance(err, asyncio.CancelledError) or err.code() == grpc.StatusCode.CANCELLED
+            task = asyncio.current_task()
+            if cancelled and channel is not self._channel and task is not None and not task.cancelling():
+                raise Unavailable(f"block_service's leader moved to {self.target} during the call") from None
+            raise
+
     async def _call(self, method: str, request):
-        if self._stub is None:
+        stub, channel = self._stub, self._channel
+        if stub is None:
             raise Unavailable("no block_service leader is named in etcd yet")
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return await self._unless_moved(channel, getattr(stub, method)(request, timeout=self.timeout_s))
         except grpc.aio.AioRpcError as err:
             error = ERRORS_BY_CODE.get(err.code().name)
             if error is None:

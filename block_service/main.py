@@ -98,7 +98,8 @@ async def serve(config: BlockServiceSettings) -> int:
     replication = _replication(config, store) if config.etcd else None
     if replication is None:
         await configure_tenants()
-    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=_serve_metrics(config, store),
+    metrics = _serve_metrics(config, store)
+    server = rpc.server(max_send_bytes=rpc.MAX_MESSAGE_BYTES, interceptors=metrics.interceptors if metrics else [],
                         internal=True)
     servicer = BlockManagerServicer(store, *replication[:3]) if replication else BlockManagerServicer(store)
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
@@ -126,7 +127,8 @@ async def serve(config: BlockServiceSettings) -> int:
              asyncio.create_task(_pin_expiry_loop(store, servicer.role))]
     replica = None
     if replication is not None:
-        replica = asyncio.create_task(_run_replica(config, store, *replication[::3], configure_tenants))
+        step_downs = (lambda reason: metrics.step_downs.labels(reason=reason).inc()) if metrics else None
+        replica = asyncio.create_task(_run_replica(config, store, replication, configure_tenants, step_downs))
         replica.add_done_callback(lambda _: stop.set())
         tasks.append(replica)
     if config.backup_dir:
@@ -175,13 +177,14 @@ def _replication(config: BlockServiceSettings, store) -> tuple:
     return role, acks, source, rlog
 
 
-async def _run_replica(config: BlockServiceSettings, store, role, rlog, on_lead) -> int:
+async def _run_replica(config: BlockServiceSettings, store, replication: tuple, on_lead, on_step_down) -> int:
     """The replica's life (``replica.Replica``) on its own etcd client; returns an exit code."""
     from block_service.follower import Follower
     from block_service.lineage import reset_interrupted
     from block_service.replica import Replica, ReplicaConfig
     from kvfleet.membership import etcd_client
 
+    role, acks, _, rlog = replication
     address = config.advertise or config.listen
     client = etcd_client(config.etcd)  # connects on first use: etcd down at start is retried, not fatal
     try:
@@ -191,16 +194,17 @@ async def _run_replica(config: BlockServiceSettings, store, role, rlog, on_lead)
             log.warning("the state in %s was being replaced by a leader's snapshot when this replica stopped: "
                         "it follows a leader before it may lead", config.state_dir)
         replica = ReplicaConfig(address, config.state_dir, config.lease_ttl, config.standby or interrupted)
-        return await Replica(client, role, follower, replica, on_lead).run()
+        return await Replica(client, role, follower, replica, on_lead, acks.can_take_over, on_step_down).run()
     finally:
         await client.close()
 
 
-def _serve_metrics(config: BlockServiceSettings, store) -> list:
+def _serve_metrics(config: BlockServiceSettings, store):
     """With ``--metrics-port``: the metrics endpoint started, the store's log writes observed, and
-    the interceptor that counts operations (for the gRPC server) returned; else nothing."""
+    the metrics returned with the interceptor that counts operations (for the gRPC server) as
+    ``interceptors``; else None."""
     if config.metrics_port is None:
-        return []
+        return None
     import asyncio
 
     from block_service import metrics
@@ -217,7 +221,8 @@ def _serve_metrics(config: BlockServiceSettings, store) -> list:
     store.on_write = m.wal_fsync.observe
     serve_metrics(m.registry, metrics_listen(config.listen, config.metrics_port), "block_service")
     methods = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].methods_by_name
-    return [CallCounter(m.operations, methods)]
+    m.interceptors = [CallCounter(m.operations, methods)]
+    return m
 
 
 async def _ship(store, backup_dir: str) -> None:

@@ -11,7 +11,8 @@ the eviction policy's reason (``block_evictions_total``: lru, value, over_share,
 cached blocks each tenant holds against its share of them (``cached_blocks``, ``cache_share_blocks``),
 the write-ahead log and the snapshot's age. Operations by kind
 and the log's write latency are observed as they happen (``BlockServiceMetrics``): an RPC interceptor
-counts calls, the durable store reports each group commit's write + fsync time.
+counts calls, the durable store reports each group commit's write + fsync time, a replica counts
+the leads it ended by reason (``block_service_step_downs_total``).
 Labels are node ids and tenant names, both bounded by configuration.
 """
 
@@ -123,6 +124,11 @@ class BlockServiceMetrics:
         self.registry = CollectorRegistry()
         self.operations = Counter(PREFIX + "block_service_operations", "BlockManager calls by operation",
                                   ["operation"], registry=self.registry)
+        self.interceptors: list = []  # the gRPC server's (kvfleet.rpc_metrics.CallCounter over ``operations``)
+        self.step_downs = Counter(PREFIX + "block_service_step_downs",
+                                  "Leads this replica ended, by reason (nodes_unreachable: every live node said it "
+                                  "could not reach it, so it resigned; lease_lost: its lease lapsed or was taken)",
+                                  ["reason"], registry=self.registry)
         self.wal_fsync = Histogram(PREFIX + "wal_fsync_seconds",
                                    "One group commit of the write-ahead log: write + fsync",
                                    buckets=FSYNC_BUCKETS, registry=self.registry)

@@ -1,14 +1,14 @@
 """One block_service replica among several (``--etcd``): lead when elected, else follow the leader.
 
     no leader in etcd ──campaign──▶ won: lead (accept writes) until the lease is lost ──┐
-         ▲     │ lost                                                                     │
+         ▲     │ lost                    or no live node can reach it (step_down.py)      │
          │     ▼                                                                          │
          └── a leader: follow its log (standby) until the stream ends or the key changes ◀┘
 
 A replica started with ``--standby`` campaigns only after it has followed a leader once, so that
 an empty replica never wins against one that holds the state. A replica that lost the lease waits
 one TTL before it campaigns again (whatever cost it the lease likely still holds; the standby, in
-sync, takes over meanwhile). It keeps
+sync, takes over meanwhile); so does one that stepped down because no node could reach it. It keeps
 running as a standby of whoever leads next (its records the new leader never had are replaced by
 the new leader's snapshot: they were never acknowledged as replicated). A state of another lineage
 ends the process (exit 2) with one line: it must not follow, nor lead a fleet that followed another.
@@ -30,6 +30,7 @@ from block_service.election import Election
 from block_service.follower import Follower, LineageMismatch, close_quietly
 from block_service.lineage import ensure_lineage, read_lineage
 from block_service.role import Role
+from block_service.step_down_watch import StepDownWatch
 from kvfleet.backoff import Backoff, LogThrottle, error_line
 from kvfleet.leader import Leader, watch_leader
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 DRAIN_IDLE_S = 0.5  # a lapsed leader's stream still delivering records is read until this long idle
+NODES_UNREACHABLE, LEASE_LOST = "nodes_unreachable", "lease_lost"  # why a lead ended (the metric's reasons)
 
 
 def _never() -> bool:
@@ -53,8 +55,13 @@ class ReplicaConfig:
 
 class Replica:
     def __init__(self, client: aetcd.Client, role: Role, follower: Follower, config: ReplicaConfig,
-                 on_lead: Callable[[], Awaitable[None]]) -> None:
+                 on_lead: Callable[[], Awaitable[None]], standby_ready: Callable[[], bool] | None = None,
+                 on_step_down: Callable[[str], None] | None = None) -> None:
+        """``standby_ready``: a standby could take over now (``StandbyAcks.can_take_over``); without
+        it the replica never steps down while it holds the lease. ``on_step_down(reason)``: a lead
+        ended (``NODES_UNREACHABLE`` or ``LEASE_LOST``), for the metrics."""
         self.client, self.role, self.follower, self.on_lead = client, role, follower, on_lead
+        self.standby_ready, self.on_step_down = standby_ready, on_step_down
         self.address, self.state_dir = config.address, config.state_dir
         self.ttl_s, self.standby_first = config.ttl_s, config.standby_first
         self.leader: Leader | None = None
@@ -163,7 +170,7 @@ class Replica:
 
     async def _campaign(self) -> bool:
         lineage = ensure_lineage(self.state_dir)
-        election = Election(self.client, Leader(self.address, lineage), self.ttl_s)
+        election = Election(self.client, Leader(self.address, lineage, self.ttl_s), self.ttl_s)
         if not await election.campaign():
             return False
         self.election = election
@@ -171,13 +178,40 @@ class Replica:
         log.info("block_service at %s is the leader (lease TTL %d s)", self.address, self.ttl_s)
         marks = asyncio.create_task(publish_marks(self.client, lineage, lambda: self.follower.store.durable_lsn,
                                                   self.ttl_s / 3))
+        step_down, watch = None, None
+        if self.standby_ready is not None:
+            step_down = StepDownWatch(self.client, self.address, self.ttl_s, self.standby_ready)
+            watch = asyncio.create_task(step_down.until_due())
         try:
             await self.on_lead()
-            await election.lead()
+            reason = await self._lead(election, watch)
+            if self.on_step_down is not None:
+                self.on_step_down(reason)
         finally:
+            await close_quietly(watch)
+            if step_down is not None:
+                await step_down.close()
             await close_quietly(marks)
             self.role.holds = _never
             self.election = None
             self._campaign_after = time.monotonic() + self.ttl_s
             await election.resign()
         return True
+
+    async def _lead(self, election: Election, watch: asyncio.Task | None) -> str:
+        """Lead until the lease is lost, or until ``watch`` says no node can reach this replica:
+        then resign (``holds()`` False first, the lease revoked after) and follow whoever leads next."""
+        lead = asyncio.create_task(election.lead())
+        try:
+            await asyncio.wait({lead} if watch is None else {lead, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not lead.done() and watch is not None and watch.exception() is None:
+                await election.resign()
+                await lead
+                return NODES_UNREACHABLE
+            if not lead.done():  # a bug in the watch: lead on without it, as before it existed
+                log.error("replica at %s: the step-down watch failed (%s); leading on without it", self.address,
+                          error_line(watch.exception()))
+            await lead
+            return LEASE_LOST
+        finally:
+            await close_quietly(lead)

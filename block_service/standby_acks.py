@@ -59,6 +59,14 @@ class StandbyAcks:
                      standby, lsn)
         self._wake()
 
+    def can_take_over(self) -> bool:
+        """A standby is connected and caught up, so that this replica may step down
+        (``step_down.py``): with ``--sync-standby`` one in sync; without, one that has acknowledged
+        what was durable here when it connected (what came since, its drain applies at a takeover)."""
+        if self.sync:
+            return bool(self.in_sync)
+        return any(lsn >= self.catch_up[standby] for standby, lsn in self.acked.items())
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

@@ -2,9 +2,15 @@
 
 Two (or more) block_service replicas elect a leader through etcd (``block_service.election``): the
 winner holds ``/kvfleet/block_service/leader`` under its lease, the value JSON
-``{"address": "10.0.0.5:50051", "lineage": "<state lineage id>"}``. Compute nodes, the router and
-the standbys follow that key (``watch_leader``) and reconnect when it names another address; the
-key is absent while no replica leads (between a leader's lease lapsing and the next one winning).
+``{"address": "10.0.0.5:50051", "lineage": "<state lineage id>", "ttl_s": 5}``. Compute nodes, the
+router and the standbys follow that key (``watch_leader``) and reconnect when it names another
+address; the key is absent while no replica leads (between a leader's lease lapsing and the next
+one winning).
+
+A node that has not reached the leader for half its TTL says so under ``UNREACHABLE_PREFIX``:
+``/kvfleet/block_service/unreachable/<node_id>`` = the leader's address, under the node's own lease
+(``compute_service.blocks.complaint``); a leader every live node says so of steps down
+(``block_service.step_down``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ log = logging.getLogger(__name__)
 
 LEADER_KEY = "/kvfleet/block_service/leader"
 FROM_ETCD = "etcd"  # ``--block-service etcd``: no fixed address, the leader named by LEADER_KEY
+UNREACHABLE_PREFIX = "/kvfleet/block_service/unreachable/"
 
 
 @dataclass(slots=True, frozen=True)
 class Leader:
     address: str   # host:port its BlockManager answers on
     lineage: str   # its state directory's lineage (block_service.lineage)
+    ttl_s: int = 0  # its lease's TTL; 0: not said (a replica older than the field)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -36,7 +44,15 @@ class Leader:
     @classmethod
     def from_json(cls, value: bytes) -> Leader:
         fields = json.loads(value)
-        return cls(str(fields["address"]), str(fields["lineage"]))
+        return cls(str(fields["address"]), str(fields["lineage"]), int(fields.get("ttl_s", 0)))
+
+
+def unreachable_key(node_id: str) -> bytes:
+    """Where node ``node_id`` says which leader it cannot reach (``kvfleet_cli.etcd_auth`` lets it
+    write this key and its registration, nothing else)."""
+    from kvfleet.membership import node_key
+
+    return node_key(node_id, UNREACHABLE_PREFIX)
 
 
 def _parse(value: bytes) -> Leader | None:

@@ -6,7 +6,8 @@ its colon. Each identity gets a user of that name with no password and a role of
 
     router          read    /kvfleet/                      membership, the block_service leader
     block-service   read    /kvfleet/, readwrite /kvfleet/block_service/  its election and marks
-    node:<id>       read    /kvfleet/, readwrite /kvfleet/nodes/<id> only  its own registration
+    node:<id>       read    /kvfleet/, readwrite /kvfleet/nodes/<id>       its own registration
+                    and /kvfleet/block_service/unreachable/<id> only  its complaint about the leader
     admin, root     the root role (everything, users and roles included)
 
 etcd wants a ``root`` user holding the ``root`` role before it turns auth on; it has no password
@@ -30,7 +31,7 @@ from aetcd import rpc
 from kvfleet.backoff import Backoff
 from kvfleet.etcd_endpoints import parse_endpoints
 from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, ROUTER_ID, Identity
-from kvfleet.leader import LEADER_KEY
+from kvfleet.leader import LEADER_KEY, unreachable_key
 from kvfleet.membership import etcd_client, node_key
 from kvfleet.tls import Credentials
 
@@ -61,7 +62,8 @@ def roles(node_ids: Iterable[str]) -> dict[str, frozenset[Grant]]:
     table = {str(ROUTER_ID): frozenset({read_all}),
              str(BLOCK_SERVICE_ID): frozenset({read_all, prefix_grant(BLOCK_SERVICE_PREFIX, READWRITE)})}
     for node_id in node_ids:
-        table[str(Identity.node(node_id))] = frozenset({read_all, Grant(node_key(node_id), b"", READWRITE)})
+        table[str(Identity.node(node_id))] = frozenset({read_all, Grant(node_key(node_id), b"", READWRITE),
+                                                        Grant(unreachable_key(node_id), b"", READWRITE)})
     return table
 
 

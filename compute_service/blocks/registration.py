@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from compute_service.blocks.link import DOWN, trouble_of
 from compute_service.blocks.remote_allocator import RemoteBlockAllocator
 from kvfleet.backoff import Backoff, LogThrottle, error_line
 from kvfleet.errors import NotFound
+
+if TYPE_CHECKING:
+    from block_service.client import BlockManagerClient
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,11 @@ class RemoteAllocatorFactory:
 
     @classmethod
     async def connect(cls, address: str, node_id: str, loop: asyncio.AbstractEventLoop,
-                      etcd_url: str | None = None) -> RemoteAllocatorFactory:
+                      etcd_url: str | None = None,
+                      on_client: Callable[[BlockManagerClient], None] | None = None) -> RemoteAllocatorFactory:
         """``address`` fixed, or ``etcd`` (the elected leader); with ``etcd_url`` the client follows
-        the leader etcd names (``block_service.leader_client``) and a change resyncs at once."""
+        the leader etcd names (``block_service.leader_client``) and a change resyncs at once.
+        ``on_client`` sees the client before block_service is waited for (the leader probe)."""
         from block_service import leader_client
 
         factory: RemoteAllocatorFactory | None = None
@@ -52,6 +57,8 @@ class RemoteAllocatorFactory:
                 factory.allocator.syncs.retry_now()
 
         client = await leader_client.connect(address, etcd_url, on_change=leader_changed)
+        if on_client is not None:
+            on_client(client)
         await until_reachable(node_id, f"block_service at {address}", lambda: client.wait_ready(2.0))
         factory = cls(client, node_id, loop)
         return factory

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from compute_service.node import warm_start
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     import grpc
     from grpc_health.v1 import health
 
+    from block_service.client import BlockManagerClient
+    from compute_service.blocks.complaint import LeaderComplaint
     from compute_service.blocks.registration import RemoteAllocatorFactory
     from compute_service.blocks.remote_allocator import OnRefused, RemoteBlockAllocator
     from compute_service.engine.async_engine import AsyncEngine
@@ -50,6 +53,7 @@ class _Parts:
     client: aetcd.Client | None = None                  # etcd client
     registration: NodeRegistration | None = None        # the node's membership record and lease
     remote: RemoteAllocatorFactory | None = None        # the block_service link (None: an in-process pool)
+    complaint: LeaderComplaint | None = None            # says in etcd when the block_service leader is unreachable
     async_engine: AsyncEngine | None = None
     server: grpc.aio.Server | None = None
     readiness: Readiness | None = None                  # the health-only port, the certificate's watch
@@ -88,6 +92,16 @@ async def _resync_on_new_lease(registration: NodeRegistration, blocks: RemoteBlo
             lease = registration.lease_id
             log.info("node %s registered again in etcd; syncing its pool with block_service", blocks.node_id)
             blocks.syncs.trouble()
+
+
+def _complain(parts: _Parts, node_id: str, blocks: BlockManagerClient) -> None:
+    """With etcd: probe block_service's leader from now on, and say in etcd when it is unreachable."""
+    from compute_service.blocks.complaint import LeaderComplaint
+
+    registration = parts.registration
+    if parts.client is not None and registration is not None:
+        parts.complaint = LeaderComplaint(node_id, parts.client, blocks, lambda: registration.lease_id)
+        parts.complaint.start()
 
 
 def _build_engine(command: NodeCommand, remote: RemoteAllocatorFactory | None) -> LLMEngine:
@@ -226,7 +240,8 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
         from compute_service.blocks.registration import RemoteAllocatorFactory
 
         remote = parts.remote = await RemoteAllocatorFactory.connect(command.block_service, node_id,
-                                                                     asyncio.get_running_loop(), command.etcd)
+                                                                     asyncio.get_running_loop(), command.etcd,
+                                                                     partial(_complain, parts, node_id))
     engine = await asyncio.to_thread(_build_engine, command, remote)
     pool = engine.allocator
     live_cap = _live_cap(command, engine)
@@ -335,6 +350,8 @@ async def _shut_down(command: NodeCommand, parts: _Parts) -> None:
         await parts.server.stop(grace=2 if parts.drained else 0)
     if parts.async_engine is not None:
         await asyncio.to_thread(parts.async_engine.shutdown)
+    if parts.complaint is not None:
+        await parts.complaint.close()
     if parts.remote is not None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(parts.remote.close(), 5.0)

@@ -62,6 +62,7 @@ def test_the_roles_table():
     assert table["router"] == {prefix_grant("/kvfleet/", READ)}
     assert prefix_grant("/kvfleet/block_service/", READWRITE) in table["block-service"]
     assert Grant(b"/kvfleet/nodes/node-0", b"", READWRITE) in table["node:node-0"]  # its key alone
+    assert Grant(b"/kvfleet/block_service/unreachable/node-0", b"", READWRITE) in table["node:node-0"]  # its complaint
     with pytest.raises(ValueError, match="node id"):
         roles(["bad id"])
 
@@ -98,14 +99,17 @@ def test_a_node_may_write_only_its_own_key(etcd, certs_dir):
     async def main() -> None:
         async with client_as(etcd, certs_dir, NODE_0) as node, client_as(etcd, certs_dir, ROUTER_ID) as router:
             for client, key in [(node, b"/kvfleet/nodes/node-1"), (node, b"/kvfleet/block_service/leader"),
-                                (node, b"/kvfleet/nodes/node-0x"), (router, b"/kvfleet/nodes/node-0")]:
+                                (node, b"/kvfleet/nodes/node-0x"), (router, b"/kvfleet/nodes/node-0"),
+                                (node, b"/kvfleet/block_service/unreachable/node-1")]:
                 with pytest.raises(aetcd.ClientError, match="permission denied"):
                     await client.put(key, node_info("node-1").to_json())
             lease = await node.lease(5)
             with pytest.raises(aetcd.ClientError, match="permission denied"):
                 await node.put(b"/kvfleet/nodes/node-1", b"{}", lease=lease.id)
-            await node.revoke_lease(lease.id)
+            await node.put(b"/kvfleet/block_service/unreachable/node-0", b"127.0.0.1:50051", lease=lease.id)
+            await node.revoke_lease(lease.id)  # its complaint goes with its lease
             assert (await router.get_prefix(b"/kvfleet/nodes/")).count == 0
+            assert (await router.get_prefix(b"/kvfleet/block_service/unreachable/")).count == 0
 
     asyncio.run(main())
 

@@ -50,5 +50,14 @@ def test_a_one_way_cut_while_the_standby_lags_loses_nothing_the_old_leader_ackno
     assert result["leader_after"] != result["leader_before"], result
 
 
-def test_the_leader_cut_off_from_the_nodes_only(bed_cluster, tmp_path):
-    _run(bed_cluster, "leader_cut_from_nodes", tmp_path)
+def test_the_leader_cut_off_from_the_nodes_only_steps_down(bed_cluster, tmp_path):
+    """It keeps its lease (etcd and the standby still reach it), but every node says in etcd that it
+    cannot reach it: it resigns and the standby leads (block_service/step_down.py)."""
+    result = _run(bed_cluster, "leader_cut_from_nodes", tmp_path)
+    assert result["leader_after"] != result["leader_before"], result
+
+
+def test_a_node_cut_off_from_both_replicas_does_not_depose_the_leader(bed_cluster, tmp_path):
+    """Only that node complains; the other reaches the leader, so the trouble is the node's."""
+    result = _run(bed_cluster, "node_cut_from_block_service", tmp_path)
+    assert result["leader_after"] == result["leader_before"], result

@@ -1,0 +1,77 @@
+"""While this replica leads: the live nodes and their complaints, followed in etcd, weighed by
+``step_down.decide`` after every change and every ``CHECK_S`` (the standby's state moves without
+one). ``until_due`` returns once the verdict is STEP_DOWN; the replica then resigns
+(``Election.resign``: ``holds()`` turns False, then the lease is revoked and the standby campaigns
+at once) and only then ``close``s the watches. Resigning is the replica's, not this task's: a task
+cancelled as the lead ends must not cut a revocation short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aetcd
+
+from block_service.step_down import COOL_DOWN_TTLS, KEEP, STEP_DOWN, Complaints, decide
+from kvfleet.etcd_watch import Change, follow_prefix
+from kvfleet.leader import UNREACHABLE_PREFIX
+from kvfleet.membership import NODES_PREFIX
+
+log = logging.getLogger(__name__)
+
+CHECK_S = 0.25
+
+
+class StepDownWatch:
+    def __init__(self, client: aetcd.Client, address: str, ttl_s: int, standby_ready: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.address, self.standby_ready, self.clock = client, address, standby_ready, clock
+        self.cool_down_s = COOL_DOWN_TTLS * ttl_s
+        self.complaints = Complaints()
+        self._changed = asyncio.Event()
+        self._listed: set[str] = set()
+        self._follows: list[asyncio.Task] = []
+
+    async def until_due(self) -> str:
+        """Until this replica should step down (returns why at once: the etcd watches are ended by
+        ``close``, after the resignation); cancelled when its lead ends otherwise."""
+        self._follows = [asyncio.create_task(self._follow(NODES_PREFIX, self._node)),
+                         asyncio.create_task(self._follow(UNREACHABLE_PREFIX, self._complaint))]
+        led_since, said = self.clock(), KEEP
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), CHECK_S)
+            self._changed.clear()
+            if len(self._listed) < len(self._follows):
+                continue  # a view of half the fleet could read as "every node"
+            verdict = decide(self.complaints, self.address, self.standby_ready(), self.clock() - led_since,
+                             self.cool_down_s)
+            if verdict.action == STEP_DOWN:
+                log.warning("block_service at %s steps down: %s", self.address, verdict.line)
+                return verdict.line
+            if verdict.action not in (said, KEEP):
+                log.warning("block_service at %s: %s", self.address, verdict.line)
+            said = verdict.action
+
+    async def close(self) -> None:
+        for task in self._follows:
+            task.cancel()
+        await asyncio.gather(*self._follows, return_exceptions=True)
+
+    def _node(self, node_id: str, value: bytes | None) -> None:
+        self.complaints.node(node_id, value is not None)
+
+    def _complaint(self, node_id: str, value: bytes | None) -> None:
+        self.complaints.complaint(node_id, value.decode(errors="replace") if value is not None else None)
+
+    async def _follow(self, prefix: str, apply: Callable[[str, bytes | None], None]) -> None:
+        async for change in follow_prefix(self.client, prefix, f"step-down watch {prefix}"):
+            if isinstance(change, Change):
+                apply(change.key, change.value)
+            else:
+                self._listed.add(prefix)
+            self._changed.set()
