@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.kvfleet-kernels-built
 # the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
 REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos model demo test test-fast bench bench-peers image deploy-check clean
+.PHONY: setup protos model demo test test-fast bench bench-peers image deploy-check clean partition-tools
 
 setup: $(STAMP) $(KERNELS)
 
@@ -46,8 +46,18 @@ demo: setup protos $(REAL_MODEL)/config.json
 # tests that start processes, clusters or kill them run one at a time (their timing is theirs)
 IN_PROCESS := not process and not cluster and not chaos
 
+# the partition bed's tools (tests/partition, bench/partitions.py: ip netns, iptables; as root): installed
+# where missing and apt-get can (some machines of this kind come without iptables); where they cannot be,
+# those tests skip with the reason
+partition-tools:
+	@if [ "$$(id -u)" = 0 ] && ! command -v iptables >/dev/null && command -v apt-get >/dev/null; then \
+		echo "installing iptables for the partition bed"; \
+		(apt-get install -y -q iptables >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+		 apt-get install -y -q iptables >/dev/null 2>&1)) || echo "iptables could not be installed: partition tests will skip"; \
+	fi
+
 # everything, with the slowest tests named (CI runs this through .ci/run)
-test: setup protos $(REAL_MODEL)/config.json
+test: setup protos $(REAL_MODEL)/config.json partition-tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --durations=10 -m "$(IN_PROCESS)"
 	$(PY) -m pytest -q --durations=25 -m "not ($(IN_PROCESS)) and not bench_smoke"
@@ -55,7 +65,7 @@ test: setup protos $(REAL_MODEL)/config.json
 # every benchmark's --smoke shape under both dtype defaults (tests/bench/test_bench_smoke.py): still ~25 min
 # a dtype on 2 cores after the smoke shapes were cut (cluster start-ups dominate), so not in `make test`,
 # whose CI budget it would break; run it before changing a benchmark or the engine's dtype
-test-bench: setup protos $(REAL_MODEL)/config.json
+test-bench: setup protos $(REAL_MODEL)/config.json partition-tools
 	$(PY) -m pytest -q --durations=25 -m bench_smoke
 
 # the inner loop: the in-process tier only, with a fifth of the property tests' examples (tests/examples.py)
