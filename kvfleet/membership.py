@@ -41,7 +41,7 @@ import aetcd
 from kvfleet import tls
 from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.etcd_endpoints import parse_endpoints
-from kvfleet.etcd_failover import FailoverClient
+from kvfleet.etcd_failover import KEEPALIVE, FailoverClient
 from kvfleet.etcd_tls import TlsClient
 from kvfleet.etcd_watch import Listed, follow_prefix
 from kvfleet.groups import STABLE, check_group
@@ -128,18 +128,24 @@ def etcd_client(url: str, timeout: float | None = 5.0, credentials: Credentials 
     moves to the next when one is unavailable: ``kvfleet.etcd_failover``): ``http://`` (or no
     scheme) in plaintext, ``https://`` under mutual TLS (``kvfleet.etcd_tls``) with
     ``credentials``, by default this process's (``kvfleet.tls.current()``); ValueError (one line)
-    when there are none, or ``url`` is not a list of members (``kvfleet.etcd_endpoints``)."""
+    when there are none, or ``url`` is not a list of members (``kvfleet.etcd_endpoints``).
+
+    One member is pinged too (``KEEPALIVE``, as several are): a watch only reads, so over a
+    connection whose other end is gone (its RST lost on a lossy link, a host that vanished) it
+    would wait forever on a key that changed long ago; the pings end it within ~9 s and the watch
+    lists again (seen: every replica's leader watch stale after a lossy soak, nobody campaigning)."""
     endpoints = parse_endpoints(url)
+    options = dict(KEEPALIVE)
     if not endpoints.tls:
         if (credentials or tls.current()) is not None and url not in _warned_plain:
             _warned_plain.add(url)  # the likely mistake: etcd serves TLS and the answer is "Socket closed"
             log.warning("etcd at %s in plaintext while this process has a certificate: if etcd serves TLS "
                         "(--client-cert-auth), give https://", url)
-        return FailoverClient(endpoints, timeout=timeout)
+        return FailoverClient(endpoints, timeout=timeout, options=options)
     credentials = credentials or tls.current()
     if credentials is None:
         raise ValueError(f"etcd at {url} speaks TLS, and this process has no certificate (--certs DIR)")
-    return TlsClient(endpoints, credentials, timeout=timeout)
+    return TlsClient(endpoints, credentials, timeout=timeout, options=options)
 
 
 class NodeRegistration:
