@@ -194,7 +194,8 @@ async def _run_replica(config: BlockServiceSettings, store, replication: tuple, 
             log.warning("the state in %s was being replaced by a leader's snapshot when this replica stopped: "
                         "it follows a leader before it may lead", config.state_dir)
         replica = ReplicaConfig(address, config.state_dir, config.lease_ttl, config.standby or interrupted)
-        return await Replica(client, role, follower, replica, on_lead, acks.can_take_over, on_step_down).run()
+        return await Replica(client, role, follower, replica, on_lead, acks.can_take_over, on_step_down,
+                             acks.wait_alone_for).run()
     finally:
         await client.close()
 

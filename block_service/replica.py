@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import aetcd
 
-from block_service.durable_mark import behind, parse_mark, publish_marks, read_mark
+from block_service.durable_mark import MarkWriter, behind, parse_mark, read_mark
 from block_service.election import Election
 from block_service.follower import Follower, LineageMismatch, close_quietly
 from block_service.lineage import ensure_lineage, read_lineage
@@ -56,12 +56,15 @@ class ReplicaConfig:
 class Replica:
     def __init__(self, client: aetcd.Client, role: Role, follower: Follower, config: ReplicaConfig,
                  on_lead: Callable[[], Awaitable[None]], standby_ready: Callable[[], bool] | None = None,
-                 on_step_down: Callable[[str], None] | None = None) -> None:
+                 on_step_down: Callable[[str], None] | None = None,
+                 on_marks: Callable[[Callable[[int], Awaitable[None]] | None], None] | None = None) -> None:
         """``standby_ready``: a standby could take over now (``StandbyAcks.can_take_over``); without
         it the replica never steps down while it holds the lease. ``on_step_down(reason)``: a lead
-        ended (``NODES_UNREACHABLE`` or ``LEASE_LOST``), for the metrics."""
+        ended (``NODES_UNREACHABLE`` or ``LEASE_LOST``), for the metrics. ``on_marks(cover)``: while
+        leading, how to wait for a durable mark that covers a change (``MarkWriter.cover``; None
+        when the lead ends), for ``StandbyAcks.alone``."""
         self.client, self.role, self.follower, self.on_lead = client, role, follower, on_lead
-        self.standby_ready, self.on_step_down = standby_ready, on_step_down
+        self.standby_ready, self.on_step_down, self.on_marks = standby_ready, on_step_down, on_marks
         self.address, self.state_dir = config.address, config.state_dir
         self.ttl_s, self.standby_first = config.ttl_s, config.standby_first
         self.leader: Leader | None = None
@@ -176,8 +179,10 @@ class Replica:
         self.election = election
         self.role.holds = election.holds
         log.info("block_service at %s is the leader (lease TTL %d s)", self.address, self.ttl_s)
-        marks = asyncio.create_task(publish_marks(self.client, lineage, lambda: self.follower.store.durable_lsn,
-                                                  self.ttl_s / 3))
+        writer = MarkWriter(self.client, lineage, lambda: self.follower.store.durable_lsn)
+        marks = asyncio.create_task(writer.run(self.ttl_s / 3))
+        if self.on_marks is not None:  # changes acknowledged with no standby in sync wait for a mark
+            self.on_marks(writer.cover)
         step_down, watch = None, None
         if self.standby_ready is not None:
             step_down = StepDownWatch(self.client, self.address, self.ttl_s, self.standby_ready)
@@ -192,6 +197,8 @@ class Replica:
             if step_down is not None:
                 await step_down.close()
             await close_quietly(marks)
+            if self.on_marks is not None:
+                self.on_marks(None)
             self.role.holds = _never
             self.election = None
             self._campaign_after = time.monotonic() + self.ttl_s

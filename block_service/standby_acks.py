@@ -1,7 +1,8 @@
 """What the leader waits for before it answers a change: its standbys' acknowledgements. Pure.
 
     --sync-standby, a standby in sync:  answer once the change is durable here AND on the standby
-    no standby connected:               answer once durable here (async), one WARNING when it starts
+    no standby connected:               answer once durable here and named by the durable mark in
+                                        etcd (``alone``: durable_mark.py), one WARNING when it starts
     the standby does not ack in time:   it falls out of sync (WARNING): answers stop waiting for it
                                         until it has caught up with where the leader was then (INFO)
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class StandbyAcks:
         self.catch_up: dict[str, int] = {}    # out of sync: the record it must reach to be in sync again
         self._changed = asyncio.Event()
         self._warned_alone = False
+        # while leading with etcd: a change acknowledged with no standby in sync waits for this
+        # (durable_mark.MarkWriter.cover): a mark naming it, so no replica without it may lead
+        self.alone: Callable[[int], Awaitable[None]] | None = None
 
     def connect(self, standby: str) -> None:
         self.acked[standby] = 0
@@ -82,7 +86,8 @@ class StandbyAcks:
             if not self._warned_alone:
                 self._warned_alone = True
                 log.warning("--sync-standby: no standby in sync; acknowledging changes once durable here "
-                            "only (async) until one catches up")
+                            "(and named by the durable mark in etcd) until one catches up")
+            await self._alone(lsn)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
@@ -95,9 +100,18 @@ class StandbyAcks:
                     self.catch_up[standby] = self.head()
                 log.warning("standby %s did not acknowledge record %d within %.1f s: acknowledging changes "
                             "without it until it catches up", ", ".join(late), lsn - 1, self.timeout_s)
+                await self._alone(lsn)
                 return
             changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), left)
             except asyncio.TimeoutError:
                 pass
+
+    def wait_alone_for(self, cover: Callable[[int], Awaitable[None]] | None) -> None:
+        """What a change acknowledged with no standby in sync waits for (None: nothing)."""
+        self.alone = cover
+
+    async def _alone(self, lsn: int) -> None:
+        if self.alone is not None:
+            await self.alone(lsn)
