@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import grpc
 
 from block_service.client import BlockManagerClient
+from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.errors import NotFound
 from kvfleet.identity import Identity
@@ -170,7 +171,9 @@ def generate(address: str, prompt: Sequence[int], max_tokens: int, stream: Strea
     req = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     req.tokens.ids.extend(prompt)
     try:
-        with grpc.insecure_channel(address) as channel:
+        # keepalive as the services' own clients: a call on a connection whose reset was lost (the
+        # lossy soak) otherwise waited for its whole timeout, and counted as the cluster's outage
+        with grpc.insecure_channel(address, options=rpc.channel_options()) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
                 req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout_s)
             for chunk in call:
