@@ -137,7 +137,10 @@ class Relay:
             span.set_attribute("kvfleet.lower_tier_prefix_blocks", hit.lower)
             span.set_attribute("kvfleet.peer_prefix_blocks", hit.peer)
             span.set_attribute("kvfleet.num_candidates", len(candidates))
-            node = self.nodes.get(decision.node_id)
+            # the candidate itself, not the membership's entry: its key may have left etcd while the
+            # prefix lookup was awaited (an etcd outage past the leases), and a departed node's stream
+            # still serves (Nodes.departed) or fails this attempt the usual way
+            node = next(n for n in candidates if n.node_id == decision.node_id)
             self.prefix.routed(tenant.name, ids, node, prefix_group=tenant.prefix_group or "")
             return node, decision.cached_prefix_blocks, only_prefill
 

@@ -274,3 +274,29 @@ def test_a_node_holding_the_prompt_in_a_lower_tier_wins_over_a_miss():
         return [c async for c in tiered.run(req, TENANT)]
 
     assert chunks_nodes(asyncio.run(collect())) == {"cold"}
+
+
+class DepartingLookup(TieredLookup):
+    """``cold``'s key leaves etcd while its prefix lookup is awaited (an etcd outage past the
+    leases): the membership moves it to ``departed``, its stream kept."""
+
+    def __init__(self, nodes: NodeTable) -> None:
+        self.nodes = nodes
+
+    async def match(self, tenant, token_ids, nodes, prefix_group=""):
+        self.nodes.departed["cold"] = self.nodes.nodes.pop("cold")
+        return await super().match(tenant, token_ids, nodes, prefix_group)
+
+
+def test_a_node_whose_key_leaves_etcd_during_the_prefix_lookup_still_gets_the_request():
+    """Found by the chaos suite (etcd frozen past the leases): the relay took the chosen node from
+    the membership by id after the lookup, and a stream ended UNKNOWN with KeyError: 'node-0'."""
+    nodes = table({"cold": [([5], LENGTH)], "miss": [([6], LENGTH)]})
+    nodes.nodes["cold"].active_blocks = 1
+    req = ParsedRequest("r", "r-1", list(range(50)), SamplingParams(max_tokens=1))
+    departing = Relay(nodes, NodePicker(RoutingConfig(), random.Random(0)), DepartingLookup(nodes))
+
+    async def collect():
+        return [c async for c in departing.run(req, TENANT)]
+
+    assert chunks_nodes(asyncio.run(collect())) == {"cold"}  # its kept stream served it
