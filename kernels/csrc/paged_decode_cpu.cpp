@@ -10,7 +10,9 @@
 //   online softmax per g             (running max m, running sum l, base-2 exponentials)
 //   acc[g]     += p[g][t] * v[t]     (each V row read once for the whole group)
 // With several splits per sequence (long contexts, few sequences), each item writes (m, l, acc) and a
-// second pass merges them. All arithmetic is float32; bf16/fp16/fp8 tiles are widened chunk by chunk.
+// second pass merges them. All arithmetic is float32. float32 and bf16 rows are read in place (bf16
+// widened in registers; on a CPU with AVX512-BF16, q . k of bf16 rows is one vdpbf16ps per 32 elements
+// of q and k in bf16: exact products, float32 sums); fp16/fp8 tiles are widened chunk by chunk.
 // The softmax scale is folded into q. FP8 rows are widened times their own scale (one float per
 // token and KV head, in scale caches laid out like the cache minus head_dim: row element index / d).
 // A sliding window (window > 0) keeps the last `window` tokens of each context: the splits cover only
@@ -23,6 +25,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +46,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 struct Item {
   const float* q;   // [G][dp], already times softmax scale * log2(e)
+  const uint16_t* qb;  // [G][dp], bf16 and unscaled (bf16 caches: the q . k of vdpbf16ps), else null
+  float qscale;        // softmax scale * log2(e), for the scores of qb
   float* acc;       // [G][dp]
   float* m;         // [G] running max (base 2)
   float* l;         // [G] running sum
@@ -76,26 +84,51 @@ inline int segments(const int32_t* table, const Geometry& g, int bi, int off, in
   return count;
 }
 
+// A row of the chunk as 16 floats at a time: float32 rows as they are; bf16 rows (the top halves of
+// floats) widened in registers.
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const uint16_t* p) {
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vi bits = __builtin_convertvector(h, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool HAS_DPBF16 = true;
+// acc[lane] += q[2 lane] k[2 lane] + q[2 lane + 1] k[2 lane + 1], 32 bf16 of each
+inline vf dot_bf16(vf acc, __m512i q, const uint16_t* k) {
+  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)q, (__m512bh)_mm512_loadu_si512(k));
+}
+#else
+constexpr bool HAS_DPBF16 = false;
+#endif
+
 // Attend one item's token range [t_begin, t_end). NV = dp / 16 when known at compile time, else 0.
+// RAW: the rows are read in place (float32 and bf16 tiles with head_dim a multiple of 16), else widened.
 // A chunk is up to 64 tokens, from one tile or several small ones. Chunks are walked head by head, so
 // that q[h] (scores) and acc[h] (values) stay in registers while the chunk's rows come from L1; the
 // rows `lookahead` tokens on are prefetched meanwhile (the next tile can be anywhere in the pool, and
 // the hardware prefetcher stops at every 4 KiB page).
 // FP8: `k_sc`, `v_sc` point at this KV head's scales (element `at` of a tile has scale `at / d`).
-template <typename T, int NV>
+template <typename T, int NV, bool RAW>
 void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head, const float* k_sc,
             const float* v_sc, const int32_t* table, int t_begin, int t_end, float* buf, float* s,
             const float* zero_row) {
   const int nv = NV ? NV : g.dp / W;
   const int G = g.G;
   const int bs = g.block_size;
-  const bool direct = std::is_same_v<T, float> && g.d == g.dp;
+  using Row = std::conditional_t<RAW && std::is_same_v<T, bf16_t>, uint16_t, float>;
   const int lookahead = std::max<int>(CHUNK, PREFETCH_BYTES / (g.d * (int)sizeof(T)));
   // positions walk as (block index, offset): one division here, none per chunk
   int bi = t_begin / bs, off = t_begin % bs;
   int pbi = (t_begin + lookahead) / bs, poff = (t_begin + lookahead) % bs;
   Segment segs[MAX_SEGMENTS], ahead[MAX_SEGMENTS];
-  const float* rows[CHUNK];
+  const Row* rows[CHUNK];
+  const Row* zero = reinterpret_cast<const Row*>(zero_row);
   for (int t = t_begin; t < t_end;) {
     const int n = std::min(CHUNK, t_end - t);
     const int num_segs = segments(table, g, bi, off, n, segs);
@@ -108,9 +141,9 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     // rows[r]: row r of the chunk as float32, in place (float32 tiles) or widened into buf
     auto gather_rows = [&](const T* head, const float* sc) {
       for (int i = 0, r = 0; i < num_segs; ++i) {
-        const float* src;
-        if (direct) {
-          src = reinterpret_cast<const float*>(head + segs[i].at);
+        const Row* src;
+        if constexpr (RAW) {
+          src = reinterpret_cast<const Row*>(head + segs[i].at);
         } else {
           widen(head + segs[i].at, segs[i].rows, g.d, g.dp, buf + (int64_t)r * g.dp,
                 sc ? sc + segs[i].at / g.d : nullptr);
@@ -118,21 +151,40 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
         }
         for (int j = 0; j < segs[i].rows; ++j) rows[r++] = src + (int64_t)j * g.dp;
       }
-      for (int r = n; r < CHUNK; ++r) rows[r] = zero_row;
+      for (int r = n; r < CHUNK; ++r) rows[r] = zero;
     };
 
     // scores[h][r] = q[h] . k[r]
     gather_rows(k_head, k_sc);
-    for (int h = 0; h < G; ++h) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<Row, uint16_t>) {  // bf16 rows in place: run gives qb only with AVX512-BF16
+      for (int h = 0; h < G && it.qb; ++h) {
+        __m512i qv[(NV ? NV : MAX_NV) / 2];
+        for (int j = 0; j < nv / 2; ++j) qv[j] = _mm512_loadu_si512(it.qb + (int64_t)h * g.dp + j * 2 * W);
+        float* sh = s + h * CHUNK;
+        for (int r0 = 0; r0 < n; r0 += W) {
+          vf a[W];
+          for (int i = 0; i < W; ++i) {
+            const uint16_t* krow = rows[r0 + i];
+            a[i] = dot_bf16(vf{}, qv[0], krow);
+            for (int j = 1; j < nv / 2; ++j) a[i] = dot_bf16(a[i], qv[j], krow + j * 2 * W);
+          }
+          store(sh + r0, hsum16(a) * it.qscale);
+        }
+        prefetch_ahead(k_head, h);
+      }
+    }
+#endif
+    for (int h = 0; h < G && !it.qb; ++h) {
       vf qv[NV ? NV : MAX_NV];
       for (int j = 0; j < nv; ++j) qv[j] = load(it.q + (int64_t)h * g.dp + j * W);
       float* sh = s + h * CHUNK;
       for (int r0 = 0; r0 < n; r0 += W) {  // rows past n read a zero row
         vf a[W];
         for (int i = 0; i < W; ++i) {
-          const float* krow = rows[r0 + i];
-          a[i] = qv[0] * load(krow);
-          for (int j = 1; j < nv; ++j) a[i] += qv[j] * load(krow + j * W);
+          const Row* krow = rows[r0 + i];
+          a[i] = qv[0] * load_row(krow);
+          for (int j = 1; j < nv; ++j) a[i] += qv[j] * load_row(krow + j * W);
         }
         store(sh + r0, hsum16(a));
       }
@@ -186,9 +238,9 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
       const float* s1 = s0 + CHUNK;
       for (int r = 0; r < n; ++r) {
         const vf p0 = splat(s0[r]), p1 = splat(s1[r]);
-        const float* vrow = rows[r];
+        const Row* vrow = rows[r];
         for (int j = 0; j < nv; ++j) {
-          const vf x = load(vrow + j * W);
+          const vf x = load_row(vrow + j * W);
           av0[j] += p0 * x;
           av1[j] += p1 * x;
         }
@@ -204,8 +256,8 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
       const float* sh = s + h * CHUNK;
       for (int r = 0; r < n; ++r) {
         const vf p = splat(sh[r]);
-        const float* vrow = rows[r];
-        for (int j = 0; j < nv; ++j) av[j] += p * load(vrow + j * W);
+        const Row* vrow = rows[r];
+        for (int j = 0; j < nv; ++j) av[j] += p * load_row(vrow + j * W);
       }
       for (int j = 0; j < nv; ++j) store(ah + j * W, av[j]);
       prefetch_ahead(v_head, h);
@@ -213,6 +265,20 @@ void attend(const Item& it, const Geometry& g, const T* k_head, const T* v_head,
     t += n;
     for (off += n; off >= bs; off -= bs) ++bi;
     for (poff += n; poff >= bs; poff -= bs) ++pbi;
+  }
+}
+
+// attend<T, NV, RAW> for this head_dim (NV) and tile type (RAW only for float32 and bf16 tiles).
+template <typename T, bool RAW, typename... Args>
+void attend_dp(int dp, Args&&... args) {
+  if constexpr (RAW && !std::is_same_v<T, float> && !std::is_same_v<T, bf16_t>) {
+    TORCH_CHECK(false, "only float32 and bf16 tiles are read in place");
+  } else {
+    switch (dp / W) {
+      case 4: attend<T, 4, RAW>(args...); break;
+      case 8: attend<T, 8, RAW>(args...); break;
+      default: attend<T, 0, RAW>(args...); break;
+    }
   }
 }
 
@@ -256,10 +322,13 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
     part_ml = part_acc + items * G * dp;
   }
 
+  const bool raw = (std::is_same_v<T, float> || std::is_same_v<T, bf16_t>) && d == dp;
+  const bool dot = std::is_same_v<T, bf16_t> && HAS_DPBF16 && raw && dp % (2 * W) == 0;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // per-thread scratch: q [G][dp], acc [G][dp], m, l [G], widened chunk [CHUNK][dp], scores [G][CHUNK],
-    // a zero row [dp] (zero-initialised, like all of it)
-    std::vector<float> scratch((size_t)G * dp * 2 + 2 * G + (size_t)CHUNK * dp + (size_t)G * CHUNK + dp);
+    // a zero row [dp] (zero-initialised, like all of it), q in bf16 [G][dp] (as G * dp / 2 floats)
+    std::vector<float> scratch((size_t)G * dp * 2 + 2 * G + (size_t)CHUNK * dp + (size_t)G * CHUNK + dp +
+                               (size_t)G * dp / 2);
     float* qg = scratch.data();
     float* acc = qg + (size_t)G * dp;
     float* m = acc + (size_t)G * dp;
@@ -267,6 +336,7 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
     float* buf = l + G;
     float* s = buf + (size_t)CHUNK * dp;
     const float* zero = s + (size_t)G * CHUNK;
+    uint16_t* qb = reinterpret_cast<uint16_t*>(s + (size_t)G * CHUNK + dp);
     for (int64_t item = begin; item < end; ++item) {
       const int split = item % S;
       const int kvh = (item / S) % Hkv;
@@ -278,22 +348,26 @@ void run(const at::Tensor& q32, const at::Tensor& k_cache, const at::Tensor& v_c
       for (int h = 0; h < G; ++h) {
         const float* src = qd + ((int64_t)b * H + kvh * G + h) * d;
         for (int i = 0; i < dp; ++i) qg[h * dp + i] = i < d ? src[i] * qscale : 0.f;
+        for (int i = 0; dot && i < d; ++i) {  // round to nearest even (a bf16 model's q is bf16 already)
+          uint32_t bits;
+          std::memcpy(&bits, src + i, 4);
+          qb[h * dp + i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
         m[h] = -std::numeric_limits<float>::infinity();
         l[h] = 0.f;
       }
       std::fill(acc, acc + (size_t)G * dp, 0.f);
       if (t1 > t0) {
-        const Item it{qg, acc, m, l};
+        const Item it{qg, dot ? qb : nullptr, qscale, acc, m, l};
         const T* kh = k_base + kvh * head_stride;
         const T* vh = v_base + kvh * head_stride;
         const float* ksh = ks ? ks + kvh * geo.block_size : nullptr;
         const float* vsh = vs ? vs + kvh * geo.block_size : nullptr;
         const int32_t* table = tables + (int64_t)b * max_blocks;
-        switch (dp / W) {
-          case 4: attend<T, 4>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
-          case 8: attend<T, 8>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
-          default: attend<T, 0>(it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero); break;
-        }
+        if (raw)
+          attend_dp<T, true>(dp, it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero);
+        else
+          attend_dp<T, false>(dp, it, geo, kh, vh, ksh, vsh, table, t0, t1, buf, s, zero);
       }
       if (S == 1) {
         for (int h = 0; h < G; ++h) {

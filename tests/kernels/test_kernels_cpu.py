@@ -25,6 +25,12 @@ def test_head_dims_and_groups(head_dim, num_heads, num_kv_heads):
     assert_close(cpu_kernels.cpu_paged_decode(*case.args()), dense_attention(case))
 
 
+@pytest.mark.parametrize("head_dim", [40, 48, 128])  # widened rows; bf16 rows in place; vdpbf16ps where the CPU has it
+def test_bf16_cache_head_dims(head_dim):
+    case = make_case([3, 77, 300], num_heads=6, num_kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16)
+    assert_close(cpu_kernels.cpu_paged_decode(*case.args()), dense_attention(case))
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
 def test_split_kv_reduction(num_splits):
     # more splits than the short sequences have tokens: empty splits must not disturb the merge
