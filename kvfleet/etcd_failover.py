@@ -34,6 +34,7 @@ from aetcd import rpc, watcher
 
 from kvfleet.backoff import error_line
 from kvfleet.etcd_endpoints import Endpoint, EndpointRotation, EtcdEndpoints
+from kvfleet.etcd_watcher import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class FailoverClient(aetcd.Client):
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
-        self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+        # kvfleet's Watcher: aetcd's binds a timed-out creation's late answer to the next watch
+        self._watcher = Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
 
     def _move_past(self, failed: int, error: Exception) -> None:
