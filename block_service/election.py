@@ -2,10 +2,14 @@
 
     campaign: grant a lease (TTL) ─▶ txn(if create_revision(key) == 0: put(key, me, lease)) ─▶ won / lost
     lead:     refresh the lease TTL/6 after the last success was sent, the key read in the same
-              round trip; each success moves the fence to (sent + TTL/2); a refresh that fails is
-              tried again at once, each try given half the time left to the fence, so a moment
-              without an answer (etcd electing its raft leader, a member that hangs and is left for
-              the next) costs tries, not leadership, while TTL/3 remains
+              round trip; each success moves the fence to (sent + TTL/2); a refresh not answered
+              within TTL/6 is sent again beside it, and every try runs until the fence (the first
+              answer counts); one that fails is tried again at once, so a moment without an answer
+              (etcd electing its raft leader, a member that hangs and is left for the next) or a
+              slow one (a 0.4-0.6 s round trip with loss) costs tries, not leadership, while TTL/3
+              remains. Tries used to be cut at half the time left to the fence: over the lossy
+              soak's link one slow answer was cut at TTL/6, and the tries after it, given less than
+              a round trip, could never succeed (a leader fenced every ~10 s at TTL 5)
     fence:    past it, or the lease or the key gone: not the leader any more (no write is accepted)
     watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
 
@@ -32,7 +36,8 @@ from kvfleet.backoff import error_line
 from kvfleet.leader import LEADER_KEY, Leader
 
 log = logging.getLogger(__name__)
-RETRY_PAUSE_S = 0.05  # between tries of a refresh that failed, and the shortest a try is given
+RETRY_PAUSE_S = 0.05  # between tries of a refresh that failed
+MAX_TRIES = 4         # refreshes in flight at once (each lives until the fence, or its answer)
 
 
 class Election:
@@ -95,39 +100,65 @@ class Election:
 
     async def _refresh(self) -> str:
         interval = self.ttl_s / 6
+        tries: dict[asyncio.Task, float] = {}  # refreshes in flight → when each was sent
         failing = False  # the last try failed: the next one comes at once
-        while True:
-            # TTL/6 after the last success was sent, not after it came back: a campaign that took
-            # 1.3 s over a slow link left its first refresh 0.2 s to the fence (fenced 1.2 s after winning)
-            now = self.clock()
-            due = max(self._fence_at - self.ttl_s / 2 + interval - now, 0.0)
-            wait = min(RETRY_PAUSE_S if failing else due, max(self._fence_at - now, 0.0))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._lost.wait(), wait)
-            if self._lost.is_set():
-                return self._why
-            if self.clock() >= self._fence_at:
-                return self._lose(f"no lease refresh succeeded for {self.ttl_s / 2:.1f} s (TTL/2)")
-            sent = self.clock()
-            try:
-                # the refresh and the key's check together: one round trip, not two (a 0.5 s RTT
-                # link took > TTL/6 for the pair, and every try ran out: 17 fences in 90 s at TTL 3)
-                reply, current = await asyncio.wait_for(self._refresh_and_read(),
-                                                        max((self._fence_at - sent) / 2, RETRY_PAUSE_S))
-                if reply is None or reply.TTL <= 0:
-                    return self._lose("the lease expired")
-                if current is None or current.lease != self.lease_id:
-                    return self._lose("the leader key was deleted or taken")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # etcd unreachable: the fence decides
-                if not failing:  # the first of a run of failed tries: one line, not one per try
-                    log.warning("leader lease refresh failed (%s); trying again until one succeeds or the "
-                                "fence in %.1f s", error_line(e), max(self._fence_at - self.clock(), 0.0))
-                failing = True
-                continue
-            self._fence_at = sent + self.ttl_s / 2
-            failing = False
+        try:
+            while True:
+                # TTL/6 after the last success was sent, not after it came back: a campaign that took
+                # 1.3 s over a slow link left its first refresh 0.2 s to the fence (fenced 1.2 s after winning)
+                now = self.clock()
+                if len(tries) >= MAX_TRIES:
+                    next_at = self._fence_at  # until one of them answers
+                elif failing:
+                    next_at = now + RETRY_PAUSE_S
+                elif tries:  # none answered yet: another beside them TTL/6 after the last was sent
+                    next_at = max(tries.values()) + interval
+                else:
+                    next_at = self._fence_at - self.ttl_s / 2 + interval
+                wait = max(min(next_at, self._fence_at) - now, 0.0)
+                for task in await self._first_of(tries, wait):
+                    if task not in tries:  # cancelled: an answer to a later try came first
+                        continue
+                    sent = tries.pop(task)
+                    try:
+                        reply, current = task.result()
+                    except Exception as e:  # etcd unreachable: the fence decides
+                        if not failing:  # the first of a run of failed tries: one line, not one per try
+                            log.warning("leader lease refresh failed (%s); trying again until one succeeds or "
+                                        "the fence in %.1f s", error_line(e), max(self._fence_at - self.clock(), 0.0))
+                        failing = True
+                        continue
+                    if reply is None or reply.TTL <= 0:
+                        return self._lose("the lease expired")
+                    if current is None or current.lease != self.lease_id:
+                        return self._lose("the leader key was deleted or taken")
+                    self._fence_at = max(self._fence_at, sent + self.ttl_s / 2)
+                    failing = False
+                    for older in [t for t, at in tries.items() if at <= sent]:  # answered by this one
+                        del tries[older]
+                        older.cancel()
+                if self._lost.is_set():
+                    return self._why
+                if self.clock() >= self._fence_at:
+                    return self._lose(f"no lease refresh succeeded for {self.ttl_s / 2:.1f} s (TTL/2)")
+                if self.clock() >= next_at - 1e-9 and len(tries) < MAX_TRIES:
+                    # the refresh and the key's check together: one round trip, not two (a 0.5 s RTT
+                    # link took > TTL/6 for the pair, and every try ran out: 17 fences in 90 s at TTL 3)
+                    failing = False
+                    tries[asyncio.ensure_future(self._refresh_and_read())] = self.clock()
+        finally:
+            for task in tries:
+                task.cancel()
+
+    async def _first_of(self, tries: dict[asyncio.Task, float], timeout_s: float) -> list[asyncio.Task]:
+        """The tries done within ``timeout_s`` (at once when one is done already); none when the
+        time ran out or leadership was lost meanwhile."""
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            done, _ = await asyncio.wait({*tries, lost}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        return [task for task in done if task is not lost]
 
     async def _refresh_and_read(self):
         """The lease refreshed and the key read, both sent now; the first failure ends both."""
