@@ -12,7 +12,10 @@ TTL per leadership change):
     split_brain_writes  acknowledgements by one replica inside the other's term
     wrong_tokens        streamed tokens lost, repeated or different from the fault-free float32 run
     over_quota          samples of a tenant over its quota
-    unavailable_s       the longest a client (page-table or streams) went without service
+    unavailable_s       the longest a client (page-table or streams) went without service: gaps over
+                        1 s, plus the injected delay once per delayed leg of its longest wait where a
+                        scenario delays every service (``checker.stall_thresholds``; JSON ``stall_s``)
+    unavailable_raw_s   the same at a flat 1 s (nothing hidden by the thresholds)
 
     python bench/partitions.py [--quick] [--json] [--scenario NAME ...] [--repeat N] [--history-dir DIR]
                                [--lease-ttl 3] [--soak-s 300]
@@ -44,6 +47,7 @@ SMOKE_SCENARIOS = ["node_cut_from_router"]
 def _line(name: str, r: dict) -> str:
     return (f"  {name:28s} lost {r['lost_acknowledged']:3d}  double {r['double_grants']:3d}  split {r['split_brain_writes']:3d}"
             f"  wrong {r['wrong_tokens']:3d}  over_quota {r['over_quota']:3d}  unavailable {r['unavailable_s']:6.2f} s"
+            f" (raw {r['unavailable_raw_s']:.2f} s)"
             f"  (leader {r['leader_before']}→{r['leader_after']}, {r['acknowledged_writes']} acked writes, "
             f"{r['streams']} streams, {r['failed_streams']} failed{', exited ' + str(r['exited']) if r['exited'] else ''})")
 
@@ -117,7 +121,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print("totals: " + "  ".join(f"{k} {out[k]}" for k in checker.KEYS)
+        print("totals: " + "  ".join(f"{k} {out[k]}" for k in (*checker.KEYS, checker.RAW_KEY))
               + f"   (logs: {out['logs']}, histories: {out['histories']})")
     return 0
 

@@ -26,11 +26,13 @@ from kvfleet import rpc
 from kvfleet.allocator import AllocateRequest, Allocation
 from kvfleet.errors import NotFound
 from kvfleet.identity import Identity
+from kvfleet.keepalive import MIN_PING_INTERVAL_MS, KeepalivePolicy
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 from kvfleet_cli.partition.bed_cluster import PROBE_NODE, REPLICAS, BedCluster
 from kvfleet_cli.partition.checker import QuotaSample, Stream, Write
 
 CALL_TIMEOUT_S = 1.5
+STREAM_KEEPALIVE = KeepalivePolicy(ping_interval_ms=MIN_PING_INTERVAL_MS, ping_timeout_ms=3_000)
 PROBE_BLOCKS = 4096
 PROBE_BLOCK_BYTES = 1 << 12  # BED_TENANTS' tight quota counts in these
 
@@ -171,9 +173,11 @@ def generate(address: str, prompt: Sequence[int], max_tokens: int, stream: Strea
     req = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     req.tokens.ids.extend(prompt)
     try:
-        # keepalive as the services' own clients: a call on a connection whose reset was lost (the
-        # lossy soak) otherwise waited for its whole timeout, and counted as the cluster's outage
-        with grpc.insecure_channel(address, options=rpc.channel_options()) as channel:
+        # pinging every second: a call on a connection whose reset was lost (the lossy soak)
+        # otherwise waited for its whole timeout, and with the services' 20 s pings the delay
+        # proxy's onset (it resets the router's end of every open connection; this end, which only
+        # receives, is never told) left the streams under way blind for 20 s: the cluster's outage
+        with grpc.insecure_channel(address, options=rpc.channel_options(keepalive=STREAM_KEEPALIVE)) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
                 req, metadata=[("authorization", f"Bearer {api_key}")], timeout=timeout_s)
             for chunk in call:

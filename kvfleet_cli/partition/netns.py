@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvfleet import parent_death
 from kvfleet_cli.partition import delay_proxy
@@ -245,29 +245,47 @@ class Netbed:
     def delay(self, a: str, delay_ms: int, jitter_ms: int = 0) -> None:
         """Delay what a sends by ``delay_ms`` ± ``jitter_ms``: its packets (``tc netem``) where the kernel
         has netem, else the bytes of its TCP connections in the bed (``delay_proxy``; UDP undelayed)."""
+        self.delay_every([a], delay_ms, jitter_ms)
+
+    def delay_every(self, names: Sequence[str], delay_ms: int, jitter_ms: int = 0) -> None:
+        """``delay`` for each of ``names`` at one moment: with the proxy, every proxy is started and
+        accepting before any namespace's rules go in. One namespace after another, each proxy's
+        start (a Python start-up) spread the onset over seconds, and a connection made again between
+        two namespaces' rules was reset again by the next ones (the lossy soak's leader, its etcd
+        connection reset twice, fenced)."""
         if delay_mechanism() == "netem":
             spec = ["netem", "delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
-            done = _run(*self.exec_prefix(a), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec, check=False)
-            if done.returncode != 0:
-                raise BedUnavailable(f"tc netem: {done.stderr.strip()}")
+            for a in names:
+                done = _run(*self.exec_prefix(a), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec, check=False)
+                if done.returncode != 0:
+                    raise BedUnavailable(f"tc netem: {done.stderr.strip()}")
         else:
-            self._start_proxy(a, delay_ms, jitter_ms)
-        self.faults.append(f"delay {a} {delay_ms}ms" + (f" {jitter_ms}ms" if jitter_ms else ""))
+            launched = [(a, self._launch_proxy(a, delay_ms, jitter_ms)) for a in names]
+            for a, proxy in launched:
+                self._await_listening(a, proxy)
+            for a in names:
+                self._redirect(a)
+        self.faults += [f"delay {a} {delay_ms}ms" + (f" {jitter_ms}ms" if jitter_ms else "") for a in names]
 
-    def _start_proxy(self, a: str, delay_ms: int, jitter_ms: int) -> None:
-        """A delay proxy in a's namespace, accepting, then the rules that hand it a's connections."""
+    def _launch_proxy(self, a: str, delay_ms: int, jitter_ms: int) -> subprocess.Popen:
+        """A delay proxy started in a's namespace (not yet accepting: ``_await_listening``)."""
         self._stop_proxy(a)
         seed = zlib.crc32(f"{a}:{len(self.faults)}".encode())
         argv = [sys.executable, "-m", "kvfleet_cli.partition.delay_proxy", "--listen", str(PROXY_PORT),
                 "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--seed", str(seed)]
-        proxy = subprocess.Popen([*self.exec_prefix(a), *argv], stdout=subprocess.PIPE, text=True,
-                                 env=parent_death.child_env(os.environ), start_new_session=True)
+        return subprocess.Popen([*self.exec_prefix(a), *argv], stdout=subprocess.PIPE, text=True,
+                                env=parent_death.child_env(os.environ), start_new_session=True)
+
+    def _await_listening(self, a: str, proxy: subprocess.Popen) -> None:
         if proxy.stdout.readline().strip() != "listening":
             proxy.kill()
             proxy.wait()
             proxy.stdout.close()
             raise BedUnavailable(f"the delay proxy in {a} did not start (exit {proxy.returncode})")
         self.proxies[a] = proxy
+
+    def _redirect(self, a: str) -> None:
+        """The rules that hand a's connections to its proxy (accepting by now)."""
         if a not in self._tracking:  # conntrack kept on for good: see _stop_proxy
             self._in(a, "iptables", "-t", "mangle", "-A", "OUTPUT", "-m", "conntrack", "--ctstate", "INVALID",
                      "-j", "RETURN")

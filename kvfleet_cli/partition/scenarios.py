@@ -48,6 +48,7 @@ class Scenario:
     inject: Callable[[BedCluster, str, str], None]  # (cluster, leader, standby)
     hold_s: float                                   # how long the fault lasts, in lease TTLs
     soak: bool = False                              # hold for the run's soak time instead
+    delay_ms: int = 0                               # the delay it adds to what every service sends
 
 
 def _leader_isolated(c: BedCluster, leader: str, standby: str) -> None:
@@ -89,10 +90,14 @@ def _one_way_standby_lagging(c: BedCluster, leader: str, standby: str) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+LOSSY_LOSS_PCT, LOSSY_DELAY_MS, LOSSY_JITTER_MS = 10.0, 200, 100
+
+
 def _lossy(c: BedCluster, leader: str, standby: str) -> None:
+    # tc netem, or the delay proxies where the kernel has no netem: every service's at one moment
+    c.bed.delay_every(SERVICES, LOSSY_DELAY_MS, LOSSY_JITTER_MS)
     for s in SERVICES:
-        c.bed.loss(s, None, 10.0)
-        c.bed.delay(s, 200, 100)  # tc netem, or the delay proxy where the kernel has no netem
+        c.bed.loss(s, None, LOSSY_LOSS_PCT)
 
 
 def _etcd_member_cut_off(c: BedCluster, leader: str, standby: str) -> None:
@@ -109,7 +114,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("node_cut_from_block_service", _node_cut_from_block_service, 3.0),
     Scenario("node_cut_from_etcd", _node_cut_from_etcd, 3.0),
     Scenario("etcd_unreachable", _etcd_unreachable, 2.5),
-    Scenario("lossy", _lossy, 0.0, soak=True),
+    Scenario("lossy", _lossy, 0.0, soak=True, delay_ms=LOSSY_DELAY_MS),
 ]}
 ETCD_MEMBER_SCENARIOS = {s.name: s for s in [
     Scenario("etcd_member_cut_off", _etcd_member_cut_off, 3.0),
@@ -182,7 +187,8 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
         traffic.stop()
     final = traffic.page_table.final_state()
     traffic.page_table.release_all(sorted(final))
-    result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples, began, ended)
+    result = check(traffic.page_table.writes, final, traffic.streams.streams, reference, traffic.quota.samples, began, ended,
+                   delay_s=scenario.delay_ms / 1000)
     result.update(faults=cluster.bed.faults[start:], leader_before=leader, leader_after=cluster.leader(),
                   recovered_after_heal_s=round(recovered_s, 2), exited=cluster.exited(),
                   refused_allocations=traffic.page_table.refusals,
@@ -190,7 +196,8 @@ def run_scenario(cluster: BedCluster, scenario: Scenario, reference: dict[int, l
     if history_dir is not None:
         path = Path(history_dir) / f"{scenario.name}-{run}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {k: result[k] for k in ("faults", "leader_before", "leader_after", "injected_at_s", "healed_at_s")}
+        meta = {k: result[k] for k in ("faults", "leader_before", "leader_after", "injected_at_s", "healed_at_s",
+                                       "stall_s")}
         path.write_text(json.dumps(history_json(traffic.page_table.writes, final, traffic.streams.streams,
                                                 traffic.quota.samples, began, ended, scenario=scenario.name, **meta)))
         result["history"] = str(path)

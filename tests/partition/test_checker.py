@@ -12,6 +12,7 @@ from kvfleet_cli.partition.checker import (
     lost_acknowledged,
     over_quota,
     split_brain_writes,
+    stall_thresholds,
     totals,
     unavailable_s,
     wrong_tokens,
@@ -45,6 +46,8 @@ def test_a_clean_history_passes_every_check():
                                    "over_quota")} == dict.fromkeys(
         ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota"), 0)
     assert result["unavailable_by_client_s"] == {"page_table": 2.0, "streams": 4.0}  # acked at 1.01, then 3.01
+    assert result["unavailable_raw_by_client_s"] == result["unavailable_by_client_s"]  # no delay: the same 1 s
+    assert result["stall_s"] == {"page_table": 1.0, "streams": 1.0}
     assert result["acknowledged_writes"] == 5 and result["failed_streams"] == 1
 
 
@@ -98,12 +101,24 @@ def test_quota_and_unavailability():
     assert unavailable_s([], 0, 3) == 3.0 and unavailable_s([0.1, 0.9, 9], 0, 1) == 0.0
 
 
+def test_a_delayed_scenario_allows_its_delay_once_per_leg_and_keeps_the_flat_figure():
+    # every service's sends delayed 200 ms: a page-table answer needs 3 legs, a first token 9
+    assert stall_thresholds(0.2) == {"page_table": 1.0 + 3 * 0.2, "streams": 1.0 + 9 * 0.2}
+    writes = [alloc(t, "bs-a", f"s{i}", [i]) for i, t in enumerate([0.0, 1.5, 3.0, 6.0])]  # acks 0.01 ... 6.01
+    streams = [Stream(0, 6.3, 0, [5] * 4, [2.5, 5.0, 5.1, 6.2])]  # first token after 2.5 s, then 2.5 and 1.1
+    result = check(writes, {f"s{i}": [i] for i in range(4)}, streams, {0: [5] * 4}, [], 0, 6.5, delay_s=0.2)
+    assert result["unavailable_by_client_s"] == {"page_table": 3.0, "streams": 0.0}  # only 3.01 → 6.01 past 1.6 s
+    assert result["unavailable_raw_by_client_s"] == {"page_table": 1.5 + 1.5 + 3.0, "streams": 2.5 + 2.5 + 1.1}
+    assert result["unavailable_s"] == 3.0 and result["unavailable_raw_s"] == 6.1
+    assert result["stall_s"] == {"page_table": 1.6, "streams": 2.8}
+
+
 def test_totals_sum_each_figure_over_the_scenarios():
     a = {"lost_acknowledged": 1, "double_grants": 0, "split_brain_writes": 2, "wrong_tokens": 0, "over_quota": 0,
-         "unavailable_s": 1.5}
-    assert totals({"a": a, "b": {**a, "unavailable_s": 2.25}}) == {
+         "unavailable_s": 1.5, "unavailable_raw_s": 2.0}
+    assert totals({"a": a, "b": {**a, "unavailable_s": 2.25, "unavailable_raw_s": 3.0}}) == {
         "lost_acknowledged": 2, "double_grants": 0, "split_brain_writes": 4, "wrong_tokens": 0, "over_quota": 0,
-        "unavailable_s": 3.75}
+        "unavailable_s": 3.75, "unavailable_raw_s": 5.0}
 
 
 def test_each_violation_carries_its_records_with_times_and_terms():
