@@ -23,6 +23,7 @@ from torch import nn
 
 import kernels
 from compute_service.model.config import ModelConfig
+from compute_service.model.cpu_linear import rows_per_pass
 from compute_service.model.rope import RotaryEmbedding, apply_rope
 from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
@@ -116,6 +117,17 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On CPU in passes of rows whose gate-up output stays under glibc's mmap ceiling (cpu_linear.py)."""
+        flat = x.reshape(-1, x.shape[-1])
+        rows = rows_per_pass(2 * self.intermediate * x.element_size(), getattr(self.gate_up_proj, "whole_rows", ()))
+        if flat.shape[0] <= rows or x.device.type != "cpu":
+            return self._pass(x)
+        out = flat.new_empty(flat.shape[0], self.down_proj.out_features)
+        for start in range(0, flat.shape[0], rows):
+            out[start:start + rows] = self._pass(flat[start:start + rows])
+        return out.view(*x.shape[:-1], -1)
+
+    def _pass(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))
 

@@ -13,9 +13,15 @@ over a day, so a node fed every batch size as it came grew by ~1 MiB a minute af
 MiB in a 30-minute soak, bounded only near 1,024 shapes: ~0.5 GiB). ``PackedLinear`` therefore hands
 oneDNN only a few row counts (``padded_rows``): at most 32 shapes per layer, all met once at load
 (``warm_up``), so the heap is flat from the first request on. The padding rows are zeros whose
-outputs are dropped. One more shape is the step's whole token budget (``batch_hint``): a prefill
-step that fills its budget is one call, not tiles joined by a copy (measured at 2,048 rows, two
-threads: tiles cost 5-19% more in float32, 3-6% in bfloat16).
+outputs are dropped. A few more shapes are the step's whole token budget (``batch_hint``) and its
+half and quarter (``whole_sizes``): a prefill step that fills its budget is one call, not tiles
+joined by a copy (measured at 2,048 rows, two threads: tiles cost 5-19% more in float32, 3-6% in
+bfloat16), and so is each pass of an MLP that takes such a step in halves (``rows_per_pass``).
+
+Why MLPs take passes: glibc serves an allocation of 32 MiB or more with a fresh ``mmap`` each time
+(below that, once one such block has been freed, from its heap), and each of its 4 KiB pages then
+faults when first written. bench-small's fused gate-up output for a 2,048-token float32 step is
+exactly 32 MiB: 590,000 page faults a run, and that matmul ran at half the speed of the others.
 """
 
 from __future__ import annotations
@@ -46,10 +52,26 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def row_tiles(rows: int, whole: int = 0) -> list[tuple[int, int, int]]:
-    """``(start, rows, padded rows)`` of each oneDNN call for an input of ``rows`` rows; exactly
-    ``whole`` rows (the step's token budget) go in one call."""
-    if rows == whole:
+PASS_BYTES = 24 << 20  # an MLP pass's intermediate (gate and up) at most: under glibc's 32 MiB mmap ceiling
+
+
+def whole_sizes(batch_hint: int) -> tuple[int, ...]:
+    """The row counts above one tile that go to oneDNN in one call: the step's token budget, its
+    half and its quarter."""
+    return tuple(n for n in (batch_hint, batch_hint // 2, batch_hint // 4) if n > TILE_ROWS)
+
+
+def rows_per_pass(row_bytes: int, whole: tuple[int, ...], budget: int = PASS_BYTES) -> int:
+    """Rows of one MLP pass whose intermediate (``row_bytes`` a row) stays within ``budget``: the
+    largest whole size that does, else a multiple of a tile."""
+    fits = budget // row_bytes
+    return next((n for n in sorted(whole, reverse=True) if n <= fits), max(TILE_ROWS, fits // TILE_ROWS * TILE_ROWS))
+
+
+def row_tiles(rows: int, whole: tuple[int, ...] = ()) -> list[tuple[int, int, int]]:
+    """``(start, rows, padded rows)`` of each oneDNN call for an input of ``rows`` rows; a whole
+    size (``whole_sizes``) goes in one call."""
+    if rows in whole:
         return [(0, rows, rows)]
     return [(start, min(TILE_ROWS, rows - start), padded_rows(min(TILE_ROWS, rows - start)))
             for start in range(0, rows, TILE_ROWS)]
@@ -63,7 +85,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.whole_rows = batch_hint if batch_hint > TILE_ROWS else 0  # a full step's rows: one call
+        self.whole_rows = whole_sizes(batch_hint)  # a full step's rows, its half and quarter: one call
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +152,6 @@ def warm_up(layers: list[PackedLinear]) -> None:
     shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype): m for m in layers}
     with torch.inference_mode():
         for (in_features, _, _, _), layer in shapes.items():
-            x = torch.zeros(max(TILE_ROWS, layer.whole_rows), in_features, dtype=layer.packed_weight.dtype)
-            whole = {layer.whole_rows} if layer.whole_rows else set()
-            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | whole):
+            x = torch.zeros(max(TILE_ROWS, *layer.whole_rows), in_features, dtype=layer.packed_weight.dtype)
+            for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | set(layer.whole_rows)):
                 layer(x[:rows])

@@ -5,7 +5,15 @@ because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
 import pytest
 import torch
 
-from compute_service.model.cpu_linear import TILE_ROWS, PackedLinear, pack_linears, padded_rows, row_tiles
+from compute_service.model.cpu_linear import (
+    TILE_ROWS,
+    PackedLinear,
+    pack_linears,
+    padded_rows,
+    row_tiles,
+    rows_per_pass,
+    whole_sizes,
+)
 from compute_service.node.mem_probe import malloc_info
 
 
@@ -27,10 +35,20 @@ def test_row_tiles_cover_every_row_once():
 
 
 def test_a_step_of_the_whole_budget_is_one_call():
-    assert row_tiles(2048, whole=2048) == [(0, 2048, 2048)]
-    assert row_tiles(2047, whole=2048) == row_tiles(2047)  # any other count: tiles
-    assert PackedLinear(torch.nn.Linear(8, 8), 2048).whole_rows == 2048
-    assert PackedLinear(torch.nn.Linear(8, 8), 64).whole_rows == 0  # within one tile anyway
+    assert row_tiles(2048, whole=(2048, 1024, 512)) == [(0, 2048, 2048)]
+    assert row_tiles(1024, whole=(2048, 1024, 512)) == [(0, 1024, 1024)]  # an MLP's pass (rows_per_pass)
+    assert row_tiles(2047, whole=(2048, 1024, 512)) == row_tiles(2047)  # any other count: tiles
+    assert PackedLinear(torch.nn.Linear(8, 8), 2048).whole_rows == (2048, 1024, 512)
+    assert PackedLinear(torch.nn.Linear(8, 8), 600).whole_rows == (600, 300)
+    assert PackedLinear(torch.nn.Linear(8, 8), 64).whole_rows == ()  # within one tile anyway
+
+
+def test_an_mlp_pass_keeps_its_intermediate_under_the_mmap_ceiling():
+    whole = whole_sizes(2048)
+    assert rows_per_pass(4096 * 2, whole) == 2048   # bench-small bfloat16: 16 MiB, one pass
+    assert rows_per_pass(4096 * 4, whole) == 1024   # float32: 32 MiB at 2,048 rows, so halves
+    assert rows_per_pass(28672 * 2, whole) == 256   # a 14,336-wide MLP in bfloat16: tiles
+    assert rows_per_pass(4096 * 4, ()) == 1536      # unpacked: a multiple of a tile
 
 
 @pytest.mark.parametrize("shape", [(1, 40), (7, 40), (17, 40), (TILE_ROWS, 40), (TILE_ROWS + 45, 40), (3, 5, 40),
@@ -78,3 +96,17 @@ def test_packed_model_meets_every_row_count_at_load():
     assert pack_linears(model, 2048) == 2
     grown = heap_growth_over_every_row_count(model, 88)
     assert grown < 5, f"the heap grew {grown:.1f} MiB over 300 row counts after the warm-up"
+
+
+def test_an_mlp_in_passes_gives_what_one_pass_gives():
+    from types import SimpleNamespace
+
+    from compute_service.model.causal_lm import MLP
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(hidden_size=64, intermediate_size=8192, mlp_bias=False, hidden_act="silu")
+    mlp = MLP(config)  # 64 KiB of intermediate a row: passes of 256 rows
+    x = torch.randn(600, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), mlp._pass(x), rtol=1e-5, atol=1e-6)
+        assert mlp(x[:200]).shape == (200, 64)
