@@ -7,8 +7,8 @@ another process (a neighbour on a shared host, this engine's own gRPC and schedu
 holds one of the CPUs, the barrier waits out the scheduler's time slice. On a 2-CPU host under load
 that made the engine 4-5x slower than with one thread (docs/benchmarks-history.md, "Engine vs vLLM-CPU").
 vLLM's CPU backend reserves one CPU per worker for its scheduler and binds its OpenMP threads to
-the rest; the engine starts the same way (usable CPUs - 1, at least 1), and
-``thread_governor.py`` moves it to all CPUs while they measure clearly faster.
+the rest; the engine weighs that count (usable CPUs - 1, at least 1) against all CPUs
+(``thread_governor.py``), starting at all of them and leaving them while they measure slower.
 ``KVFLEET_CPU_THREADS=N`` fixes N; an ``OMP_NUM_THREADS`` set in the environment is left to torch.
 
 Dtype. ``auto`` is bfloat16 on a CPU whose matmuls run bfloat16 natively (AMX or AVX512-BF16:

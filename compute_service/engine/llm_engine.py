@@ -18,6 +18,7 @@ import torch
 
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.cpu_host import usable_cpus
+from compute_service.engine.cpu_malloc import keep_heap
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.prefill_rate import PrefillRate
 from compute_service.engine.request_output import RequestOutput, StopChecker
@@ -78,6 +79,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         # thread_governor.py: why the count is re-decided while the engine works
         threads = thread_candidates(usable_cpus(), os.environ) if self.device.type == "cpu" else ()
+        if self.device.type == "cpu":
+            keep_heap(os.environ)  # cpu_malloc.py: a step's tensors in pages already faulted in
         if threads:
             torch.set_num_threads(threads[0])
         dtype = parse_dtype(config.dtype)

@@ -152,6 +152,6 @@ def warm_up(layers: list[PackedLinear]) -> None:
     shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype): m for m in layers}
     with torch.inference_mode():
         for (in_features, _, _, _), layer in shapes.items():
-            x = torch.zeros(max(TILE_ROWS, *layer.whole_rows), in_features, dtype=layer.packed_weight.dtype)
+            x = torch.zeros(max((TILE_ROWS, *layer.whole_rows)), in_features, dtype=layer.packed_weight.dtype)
             for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | set(layer.whole_rows)):
                 layer(x[:rows])
