@@ -32,6 +32,7 @@ from kvfleet_cli.partition.bed_cluster import PROBE_NODE, REPLICAS, BedCluster
 from kvfleet_cli.partition.checker import QuotaSample, Stream, Write
 
 CALL_TIMEOUT_S = 1.5
+CLEANUP_EVERY = 10  # rounds between releases of allocations that may have been applied unacknowledged
 STREAM_KEEPALIVE = KeepalivePolicy(ping_interval_ms=MIN_PING_INTERVAL_MS, ping_timeout_ms=3_000)
 PROBE_BLOCKS = 4096
 PROBE_BLOCK_BYTES = 1 << 12  # BED_TENANTS' tight quota counts in these
@@ -50,6 +51,19 @@ class _Loop(threading.Thread):
         self.join(60)
 
 
+def maybe_held(op: str, ok: bool, error: str) -> bool:
+    """A write whose allocation a replica may hold though it was not acknowledged: the call timed
+    out or broke, or the leader applied it and then could not write the durable mark. Not a
+    refusal (an answer: nothing held) nor a replica that is not the leader (it applies nothing)."""
+    return op == "alloc" and not ok and error not in ("Refusal", "NotLeader")
+
+
+def release_unsettled(answers: Sequence[tuple[bool, str]]) -> bool:
+    """A release (``(ok, error)`` from each replica) that no replica answered done or ``NotFound``:
+    the sequence may still be held (the release timed out or broke), so it is released again later."""
+    return not any(ok or error == "NotFound" for ok, error in answers)
+
+
 class PageTableClient(_Loop):
     def __init__(self, cluster: BedCluster, prefix: str = "p", tenant: str = "tight", interval_s: float = 0.05,
                  seed: int = 1) -> None:
@@ -58,6 +72,11 @@ class PageTableClient(_Loop):
         self.rng = random.Random(seed)
         self.writes: list[Write] = []
         self.acked: list[str] = []  # live sequences as acknowledged (candidates for a release)
+        # allocations perhaps held unacknowledged (or whose release went unanswered), released every
+        # CLEANUP_EVERY rounds as a node's
+        # resync would (not recorded: never acknowledged, no check reads them); kept, they filled
+        # the tenant's quota in the 300 s lossy soak and every allocation after ~150 s was refused
+        self.unsure: list[str] = []
         self.refusals = 0
 
     def run(self) -> None:
@@ -79,6 +98,8 @@ class PageTableClient(_Loop):
                 else:
                     await self._round(clients, "alloc", f"{self.prefix}{i}")
                     i += 1
+                if self.unsure and i % CLEANUP_EVERY == 0:
+                    await self._release_unsure(clients)
                 await asyncio.sleep(self.interval_s)
         finally:
             for c in clients.values():
@@ -107,6 +128,23 @@ class PageTableClient(_Loop):
             self.writes.append(Write(start, end, replica, op, sent_id, ok, blocks, error))
             if ok and op == "alloc":
                 self.acked.append(sent_id)
+            elif maybe_held(op, ok, error):
+                self.unsure.append(sent_id)
+        if op == "release" and release_unsettled([(ok, error) for ok, _, _, _, error in results]):
+            self.unsure.append(seq_id)
+
+    async def _release_unsure(self, clients: dict[str, BlockManagerClient]) -> None:
+        """Release the unsure allocations (a few at a time) on every replica; each is forgotten once
+        a replica answered its release (done, or ``NotFound``: never applied)."""
+        batch = self.unsure[:8]
+        answered = await asyncio.gather(*(self._forget(clients, seq_id) for seq_id in batch))
+        gone = {seq_id for seq_id, done in zip(batch, answered) if done}
+        self.unsure = [s for s in self.unsure if s not in gone]
+
+    async def _forget(self, clients: dict[str, BlockManagerClient], seq_id: str) -> bool:
+        results = await asyncio.gather(*(c.release([seq_id], tenant=self.tenant) for c in clients.values()),
+                                       return_exceptions=True)
+        return any(r is None or isinstance(r, NotFound) for r in results)
 
     async def _call(self, client: BlockManagerClient, op: str, seq_id: str):
         try:
@@ -118,7 +156,8 @@ class PageTableClient(_Loop):
             self.refusals += not ok  # the pool or the tenant's quota said no (an answer, not an outage)
             return ok, seq_id, tuple(got.block_ids) if ok else (), time.monotonic(), "" if ok else "Refusal"
         except Exception as e:
-            return False, seq_id, (), time.monotonic(), type(e).__name__
+            error = "NotLeader" if "is not the leader" in str(e) else type(e).__name__
+            return False, seq_id, (), time.monotonic(), error
 
     def final_state(self, timeout_s: float = 60.0) -> dict[str, list[int]]:
         """Seq id → block ids of every sequence this client allocated, as the leader holds them now."""
