@@ -56,17 +56,21 @@ partition-tools:
 		 apt-get install -y -q iptables >/dev/null 2>&1)) || echo "iptables could not be installed: partition tests will skip"; \
 	fi
 
+# every benchmark's --smoke shape under both dtype defaults (tests/bench/test_bench_smoke.py), two at a time
+# (each run has its own temporary directories and ports): 22 min on 2 cores with vLLM's sides (.venv-peers),
+# half the sum of the runs, measured with other work on the machine (load 5-9)
+BENCH_SMOKE := $(PY) -m pytest -q -n 2 --dist worksteal --durations=15 -m bench_smoke
+
 # everything, with the slowest tests named (CI runs this through .ci/run)
 test: setup protos $(REAL_MODEL)/config.json partition-tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --durations=10 -m "$(IN_PROCESS)"
 	$(PY) -m pytest -q --durations=25 -m "not ($(IN_PROCESS)) and not bench_smoke"
+	$(BENCH_SMOKE)
 
-# every benchmark's --smoke shape under both dtype defaults (tests/bench/test_bench_smoke.py): still ~25 min
-# a dtype on 2 cores after the smoke shapes were cut (cluster start-ups dominate), so not in `make test`,
-# whose CI budget it would break; run it before changing a benchmark or the engine's dtype
+# only the benchmarks' smoke runs (`make test` ends with them): before changing a benchmark or the engine's dtype
 test-bench: setup protos $(REAL_MODEL)/config.json partition-tools
-	$(PY) -m pytest -q --durations=25 -m bench_smoke
+	$(BENCH_SMOKE)
 
 # the inner loop: the in-process tier only, with a fifth of the property tests' examples (tests/examples.py)
 test-fast: setup protos $(REAL_MODEL)/config.json

@@ -1,6 +1,7 @@
 """A canary's verdicts against a known difference and a control (issue 32), then a promote under load.
 
-Two runs, each on a fresh local cluster of 3 nodes (2 stable + 1 canary, ``kvfleet_cli.canary_cluster``)
+Two runs, each on a fresh local cluster of 3 nodes (2 stable + 1 canary, ``kvfleet_cli.canary_cluster``; the
+smoke shape 1 stable + 1 canary)
 serving the tiny random model, the split at 0.33 of new conversations, the same seeded open-loop
 arrivals (distinct conversations, Poisson at ``--rate`` per second):
 
@@ -41,9 +42,9 @@ from bench.kv_transfer import progress  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 
 SHARE = 0.33
-FULL = dict(requests=360, max_tokens=16, warmup=12, promote_s=2.0)
-QUICK = dict(requests=150, max_tokens=12, warmup=12, promote_s=2.0)
-SMOKE = dict(requests=4, max_tokens=2, warmup=2, promote_s=0.5)
+FULL = dict(requests=360, max_tokens=16, warmup=12, promote_s=2.0, stable=2)
+QUICK = dict(requests=150, max_tokens=12, warmup=12, promote_s=2.0, stable=2)
+SMOKE = dict(requests=4, max_tokens=2, warmup=2, promote_s=0.5, stable=1)  # a node fewer to start and restart
 START_TIMEOUT_S = 300
 
 
@@ -85,19 +86,19 @@ async def arrivals(address: str, count: int, rate: float, max_tokens: int, seed:
         return list(await asyncio.gather(*tasks))
 
 
-def start(model: Path, canary_batch_wait_ms: float | None):
-    """A started cluster of 2 stable nodes and 1 canary (``canary_batch_wait_ms``: None, the same config)."""
+def start(model: Path, canary_batch_wait_ms: float | None, stable: int):
+    """A started cluster of ``stable`` stable nodes and 1 canary (``canary_batch_wait_ms``: None, the same config)."""
     from kvfleet_cli.canary_cluster import CanaryNodes, CanaryPlan
     from kvfleet_cli.local_cluster import LocalCluster
 
-    cluster = LocalCluster(model, num_nodes=2, log_level="WARNING", http=False, env={"OMP_NUM_THREADS": "1"},
+    cluster = LocalCluster(model, num_nodes=stable, log_level="WARNING", http=False, env={"OMP_NUM_THREADS": "1"},
                            router_args=("--warmup-s", "0"))
     Path(cluster.tenants_file).write_text(TENANTS)
     cluster.start(timeout=START_TIMEOUT_S)
     node = cluster.node if canary_batch_wait_ms is None else \
         dataclasses.replace(cluster.node, batch_wait_ms=canary_batch_wait_ms)
     text = "" if canary_batch_wait_ms is None else f"batch_wait_ms: {canary_batch_wait_ms:g}\n"
-    canary = CanaryNodes(cluster, CanaryPlan("bench-canary.yaml", text, node), ["node-2"])
+    canary = CanaryNodes(cluster, CanaryPlan("bench-canary.yaml", text, node), [f"node-{stable}"])
     canary.start(START_TIMEOUT_S)
     if canary.plan.problem:
         raise SystemExit(f"the canary did not start: {canary.plan.problem}")
@@ -197,8 +198,8 @@ def main() -> int:
     runs = {}
     promote = {}
     for name, wait in (("known", args.canary_batch_wait_ms), ("control", None)):
-        progress(f"{name}: starting 2 stable + 1 canary nodes")
-        cluster, canary = start(model, wait)
+        progress(f"{name}: starting {shape['stable']} stable + 1 canary nodes")
+        cluster, canary = start(model, wait, shape["stable"])
         try:
             runs[name] = measure(cluster, args, shape, seed=len(runs))
             progress(f"{name}: {verdicts(runs[name])}")

@@ -13,11 +13,24 @@ BENCH_MODEL = ROOT / "models" / "bench-small"
 
 
 def ensure_model(preset: str = "small", path: Path = BENCH_MODEL) -> Path:
+    """``path``, made once (seeded random weights) where it holds no model yet. Benchmarks started
+    together (the smoke tests' workers) may all find it missing: each writes a directory of its own
+    beside it and renames it into place, so none reads another's half-written weights."""
     if not (path / "config.json").is_file():
+        import os
+        import shutil
+
         sys.path.insert(0, str(ROOT))
         from kvfleet_cli.model_maker import make_model
 
-        make_model(path, preset, seed=0)
+        own = path.with_name(f".{path.name}.{os.getpid()}")
+        make_model(own, preset, seed=0)
+        try:
+            os.rename(own, path)  # atomic; fails where another run's copy (or a stale empty directory) is there
+        except OSError:
+            shutil.rmtree(own, ignore_errors=True)
+            if not (path / "config.json").is_file():
+                raise SystemExit(f"{path} holds no complete model (no config.json): remove it") from None
     return path
 
 

@@ -55,9 +55,11 @@ from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.prose_corpus import CHAT_QUESTIONS, CORPORA  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "fp8_e4m3")
-FULL = dict(prompts=64, positions=256, chats=8, greedy_tokens=64)
-QUICK = dict(prompts=16, positions=256, chats=8, greedy_tokens=32)
-SMOKE = dict(prompts=2, positions=64, chats=2, greedy_tokens=4)
+FULL = dict(prompts=64, positions=256, chats=8, greedy_tokens=64, step_tokens=2048)
+QUICK = dict(prompts=16, positions=256, chats=8, greedy_tokens=32, step_tokens=2048)
+# the smoke's greedy engines take 256-token steps (its 2 chat prompts fit one): an engine warms its packed
+# linears up at its step's rows, SmolLM2's output head included (float32: 9.8 s to build at 2,048, 6.0 at 256)
+SMOKE = dict(prompts=2, positions=64, chats=2, greedy_tokens=4, step_tokens=256)
 BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 64  # vLLM's CPU attention takes multiples of 32 ("No common block size for 16"); its FP8
 #                       KV scales are per layer, not per block, so the block size does not change its figures
@@ -175,7 +177,7 @@ def run(model_dir: Path, num_prompts: int, positions: int, corpus: str = "docs")
     return result, prompts
 
 
-def greedy_agreement(model_dir: Path, num_chats: int, max_tokens: int) -> dict:
+def greedy_agreement(model_dir: Path, num_chats: int, max_tokens: int, step_tokens: int = 2048) -> dict:
     """The chat questions answered greedily with bfloat16 KV and with FP8 KV (float32 compute)."""
     from compute_service.engine.llm_engine import EngineConfig, LLMEngine
     from kvfleet.sampling import SamplingParams
@@ -186,7 +188,7 @@ def greedy_agreement(model_dir: Path, num_chats: int, max_tokens: int) -> dict:
     answers = {}
     for kv in ("bfloat16", "fp8_e4m3"):
         engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20, dtype="float32",
-                                                   kv_cache_dtype=kv))
+                                                   kv_cache_dtype=kv, max_num_batched_tokens=step_tokens))
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         answers[kv] = [list(o.new_token_ids) for o in outs]
     lengths = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -322,7 +324,7 @@ def main() -> int:
         return 2
     result, prompts = run(model_dir, args.prompts or shape["prompts"], args.positions or shape["positions"],
                           args.corpus)
-    result.update(greedy_agreement(model_dir, shape["chats"], shape["greedy_tokens"]))
+    result.update(greedy_agreement(model_dir, shape["chats"], shape["greedy_tokens"], shape["step_tokens"]))
     if args.k_bfloat16:
         result["k_bf16_v_fp8"] = k_bf16_v_fp8(model_dir, prompts)
     result.update(vllm_figures(model_dir, prompts) if not args.skip_vllm else

@@ -76,9 +76,13 @@ def num_blocks(mib: int, kv_cache_dtype: str, block_size: int) -> tuple[int, int
 
 
 def make_engine(mib: int, kv_cache_dtype: str, block_size: int) -> LLMEngine:
+    """An engine that only holds KV: its pool is filled and fetched into directly, no step ever runs, so
+    its step budget is one block (an engine warms its packed linears up at its budget's rows at load,
+    SmolLM2's output head among them)."""
     n, per = num_blocks(mib, kv_cache_dtype, block_size)
     return LLMEngine(MODEL, EngineConfig(dtype="float32", block_size=block_size, kv_cache_memory=(n + 2) * per,
-                                         kv_cache_dtype=kv_cache_dtype, preemption_mode="recompute"))
+                                         kv_cache_dtype=kv_cache_dtype, preemption_mode="recompute",
+                                         max_num_batched_tokens=block_size))
 
 
 def chain(n: int, block_size: int) -> list[FetchedBlock]:

@@ -7,8 +7,15 @@ nothing and are not read.
 
 Benchmarks that construct no engine (block_service alone, kernels, emulations that pin float32) run
 once, under the bfloat16 default. vLLM's side needs ``.venv-peers`` (``make bench-peers``): without it
-engine_vs_vllm's smoke runs kvfleet's side and says in its JSON that vLLM was skipped, and
-fp8_accuracy reports vLLM's figures null with the reason; both are checked.
+engine_vs_vllm's smoke runs kvfleet's side and says in its JSON that vLLM was skipped, memory_breakdown
+says so too, and fp8_accuracy reports vLLM's figures null with the reason; all are checked. vLLM's side
+runs in its own interpreter and pins its dtype, so the default cannot reach it: where ``.venv-peers``
+exists it runs under the bfloat16 default only, and the float32 run takes the path without it (the one a
+machine without vLLM takes), so both paths run here.
+
+``make test`` runs these in an xdist invocation of their own (``-n 2``): every run has its own
+temporary directories and ports; a benchmark model two runs make at once lands whole (one copy is
+renamed into place, the other dropped: ``bench.common.ensure_model``).
 """
 
 from __future__ import annotations
@@ -36,11 +43,17 @@ NEEDS_SMOLLM2 = {"disagg", "fp8_accuracy", "fp8_kv_variants", "kv_transfer", "kv
 # JSON "dtype": the default the run was given (resolved by the engine, or by bench.common.engine_dtype)
 REPORTS_DEFAULT = {"block_service_failover", "canary", "cluster_ab", "cluster_overhead", "cold_start", "kv_layout",
                    "kv_tiers", "long_context", "p99_controller", "p99_sweep", "plan_vs_measured"}
+# their vLLM side (KVFLEET_PEERS_PYTHON, else .venv-peers): run under the bfloat16 default only
+VLLM_SIDE = {"engine_vs_vllm", "fp8_accuracy", "memory_breakdown"}
+NO_PEERS = "/nonexistent/kvfleet-smoke-float32-runs-without-vllm"
 PINNED = {"disagg": "float32", "engine_vs_transformers": "float32", "engine_vs_vllm": "bfloat16",
           "kv_transfer": "float32", "memory_breakdown": "float32", "paged_attention": "float32", "routing": "float32",
           "tenant_fairness": "float32"}
-CASES = [pytest.param(name, dtype, id=f"{name}-{dtype}")
-         for name in BENCHMARKS for dtype in ("float32", "bfloat16") if not (name in NO_ENGINE and dtype == "float32")]
+# the runs that may start vLLM (minutes each) first, so that under xdist the other worker takes the rest
+CASES = sorted((pytest.param(name, dtype, id=f"{name}-{dtype}")
+                for name in BENCHMARKS for dtype in ("float32", "bfloat16")
+                if not (name in NO_ENGINE and dtype == "float32")),
+               key=lambda case: not (case.values[0] in VLLM_SIDE and case.values[1] == "bfloat16"))
 
 
 def test_every_benchmark_has_a_smoke_shape():
@@ -50,12 +63,14 @@ def test_every_benchmark_has_a_smoke_shape():
 
 
 @pytest.mark.process  # interpreters, and the cluster benchmarks' clusters
-@pytest.mark.bench_smoke  # in `make test` (its process tier); `make test-bench` runs only these
+@pytest.mark.bench_smoke  # `make test` runs these in an invocation of their own (-n 2); `make test-bench` only these
 @pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_benchmark_smoke(name, dtype):
     if name in NEEDS_SMOLLM2 and not (SMOLLM2 / "config.json").is_file():
         pytest.skip(f"{name} needs {SMOLLM2.relative_to(ROOT)} (`kvfleet models pull`)")
     env = {**os.environ, DEFAULT_DTYPE_ENV: dtype}
+    if name in VLLM_SIDE and dtype == "float32":
+        env["KVFLEET_PEERS_PYTHON"] = NO_PEERS
     proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{name} --smoke exited {proc.returncode}:\n{proc.stderr[-3000:]}"
@@ -69,6 +84,10 @@ def test_benchmark_smoke(name, dtype):
         assert result["dtype"] == PINNED[name]
     if name == "engine_vs_vllm" and result.get("ratio") is None:  # no vLLM: said, never a silent pass
         assert "make bench-peers" in result["vllm_skipped"]
+    if name == "memory_breakdown":
+        assert "vllm" in result or "make bench-peers" in result["vllm_skipped"]
+    if env.get("KVFLEET_PEERS_PYTHON") == NO_PEERS:  # the path without vLLM was taken, and said
+        assert result.get("ratio") is None and (result.get("vllm_skipped") or result.get("vllm_reason"))
     if name == "fp8_accuracy":
         assert result["ppl_16bit"] > 1 and result["ppl_fp8"] > 1 and result["kl_mean"] >= 0
         assert (result["vllm_ppl_increase_frac"] is None) == bool(result["vllm_reason"])
