@@ -107,9 +107,13 @@ class NodeStream:
     def start(self, request: compute_pb2.ComputeRequest) -> Inbox:
         """Start ``request`` (its ``request_id`` unique on this stream); its events arrive in the inbox."""
         link = self._link
-        if link is None or link.broken:
-            link = self._link = _Link(self.stub, self.node_id)
         inbox: Inbox = asyncio.Queue()
+        if link is None or link.broken:
+            try:
+                link = self._link = _Link(self.stub, self.node_id)
+            except grpc.aio.UsageError as e:  # its channel closed: the node left etcd since it was picked
+                inbox.put_nowait(NodeFailure(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id}: {e}"))
+                return inbox  # a node failure: the relay tries another node
         link.inboxes[request.request_id] = inbox
         link.commands.put_nowait(compute_pb2.NodeCommand(start=request))
         return inbox

@@ -12,7 +12,7 @@ from kvfleet.membership import NodeInfo, NodeState
 from kvfleet.sampling import SamplingParams
 from kvfleet.tenants import Tenant
 from kvfleet.v1 import compute_pb2, inference_pb2
-from router.node_stream import NodeFailure
+from router.node_stream import NodeFailure, NodeStream
 from router.nodes import NodeTable, RouterNode
 from router.prefix_lookup import BlockServicePrefixLookup
 from router.relay import Relay, RelayError
@@ -300,3 +300,24 @@ def test_a_node_whose_key_leaves_etcd_during_the_prefix_lookup_still_gets_the_re
         return [c async for c in departing.run(req, TENANT)]
 
     assert chunks_nodes(asyncio.run(collect())) == {"cold"}  # its kept stream served it
+
+
+class ClosedChannelStub:
+    """A node's stub whose channel was closed when the node left etcd."""
+
+    def Serve(self):
+        raise grpc.aio.UsageError("Channel is closed")
+
+
+def test_a_node_whose_channel_closed_after_it_was_picked_is_a_node_failure_and_is_retried():
+    """Found by the partition bed's lossy soak: starting a Serve stream on a channel closed since
+    (the node left etcd) raised UsageError through the relay, and the client got UNKNOWN."""
+    inbox = NodeStream(ClosedChannelStub(), "gone").start(compute_pb2.ComputeRequest(request_id="r-1"))
+    event = inbox.get_nowait()
+    assert isinstance(event, NodeFailure) and event.code == grpc.StatusCode.UNAVAILABLE
+    nodes = table({"ok": [([7], LENGTH)]})
+    gone = NodeInfo("gone", "gone:1", "m", 64, 16, NodeState.READY)
+    nodes.nodes["gone"] = RouterNode(gone, None, NodeStream(ClosedChannelStub(), "gone"), ready_since=float("-inf"))
+    nodes.nodes["ok"].active_blocks = 50  # the picker prefers the departed node
+    chunks = run(nodes, max_tokens=1)
+    assert chunks[-1].finish_reason == LENGTH and chunks_nodes(chunks) == {"ok"}
