@@ -23,7 +23,7 @@ from torch import nn
 
 import kernels
 from compute_service.model.config import ModelConfig
-from compute_service.model.cpu_linear import rows_per_pass
+from compute_service.model.cpu_linear import rows_per_pass, whole_sizes
 from compute_service.model.rope import RotaryEmbedding, apply_rope
 from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
@@ -126,6 +126,10 @@ class MLP(nn.Module):
         for start in range(0, flat.shape[0], rows):
             out[start:start + rows] = self._pass(flat[start:start + rows])
         return out.view(*x.shape[:-1], -1)
+
+    def pass_rows(self, batch_hint: int, element_size: int) -> int:
+        """The rows of a pass when a step fills its budget (pack_linears makes it a whole shape)."""
+        return rows_per_pass(2 * self.intermediate * element_size, whole_sizes(batch_hint))
 
     def _pass(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

@@ -13,10 +13,11 @@ over a day, so a node fed every batch size as it came grew by ~1 MiB a minute af
 MiB in a 30-minute soak, bounded only near 1,024 shapes: ~0.5 GiB). ``PackedLinear`` therefore hands
 oneDNN only a few row counts (``padded_rows``): at most 32 shapes per layer, all met once at load
 (``warm_up``), so the heap is flat from the first request on. The padding rows are zeros whose
-outputs are dropped. A few more shapes are the step's whole token budget (``batch_hint``) and its
-half and quarter (``whole_sizes``): a prefill step that fills its budget is one call, not tiles
-joined by a copy (measured at 2,048 rows, two threads: tiles cost 5-19% more in float32, 3-6% in
-bfloat16), and so is each pass of an MLP that takes such a step in halves (``rows_per_pass``).
+outputs are dropped. One more shape is the step's whole token budget (``batch_hint``): a prefill
+step that fills its budget is one call, not tiles joined by a copy (measured at 2,048 rows, two
+threads: tiles cost 5-19% more in float32, 3-6% in bfloat16); and an MLP that takes such a step in
+passes (its half or quarter, ``rows_per_pass``) has that pass as a shape of its two layers too
+(``pass_rows``; only there: each shape warmed up at load costs a matmul of its rows per layer shape).
 
 Why MLPs take passes: glibc serves an allocation of 32 MiB or more with a fresh ``mmap`` each time
 (below that, once one such block has been freed, from its heap), and each of its 4 KiB pages then
@@ -56,7 +57,7 @@ PASS_BYTES = 24 << 20  # an MLP pass's intermediate (gate and up) at most: under
 
 
 def whole_sizes(batch_hint: int) -> tuple[int, ...]:
-    """The row counts above one tile that go to oneDNN in one call: the step's token budget, its
+    """The row counts above one tile an MLP pass may take in one call: the step's token budget, its
     half and its quarter."""
     return tuple(n for n in (batch_hint, batch_hint // 2, batch_hint // 4) if n > TILE_ROWS)
 
@@ -81,11 +82,12 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight in oneDNN's blocked layout (packed for ``batch_hint`` rows;
     any number of rows works, handed to oneDNN as ``row_tiles`` says: see the module's docstring)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int):
+    def __init__(self, linear: nn.Linear, batch_hint: int, pass_rows: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.whole_rows = whole_sizes(batch_hint)  # a full step's rows, its half and quarter: one call
+        # a full step's rows, and an MLP's pass of them: one call each
+        self.whole_rows = tuple(dict.fromkeys(n for n in (batch_hint, pass_rows) if n > TILE_ROWS))
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,14 @@ def pack_linears(model: nn.Module, batch_hint: int, thread_counts: tuple[int, ..
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     dtype = next(model.parameters()).dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+
+    def pack(parent: nn.Module, child: nn.Linear) -> PackedLinear:  # an MLP says its pass (MLP.pass_rows)
+        pass_rows = parent.pass_rows(batch_hint, elem) if hasattr(parent, "pass_rows") else 0
+        return PackedLinear(child, batch_hint, pass_rows)
+
     try:
-        first = PackedLinear(targets[0][2], batch_hint)
+        first = pack(targets[0][0], targets[0][2])
         first(torch.zeros(1, first.in_features, dtype=dtype))
     except (RuntimeError, AttributeError) as exc:
         log.warning("oneDNN linear layers unavailable (%s); using torch's default matmul", exc)
@@ -132,7 +140,7 @@ def pack_linears(model: nn.Module, batch_hint: int, thread_counts: tuple[int, ..
     packed = []
     for i in range(len(targets)):  # one layer at a time: its unpacked weight goes as its packed one comes
         (parent, name, child), targets[i] = targets[i], None
-        packed.append(first if i == 0 else PackedLinear(child, batch_hint))
+        packed.append(first if i == 0 else pack(parent, child))
         setattr(parent, name, packed[-1])
     del child
     layers, current = packed, torch.get_num_threads()
@@ -149,9 +157,10 @@ def warm_up(layers: list[PackedLinear]) -> None:
     """Meet every row count oneDNN will see, once per layer shape, so that its primitives exist
     before the first request: the heap they take (~0.5 MiB each) is then taken at load, and a batch
     size first met a day later adds nothing."""
-    shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype): m for m in layers}
+    shapes = {(m.in_features, m.out_features, m.bias is not None, m.packed_weight.dtype, m.whole_rows): m
+              for m in layers}
     with torch.inference_mode():
-        for (in_features, _, _, _), layer in shapes.items():
+        for (in_features, *_), layer in shapes.items():
             x = torch.zeros(max((TILE_ROWS, *layer.whole_rows)), in_features, dtype=layer.packed_weight.dtype)
             for rows in sorted({padded_rows(n) for n in range(1, TILE_ROWS + 1)} | set(layer.whole_rows)):
                 layer(x[:rows])

@@ -38,8 +38,9 @@ def test_a_step_of_the_whole_budget_is_one_call():
     assert row_tiles(2048, whole=(2048, 1024, 512)) == [(0, 2048, 2048)]
     assert row_tiles(1024, whole=(2048, 1024, 512)) == [(0, 1024, 1024)]  # an MLP's pass (rows_per_pass)
     assert row_tiles(2047, whole=(2048, 1024, 512)) == row_tiles(2047)  # any other count: tiles
-    assert PackedLinear(torch.nn.Linear(8, 8), 2048).whole_rows == (2048, 1024, 512)
-    assert PackedLinear(torch.nn.Linear(8, 8), 600).whole_rows == (600, 300)
+    assert PackedLinear(torch.nn.Linear(8, 8), 2048).whole_rows == (2048,)
+    assert PackedLinear(torch.nn.Linear(8, 8), 2048, pass_rows=1024).whole_rows == (2048, 1024)  # an MLP's
+    assert PackedLinear(torch.nn.Linear(8, 8), 2048, pass_rows=2048).whole_rows == (2048,)
     assert PackedLinear(torch.nn.Linear(8, 8), 64).whole_rows == ()  # within one tile anyway
 
 
@@ -110,3 +111,18 @@ def test_an_mlp_in_passes_gives_what_one_pass_gives():
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), mlp._pass(x), rtol=1e-5, atol=1e-6)
         assert mlp(x[:200]).shape == (200, 64)
+
+
+def test_only_an_mlp_that_takes_passes_gets_their_shape():
+    from types import SimpleNamespace
+
+    from compute_service.model.causal_lm import MLP
+
+    config = SimpleNamespace(hidden_size=64, intermediate_size=2048, mlp_bias=False, hidden_act="silu")  # bench-small's
+    model = torch.nn.ModuleDict({"mlp": MLP(config), "head": torch.nn.Linear(64, 4096, bias=False)})
+    assert pack_linears(model, 2048) == 3
+    assert model["mlp"].gate_up_proj.whole_rows == model["mlp"].down_proj.whole_rows == (2048, 1024)  # float32
+    assert model["head"].whole_rows == (2048,)
+    x = torch.randn(2048, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(model["mlp"](x), model["mlp"]._pass(x), rtol=1e-5, atol=1e-6)
