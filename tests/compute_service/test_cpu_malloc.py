@@ -35,13 +35,15 @@ def _faults(mode: str) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-@pytest.mark.process  # two interpreters, each with torch
+@pytest.mark.process  # an interpreter with torch
 def test_tensors_freed_at_each_step_come_back_without_page_faults():
+    """With the heap kept, a step's tensors (five of 8 MiB, freed at its end) reuse pages already
+    faulted in: 10 steps of 40 MiB would fault ~100,000 pages afresh. (glibc's default gives the
+    heap top back or not depending on its history: in an engine it did, ~260,000 faults a run; in
+    this small process it sometimes does not, so the default is not asserted here.)"""
     kept, faults = _faults("kept")
-    default, faults_default = _faults("default")
-    assert kept == "True" and default == "False"
+    assert kept == "True", "mallopt was not applied"
     assert faults < 200, f"{faults} page faults in 10 steps with the heap kept"
-    assert faults_default > 10 * 5000, f"glibc's default: {faults_default} faults (its heap top given back each step)"
 
 
 def test_glibc_tunables_in_the_environment_are_left_alone():
