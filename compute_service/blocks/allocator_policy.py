@@ -20,16 +20,21 @@ Three rules keep the engine's step from waiting on the network:
   goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
   the block, a generated block's commit or a sliding window's drop after at most ``defer_steps``.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
-  When the engine crosses a block boundary, ``extend`` hands over that reserve at once and queues
-  a top-up; block_service is only on the path when no reserve covers the growth.
+  The first allocation asks for it (``ask_tokens``: the prompt rounded up to its block boundary,
+  plus one block), so a prompt that fills its blocks exactly has the block of its first decoded
+  token at once; when block_service refuses that ask (the tenant's quota, the pool), it is asked
+  again without the reserve (``without_reserve``), which a top-up then brings. When the engine
+  crosses a block boundary, ``extend`` hands over the reserve at once and queues a top-up;
+  block_service is only on the path when no reserve covers the growth.
 
 The reserve costs at most one block per running sequence, charged to its tenant like any other;
 none is kept past ``max_model_len`` (``cap_length``), so a contiguous layout's reservation, which
-already covers it, gets none.
+already covers it, gets none, and neither does a chain whose every block is named (an import:
+nothing left to compute, it never grows).
 block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
 not token by token: its fill-level figures count a reserve block as full.
 
-A sequence's blocks, as the node sees them:
+A sequence's blocks, as the node sees them (the early asks carry the reserve from ``take_asks`` on):
 
     asked ──take_asks──▶ in flight ──fold_asks──▶ early ──allocate──▶ claimed ──release──▶ gone
                                                                         ▲
@@ -44,7 +49,8 @@ engine's, which releases it itself (``release``; a request's stream ending calls
 A claimed table is ``block_ids``: ``block_ids[:handed]`` were handed to the engine, the rest is
 the reserve, one block ahead; entries the engine dropped (``drop_front``, a sliding window) are
 ``DROPPED`` at once, so a sync lists the table as block_service will hold it after the drop.
-``num_tokens`` is the sequence's length at block_service (what was asked and granted).
+``num_tokens`` is the sequence's length at block_service (what was asked and granted: the reserve's end
+when the first allocation carried it).
 Early allocations are kept by ``EarlyGrants`` (early_grants.py); bookkeeping waits in
 ``WriteBehind`` (write_behind.py) until ``take`` empties it into one ``ApplyMany``; ``end_step``
 says when that is due.
@@ -53,7 +59,7 @@ says when that is due.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from compute_service.blocks.early_grants import EarlyGrants
@@ -97,6 +103,7 @@ class AllocatorPolicy:
         self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
         self._in_step = False
         self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
+        self._plain: dict[str, int] = {}            # early asks sent with a reserve → the tokens without it
 
     def cap_length(self, max_model_len: int) -> None:
         """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
@@ -110,13 +117,34 @@ class AllocatorPolicy:
         return self._early.ask(request)
 
     def take_asks(self) -> list[AllocateRequest]:
-        """The preallocations to send now."""
-        return self._early.take()
+        """The preallocations to send now, each with its reserve block (``ask_tokens``)."""
+        sent: list[AllocateRequest] = []
+        for request in self._early.take():
+            tokens = self.ask_tokens(request.block_hashes, request.num_tokens)
+            if tokens != request.num_tokens:
+                self._plain[request.seq_id] = request.num_tokens
+                request = replace(request, num_tokens=tokens)
+            sent.append(request)
+        return sent
+
+    def asks_again(self, asks: Sequence[AllocateRequest],
+                   results: Sequence[Allocation | Refusal | None]) -> list[tuple[int, AllocateRequest]]:
+        """Of sent early asks, those to send again at once without their reserve (``without_reserve``),
+        each with its index in ``asks``; the bridge puts them and their answers in place before
+        ``fold_asks``."""
+        again: list[tuple[int, AllocateRequest]] = []
+        for i, (request, result) in enumerate(zip(asks, results)):
+            plain = self._plain.get(request.seq_id, request.num_tokens)
+            if isinstance(result, Refusal) and self.without_reserve(plain, request.num_tokens, result) is not None:
+                again.append((i, replace(request, num_tokens=plain)))
+        return again
 
     def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
         """block_service's answers (``None``: the call failed). A grant for a sequence released
         while its ask was in flight is given back at once. True when a release was queued that
         the bridge should send soon."""
+        for request in asks:
+            self._plain.pop(request.seq_id, None)
         given = self._early.fold(asks, results)
         for seq_id in given:
             self._queue.release(seq_id)
@@ -130,10 +158,31 @@ class AllocatorPolicy:
         grant = self._early.take_grant(seq_id)
         if grant is None:
             return None
-        if self._early.fits(grant, block_hashes, num_tokens):
-            self.claim(seq_id, grant.request.tenant, grant.allocation, num_tokens)
-            return grant.allocation
+        if self._early.fits(grant, block_hashes, (num_tokens, self.ask_tokens(block_hashes, num_tokens))):
+            return self.claim(seq_id, grant.request.tenant, grant.allocation, num_tokens, grant.request.num_tokens)
         self._queue.release(seq_id)
+        return None
+
+    def ask_tokens(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        """What a first allocation of ``num_tokens`` asks block_service for: through the reserve
+        block (the blocks the tokens need, plus one), unless that passes ``max_model_len`` (a
+        contiguous reservation is that long already) or every token is in a named block (a chain
+        imported, which never grows)."""
+        need = self._blocks(num_tokens)
+        if len(block_hashes) * self.block_size >= num_tokens:
+            return num_tokens
+        if self._max_tokens is not None and need * self.block_size >= self._max_tokens:
+            return num_tokens
+        return (need + 1) * self.block_size
+
+    @staticmethod
+    def without_reserve(num_tokens: int, asked: int, refusal: Refusal) -> int | None:
+        """What to ask next for a first allocation of ``num_tokens`` that block_service refused
+        when asked for ``asked``: the tokens alone, when the reserve made the ask bigger and the
+        refusal was for room (the pool or the tenant's quota); None: the refusal stands (the old
+        top-up path brings the reserve once it fits). A reserve never costs an admission."""
+        if asked > num_tokens and refusal.reason in ("pool", "quota"):
+            return num_tokens
         return None
 
     def give_back_early(self, keep: str, refusal: Refusal) -> list[str]:
@@ -153,12 +202,18 @@ class AllocatorPolicy:
             self._queue.release(seq_id)
         return given
 
-    def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int) -> None:
-        """The engine now holds ``result``; queue its reserve block."""
-        blocks = len(result.block_ids)
-        self._tables[seq_id] = _Table(tenant, list(result.block_ids), blocks, num_tokens,
-                                      num_tokens // self.block_size)
-        self._topup(seq_id, num_tokens)
+    def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int,
+              asked: int | None = None) -> Allocation:
+        """The engine now holds ``result``, granted for ``asked`` tokens (default ``num_tokens``):
+        the blocks past the ``num_tokens`` it needs are its reserve; without one, queue a top-up.
+        Returns what the engine is handed."""
+        handed = min(self._blocks(num_tokens), len(result.block_ids))
+        self._tables[seq_id] = _Table(tenant, list(result.block_ids), handed,
+                                      num_tokens if asked is None else asked, num_tokens // self.block_size)
+        if handed == len(result.block_ids):
+            self._topup(seq_id, num_tokens)
+            return result
+        return Allocation(list(result.block_ids[:handed]), min(result.num_cached_blocks, handed))
 
     def extend(self, growth: Sequence[tuple[str, int]]) -> Growth:
         """Hand over reserve blocks where they cover the growth (queueing the next reserve);

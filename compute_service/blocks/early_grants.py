@@ -7,14 +7,16 @@ engine claims them. Pure.
       (never sent)      given back when    given back (the caller queues the release)
                         its answer lands
 
-An ask is answered with the prefix hit block_service saw when it was sent; ``RecentCommits`` says
-whether a block the grant missed was committed on this node since (the grant is stale then: asking
-again finds it cached instead of computing it again).
+An ask is sent (and granted) with the sequence's reserve block (allocator_policy.py), or without
+it when block_service refused that; either fits. An ask is answered with the prefix hit
+block_service saw when it was sent; ``RecentCommits`` says whether a block the grant missed was
+committed on this node since (the grant is stale then: asking again finds it cached instead of
+computing it again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from compute_service.blocks.recent_commits import RecentCommits
@@ -70,14 +72,15 @@ class EarlyGrants:
     def take_grant(self, seq_id: str) -> Grant | None:
         return self._granted.pop(seq_id, None)
 
-    def fits(self, grant: Grant, block_hashes: Sequence[bytes], num_tokens: int) -> bool:
-        """The grant answers the engine's ask: asked the same way, and not stale (no block it
-        missed was committed on this node after it was asked: another sequence prefilled the
-        shared prefix meanwhile)."""
+    def fits(self, grant: Grant, block_hashes: Sequence[bytes], asked_as: Collection[int]) -> bool:
+        """The grant answers the engine's ask: asked the same way (the same hashes, for one of
+        ``asked_as``: the engine's tokens, or those through its reserve block), and not stale (no
+        block it missed was committed on this node after it was asked: another sequence
+        prefilled the shared prefix meanwhile)."""
         hit = grant.allocation.num_cached_blocks
         stale = hit < len(block_hashes) and self._recent_commits.committed_since(block_hashes[hit], grant.mark)
         return (list(grant.request.block_hashes) == list(block_hashes)
-                and grant.request.num_tokens == num_tokens and not stale)
+                and grant.request.num_tokens in asked_as and not stale)
 
     def give_back(self, keep: str, shortfall: int) -> list[str]:
         """The newest grants other than ``keep``'s, until the blocks they hold past their cache

@@ -58,6 +58,10 @@ class RemoteBlockAllocator:
         self.link: BlockLink = self._sender.link      # the sender's, read by the node (never replaced)
         self.syncs: BlockSync = self._sender.syncs
         self._stats = AllocatorStats(num_blocks, num_blocks, 0, 0, 0, 0)  # the last figures block_service gave
+        # calls the engine's step waited on block_service for: its own first allocations (no early
+        # grant fitted) and extends no reserve in the table covered (kvfleet:node_block_sync_calls)
+        self.num_sync_allocates = 0
+        self.num_sync_extends = 0
 
     # -- what the node reads and sets -------------------------------------------------------------
 
@@ -161,21 +165,27 @@ class RemoteBlockAllocator:
     def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
         with self._lock:
             early = self._policy.allocate(seq_id, block_hashes, num_tokens)
+            asked = self._policy.ask_tokens(block_hashes, num_tokens)  # through the reserve block
         if early is not None:
             return early
 
         async def ask():
             self._sender.num_rpcs += 1
-            result = await self.client.allocate(self.node_id, seq_id, tenant, block_hashes, num_tokens)
+            self.num_sync_allocates += 1
+            result = await self.client.allocate(self.node_id, seq_id, tenant, block_hashes, asked)
             if isinstance(result, Allocation):  # claimed inside the flush lock: a sync lists it
                 with self._lock:
-                    self._policy.claim(seq_id, tenant, result, num_tokens)
+                    return self._policy.claim(seq_id, tenant, result, num_tokens, asked)
             return result
 
         def unavailable() -> Refusal:
             return Refusal.unavailable(self.node_id, tenant, -(-num_tokens // self.block_size))
 
         result = self._sender.answer(ask, unavailable, seq_id)
+        plain = self._policy.without_reserve(num_tokens, asked, result) if isinstance(result, Refusal) else None
+        if plain is not None:  # the reserve made it not fit: the blocks alone (a top-up brings it later)
+            asked = plain
+            result = self._sender.answer(ask, unavailable, seq_id)
         if isinstance(result, Refusal):
             with self._lock:  # early grants of requests queued behind it give way (sent before the retry)
                 given = self._policy.give_back_early(seq_id, result)
@@ -188,6 +198,7 @@ class RemoteBlockAllocator:
             grown = self._policy.extend(growth)
         answers: dict[str, list[int] | Refusal] = dict(grown.answers)
         if grown.short:
+            self.num_sync_extends += 1  # the step waits on the loop: a flush in flight, or block_service
             unavailable = {s: Refusal.unavailable(self.node_id) for s, _ in grown.short}
             answers.update(self._sender.answer(lambda: self._extend_now(grown.short), lambda: unavailable,
                                                grown.short[0][0]))

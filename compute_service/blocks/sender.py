@@ -158,6 +158,11 @@ class BlockSender:
                 await self._send_batch(batch, tiers)
             if asks:
                 results = await self._send_asks(asks)
+                with self.lock:  # refused for their reserve: asked again without it, in place
+                    again = self.policy.asks_again(asks, results)
+                if again:
+                    for (i, request), result in zip(again, await self._send_asks([r for _, r in again])):
+                        asks[i], results[i] = request, result
         finally:  # cancelled too (an engine call that timed out): every ask taken gets its answer
             if asks:
                 self._answered(asks, results)

@@ -39,6 +39,7 @@ class NodeStatus:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
     block_rpcs: Callable[[], int] = lambda: 0  # the allocator's RPC count (0 for an in-process pool)
     reconciled: Callable[[], int] = lambda: 0  # sequences reconciliation released at block_service
+    block_sync_calls: Callable[[], dict[str, int]] = dict  # block_service calls a step waited on, by call
 
     def __post_init__(self) -> None:
         self.idle.set()

@@ -253,7 +253,9 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
     else:
         blocks.on_refused = _fail_refused(async_engine)
         status = NodeStatus(node_id, role=command.role, block_rpcs=lambda: blocks.num_rpcs,
-                            reconciled=lambda: blocks.link.num_reconciled)
+                            reconciled=lambda: blocks.link.num_reconciled,
+                            block_sync_calls=lambda: {"allocate": blocks.num_sync_allocates,
+                                                      "extend": blocks.num_sync_extends})
         early = _early_blocks(remote, blocks, engine)
     node = NodeContext(status, async_engine, pool.block_size, settings.stream_interval, early,
                        _prefix_fetcher(command, parts, async_engine))

@@ -38,6 +38,7 @@ class NodeSample:
     fetch: FetchReading | None = None  # KV fetched from peers (None: the node fetches none)
     role: str = "mixed"           # kvfleet.roles
     group: str = "stable"         # kvfleet.groups
+    block_sync_calls: tuple[tuple[str, int], ...] = ()  # (call, count): block_service calls a step waited on
 
 
 def families(s: NodeSample) -> Iterator[Metric]:
@@ -74,6 +75,10 @@ def families(s: NodeSample) -> Iterator[Metric]:
                         "that samples its first token", node, [(key, e.prefill_time)])
     yield from _tier_families(s)
     yield from _fetch_families(s)
+    if s.block_sync_calls:
+        yield counter("node_block_sync_calls", "block_service calls the engine's step waited on: allocate (no early "
+                      "grant fitted) and extend (no reserve block covered the growth)", ("node", "call"),
+                      [((s.node_id, call), n) for call, n in s.block_sync_calls])
     yield gauge("node_requests_in_flight", "Request streams open on the node", node, [(key, s.num_in_flight)])
     yield gauge("node_role", "1 for the node's role (mixed, prefill, decode): join on node for per-role figures",
                 ("node", "role"), [((s.node_id, s.role), 1)])
@@ -145,4 +150,4 @@ async def sample(node, status, block_size: int, group: str = "stable") -> NodeSa
     the node's loop."""
     fetch = node.prefix_fetch.figures.reading() if node.prefix_fetch is not None else None
     return NodeSample(status.node_id, status.state.value, block_size, status.num_in_flight, await node.engine_stats(),
-                      fetch, status.role, group)
+                      fetch, status.role, group, tuple(sorted(status.block_sync_calls().items())))

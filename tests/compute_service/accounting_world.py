@@ -11,7 +11,8 @@ from kvfleet.block_hash import reusable_blocks
 
 NODE, NUM_BLOCKS, BS, BPB = "n0", 24, 16, 1 << 18   # four blocks per MiB
 TENANTS = {"gold": None, "small": 1.5}               # quota in MiB: "small" gets six blocks
-PROMPTS = [40, 40, 20, 33]                            # tokens; the 40s share their two full blocks
+PROMPTS = [40, 40, 20, 33, 32]                        # tokens; the 40s share their two full blocks, 32 fills
+                                                      # two exactly (its first decoded token needs a third)
 FATES = ["ok"] * 6 + ["lost", "unapplied"]            # an RPC's answer; lost: applied, answer never came
 
 

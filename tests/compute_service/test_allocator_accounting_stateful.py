@@ -72,22 +72,32 @@ class AccountingMachine(RuleBasedStateMachine):
             if batch:
                 yield from self.send_batch(batch, in_call)
             if asks and self.up:
-                fate = yield
-                if fate != "unapplied":
-                    try:
-                        results = self.table.allocate_many(asks)
-                    except AlreadyExists:  # one id already live: nothing applied, each asks again
-                        pass
-                yield
-                if fate != "ok":
-                    results = [None] * len(asks)
-                    self.trouble()
-                    if in_call:
-                        raise Lost
+                results = yield from self.allocate_many(asks, in_call)
+                again = self.policy.asks_again(asks, results)  # refused for their reserve: without it
+                if again and self.up:
+                    for (i, request), result in zip(again, (yield from self.allocate_many([r for _, r in again], in_call))):
+                        asks[i], results[i] = request, result
         finally:  # cancelled too: every ask taken is answered, its request woken
             if asks:
                 self.kick(self.policy.fold_asks(asks, results))
                 self.wake(r.seq_id for r in asks)
+
+    def allocate_many(self, asks: list[AllocateRequest], in_call: bool):
+        """``_send_asks``: block_service's answers, ``None`` each where none came back."""
+        results: list = [None] * len(asks)
+        fate = yield
+        if fate != "unapplied":
+            try:
+                results = self.table.allocate_many(asks)
+            except AlreadyExists:  # one id already live: nothing applied, each asks again
+                pass
+        yield
+        if fate != "ok":
+            self.trouble()
+            if in_call:
+                raise Lost
+            return [None] * len(asks)
+        return results
 
     def send_batch(self, batch: Bookkeeping, in_call: bool):
         """``_send_batch``: one that did not reach block_service (or whose answer did not come
@@ -252,16 +262,28 @@ class AccountingMachine(RuleBasedStateMachine):
             self.admitted(r, length, early)
             return
 
-        def rpc():
+        def ask(asked: int):
             fate = yield
             if fate != "unapplied":
-                result = self.table.allocate(NODE, r.seq_id, r.tenant, hashes, length)
+                result = self.table.allocate(NODE, r.seq_id, r.tenant, hashes, asked)
             yield
             if fate != "ok":
                 raise Lost
             if isinstance(result, Allocation):  # claimed inside the flush lock
-                self.policy.claim(r.seq_id, r.tenant, result, length)
+                return self.policy.claim(r.seq_id, r.tenant, result, length, asked)
             return result
+
+        def rpc():
+            """Through the reserve block; refused for it, the blocks alone (a call of its own)."""
+            asked = self.policy.ask_tokens(hashes, length)
+            result = yield from ask(asked)
+            plain = self.policy.without_reserve(length, asked, result) if isinstance(result, Refusal) else None
+            if plain is None:
+                return result
+            yield from self.send(in_call=True)
+            if not self.up:
+                return Refusal.unavailable(NODE)
+            return (yield from ask(plain))
 
         self.call(rpc, lambda: Refusal.unavailable(NODE), lambda result: self.admitted(r, length, result))
 
@@ -349,8 +371,9 @@ class AccountingMachine(RuleBasedStateMachine):
         orphans = [s.seq_id for s in self.policy.live_sequences()
                    if self.requests[s.seq_id].ended and not self.requests[s.seq_id].in_engine]
         assert not orphans, f"held for requests that are over: {orphans}"
-        held = {s[0]: list(s[3]) for s in self.table.to_dict()["sequences"] if s[1] == NODE}
-        live = {s.seq_id: list(s.block_ids) for s in self.policy.live_sequences()}
+        # (blocks, length): a first allocation through its reserve block is that long at block_service
+        held = {s[0]: (list(s[3]), s[4]) for s in self.table.to_dict()["sequences"] if s[1] == NODE}
+        live = {s.seq_id: (list(s.block_ids), s.num_tokens) for s in self.policy.live_sequences()}
         assert held == live, f"block_service holds {held}, the node knows {live}"
 
     def settle_bridge(self) -> None:

@@ -55,13 +55,73 @@ def test_preallocations_of_one_loop_iteration_go_together_and_the_match_is_claim
     assert policy.ask(asked("b", 20, H[:1])) is False     # rides along
     asks = policy.take_asks()
     assert [r.seq_id for r in asks] == ["a", "b"] and policy.take_asks() == []
-    policy.fold_asks(asks, [Allocation([0, 1, 2], 0), refusal()])
-    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2], 40)]
+    assert [r.num_tokens for r in asks] == [4 * BS, 3 * BS]  # each through its reserve block
+    policy.fold_asks(asks, [Allocation([0, 1, 2, 3], 0), refusal("unavailable")])
+    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2, 3], 4 * BS)]
     assert policy.allocate("b", H[:1], 20) is None        # refused early: the engine asks itself
     got = policy.allocate("a", H[:2], 40)
-    assert got == Allocation([0, 1, 2], 0)
-    assert policy.take().topups == [("a", 4 * BS)]        # its reserve: one block past the handed ones
-    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2], 40)]
+    assert got == Allocation([0, 1, 2], 0)                # the reserve is not the engine's yet
+    assert not policy.has_bookkeeping()                   # it came with the grant: no top-up
+    assert policy.live_sequences() == [LiveSequence("a", "t", [0, 1, 2, 3], 4 * BS)]
+
+
+def test_a_prompt_filling_its_blocks_decodes_its_first_token_into_the_reserve_it_was_granted_with():
+    """Issue 34: a prompt of whole blocks needs a new block at its first decoded token. Its reserve
+    came as a top-up sent after the step, behind the prompt's commits, so that token found none
+    and the engine asked block_service on its step (8-77 ms on a LAN, 1.5-2.2 s on the lossy soak).
+    The first allocation carries the reserve now, early or asked by the engine itself."""
+    policy = AllocatorPolicy(BS)
+    policy.ask(asked("e", 32, H[:1]))                     # two full blocks (the last one recomputed)
+    asks = policy.take_asks()
+    assert asks == [asked("e", 3 * BS, H[:1])]
+    policy.fold_asks(asks, [Allocation([0, 1, 2], 1)])
+    assert policy.allocate("e", H[:1], 32) == Allocation([0, 1], 1)
+    assert policy.ask_tokens(H[:1], 32) == 3 * BS         # the engine's own ask, granted as block_service does
+    assert policy.claim("s", "t", Allocation([5, 6, 7], 0), 32, 3 * BS) == Allocation([5, 6], 0)
+    assert not policy.has_bookkeeping()                   # no top-up queued for either
+    grown = policy.extend([("e", 33), ("s", 33)])
+    assert grown.short == [] and grown.answers == {"e": [2], "s": [7]}
+    assert policy.take().topups == [("e", 4 * BS), ("s", 4 * BS)]  # the next reserves, write-behind
+    assert policy.live_sequences() == [LiveSequence("e", "t", [0, 1, 2], 3 * BS),
+                                       LiveSequence("s", "t", [5, 6, 7], 3 * BS)]
+
+
+def test_no_reserve_past_max_model_len_nor_for_a_chain_whose_every_block_is_named():
+    policy = AllocatorPolicy(BS)
+    assert policy.ask_tokens([], 20) == 3 * BS
+    assert policy.ask_tokens(H[:2], 32) == 32             # an imported chain: nothing left to compute
+    policy.cap_length(64)
+    assert policy.ask_tokens([], 64) == 64                # a contiguous reservation: max_model_len already
+    assert policy.ask_tokens(H[:3], 64) == 64
+    assert policy.ask_tokens([], 50) == 50                # its blocks hold every token it may reach
+    assert policy.ask_tokens([], 40) == 64                # the last block it may need is its reserve
+    policy.ask(asked("c", 64))
+    assert policy.take_asks() == [asked("c", 64)]
+
+
+def test_an_ask_refused_for_its_reserve_is_asked_again_without_it():
+    """A reserve never costs an admission: refused for the pool or the tenant's quota, the blocks
+    alone are asked for at once; the reserve then comes as a top-up, when it fits."""
+    policy = AllocatorPolicy(BS)
+    for seq_id in ("q", "p", "u", "g"):
+        policy.ask(asked(seq_id, 40, H[:2]))
+    asks = policy.take_asks()
+    results = [refusal("quota"), pool_short(1), refusal("unavailable"), Allocation([0, 1, 2, 3], 0)]
+    again = policy.asks_again(asks, results)
+    assert again == [(0, asked("q", 40, H[:2])), (1, asked("p", 40, H[:2]))]
+    assert policy.asks_again([r for _, r in again], [refusal("quota"), refusal("quota")]) == []  # refused still
+    for i, request in again:                              # the bridge puts them in place
+        asks[i] = request
+    results[:2] = [Allocation([4, 5, 6], 0), refusal("quota")]
+    policy.fold_asks(asks, results)
+    assert [(s.seq_id, s.num_tokens) for s in policy.live_sequences()] == [("q", 40), ("g", 4 * BS)]
+    assert policy.allocate("q", H[:2], 40) == Allocation([4, 5, 6], 0)  # granted without: it fits
+    assert policy.take().topups == [("q", 4 * BS)]        # and its reserve is topped up, as before
+    # the engine's own ask: the same decision
+    assert policy.without_reserve(40, 4 * BS, refusal("quota")) == 40
+    assert policy.without_reserve(40, 4 * BS, pool_short(1)) == 40
+    assert policy.without_reserve(40, 4 * BS, refusal("unavailable")) is None
+    assert policy.without_reserve(40, 40, refusal("quota")) is None  # asked without: the refusal stands
 
 
 def test_an_early_allocation_asked_differently_is_given_back():
@@ -312,3 +372,16 @@ def test_early_grants_give_way_to_the_sequence_the_pool_refused_newest_first():
     assert policy.give_back_early("head", refusal("quota")) == []  # the tenant's answer: nothing to gain
     assert policy.give_back_early("head", pool_short(9)) == ["b"]  # still short: the rest goes too
     assert policy.give_back_early("head", pool_short(9)) == []     # nothing more to give: no retry
+
+
+def test_grants_carrying_their_reserve_fit_and_give_way_with_it():
+    """A grant holds its reserve until claimed: given back, it frees that block too."""
+    policy = AllocatorPolicy(BS)
+    for seq_id, hashes in (("head", []), ("b", H[2:4]), ("c", H[4:6])):
+        policy.ask(asked(seq_id, 40, hashes))
+    policy.fold_asks(policy.take_asks(), [refusal("pool"), Allocation([3, 4, 5, 6], 1), Allocation([7, 8, 9, 10], 0)])
+    # 4 blocks short: c's four (its reserve with them) cover it; b keeps its hit
+    assert policy.give_back_early("head", pool_short(4)) == ["c"]
+    assert policy.allocate("b", H[2:4], 40) == Allocation([3, 4, 5], 1)
+    assert policy.take().releases == ["c"]
+    assert policy.live_sequences() == [LiveSequence("b", "t", [3, 4, 5, 6], 4 * BS)]

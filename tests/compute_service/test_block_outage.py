@@ -71,11 +71,11 @@ def test_block_service_that_lost_the_node_gets_its_pool_and_sequences_back(node,
     allocator.allocate("a", "t", hashes(ids), 40)
     on_loop(allocator.settle())
     served.restart(keep_state=False)  # as if the router dropped the pool after a lease expiry
-    answer = allocator.extend([("a", 49)])[0]  # past the reserve: block_service says NOT_FOUND
+    answer = allocator.extend([("a", 65)])[0]  # past the reserve: block_service says NOT_FOUND
     assert isinstance(answer, Refusal) and answer.transient
     wait_up(allocator, on_loop)
     check_agrees(allocator, on_loop, client)
-    assert isinstance(allocator.extend([("a", 49)])[0], list)
+    assert isinstance(allocator.extend([("a", 65)])[0], list)
     check_agrees(allocator, on_loop, client)
     served.table.check()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from compute_service.engine.stats import EngineStats
 from compute_service.node import metrics
 from kvfleet.allocator import AllocatorStats
@@ -90,3 +92,12 @@ def test_queue_and_prefill_times_are_histograms():
     assert r.get_sample_value("kvfleet:node_request_queue_time_seconds_count", node) == 1
     assert r.get_sample_value("kvfleet:node_request_prefill_time_seconds_bucket", {**node, "le": "0.05"}) == 1
     assert r.get_sample_value("kvfleet:node_request_prefill_time_seconds_sum", node) == 2.05
+
+
+def test_block_service_calls_a_step_waited_on_are_counted_by_call():
+    sample = _sample()
+    assert registry_of(metrics.families(sample)).get_sample_value(
+        "kvfleet:node_block_sync_calls_total", {"node": "node-0", "call": "extend"}) is None  # in-process pool
+    r = registry_of(metrics.families(replace(sample, block_sync_calls=(("allocate", 3), ("extend", 1)))))
+    assert r.get_sample_value("kvfleet:node_block_sync_calls_total", {"node": "node-0", "call": "allocate"}) == 3
+    assert r.get_sample_value("kvfleet:node_block_sync_calls_total", {"node": "node-0", "call": "extend"}) == 1

@@ -81,6 +81,49 @@ def test_quota_refusal_after_the_reserve(node):
     check_agrees(allocator, on_loop, client)
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_a_prompt_of_whole_blocks_decodes_its_first_token_with_no_call_and_gives_every_block_back(node, early):
+    """Issue 34: the reserve of a new sequence came as a write-behind top-up, so a prompt filling
+    its blocks exactly found none at its first decoded token and the engine's step asked
+    block_service. The first allocation (early, or the engine's own ask) carries the reserve."""
+    allocator, on_loop, client = node
+    ids = list(range(2 * BS))
+    if early:
+        on_loop(allocator.preallocate("a", "t", ids))
+    got = allocator.allocate("a", "t", hashes(ids), 2 * BS)
+    assert isinstance(got, Allocation) and len(got.block_ids) == 2
+    held_now = held(on_loop, client, "a")
+    assert (len(held_now.block_ids), held_now.num_tokens) == (3, 3 * BS)  # the reserve, before any flush
+    check_agrees(allocator, on_loop, client)
+    rpcs = allocator.num_rpcs
+    allocator.begin_step()
+    assert allocator.extend([("a", 2 * BS + 1)]) == [list(held_now.block_ids[2:])]
+    assert allocator.num_rpcs == rpcs and allocator.num_sync_extends == 0  # answered from the table
+    allocator.end_step()
+    settle(allocator, on_loop)
+    allocator.release(["a"])
+    holds_nothing(allocator, on_loop, client)  # every block, the reserve too
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_an_ask_the_reserve_takes_past_the_quota_is_admitted_without_it(node, early):
+    """Tenant q may hold 4 blocks: a 4-block prompt asked with its reserve (5) is refused for the
+    quota, then asked without it and admitted; its reserve is topped up when it fits."""
+    allocator, on_loop, client = node
+    ids = list(range(4 * BS))
+    if early:
+        on_loop(allocator.preallocate("s", "q", ids))
+        assert [(s.seq_id, s.num_tokens) for s in allocator.live_sequences()] == [("s", 4 * BS)]
+    calls = allocator.num_sync_allocates
+    got = allocator.allocate("s", "q", hashes(ids, "q"), 4 * BS)
+    assert isinstance(got, Allocation) and len(got.block_ids) == 4
+    assert allocator.num_sync_allocates - calls == (0 if early else 2)  # early: retried on the loop
+    allocator.end_step()
+    settle(allocator, on_loop)  # its top-up is refused (the quota): nothing held beyond 4
+    check_agrees(allocator, on_loop, client)
+    assert len(held(on_loop, client, "s").block_ids) == 4
+
+
 def settle(allocator, on_loop):
     """Wait until a flush that ``end_step`` may have kicked off has finished."""
 
