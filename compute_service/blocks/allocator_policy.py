@@ -22,8 +22,8 @@ Three rules keep the engine's step from waiting on the network:
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
   The first allocation asks for it (``ask_tokens``: the prompt rounded up to its block boundary,
   plus one block), so a prompt that fills its blocks exactly has the block of its first decoded
-  token at once; when block_service refuses that ask (the tenant's quota, the pool), it is asked
-  again without the reserve (``without_reserve``), which a top-up then brings. When the engine
+  token at once; when block_service refuses that ask for the reserve alone (the tenant's quota,
+  the pool), it is asked again without it (``without_reserve``), which a top-up then brings. When the engine
   crosses a block boundary, ``extend`` hands over the reserve at once and queues a top-up;
   block_service is only on the path when no reserve covers the growth.
 
@@ -175,15 +175,18 @@ class AllocatorPolicy:
             return num_tokens
         return (need + 1) * self.block_size
 
-    @staticmethod
-    def without_reserve(num_tokens: int, asked: int, refusal: Refusal) -> int | None:
+    def without_reserve(self, num_tokens: int, asked: int, refusal: Refusal) -> int | None:
         """What to ask next for a first allocation of ``num_tokens`` that block_service refused
-        when asked for ``asked``: the tokens alone, when the reserve made the ask bigger and the
-        refusal was for room (the pool or the tenant's quota); None: the refusal stands (the old
-        top-up path brings the reserve once it fits). A reserve never costs an admission."""
-        if asked > num_tokens and refusal.reason in ("pool", "quota"):
-            return num_tokens
-        return None
+        when asked for ``asked``: the tokens alone, when the refusal was for room (the pool or the
+        tenant's quota) and by its figures the reserve alone may have made the difference (a
+        reserve never costs an admission; a top-up brings it later). None: the refusal stands, and
+        a sequence waiting for a full pool costs one call a step, as it did before the reserve."""
+        reserve = self._blocks(asked) - self._blocks(num_tokens)
+        if reserve <= 0 or refusal.reason not in ("pool", "quota"):
+            return None
+        # the room it reports is at most what the ask may take (pinned cache, others' reservations)
+        shortfall = refusal.blocks_asked - (refusal.blocks_allowed - refusal.blocks_charged)
+        return num_tokens if shortfall <= reserve else None
 
     def give_back_early(self, keep: str, refusal: Refusal) -> list[str]:
         """The pool refused ``keep``, the sequence the engine is admitting: other early grants go

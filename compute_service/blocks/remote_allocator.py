@@ -190,6 +190,7 @@ class RemoteBlockAllocator:
             with self._lock:  # early grants of requests queued behind it give way (sent before the retry)
                 given = self._policy.give_back_early(seq_id, result)
             if given:
+                asked = num_tokens  # what they free may not cover a reserve: the blocks alone
                 result = self._sender.answer(ask, unavailable, seq_id)
         return result
 

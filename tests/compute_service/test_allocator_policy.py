@@ -103,10 +103,10 @@ def test_an_ask_refused_for_its_reserve_is_asked_again_without_it():
     """A reserve never costs an admission: refused for the pool or the tenant's quota, the blocks
     alone are asked for at once; the reserve then comes as a top-up, when it fits."""
     policy = AllocatorPolicy(BS)
-    for seq_id in ("q", "p", "u", "g"):
+    for seq_id in ("q", "p", "u", "g", "f"):
         policy.ask(asked(seq_id, 40, H[:2]))
     asks = policy.take_asks()
-    results = [refusal("quota"), pool_short(1), refusal("unavailable"), Allocation([0, 1, 2, 3], 0)]
+    results = [refusal("quota"), pool_short(1), refusal("unavailable"), Allocation([0, 1, 2, 3], 0), pool_short(3)]
     again = policy.asks_again(asks, results)
     assert again == [(0, asked("q", 40, H[:2])), (1, asked("p", 40, H[:2]))]
     assert policy.asks_again([r for _, r in again], [refusal("quota"), refusal("quota")]) == []  # refused still
@@ -122,6 +122,10 @@ def test_an_ask_refused_for_its_reserve_is_asked_again_without_it():
     assert policy.without_reserve(40, 4 * BS, pool_short(1)) == 40
     assert policy.without_reserve(40, 4 * BS, refusal("unavailable")) is None
     assert policy.without_reserve(40, 40, refusal("quota")) is None  # asked without: the refusal stands
+    # short by more than the reserve: the blocks alone would be refused too (a sequence waiting for
+    # a full pool asks once a step, not twice)
+    assert policy.without_reserve(40, 4 * BS, pool_short(2)) is None
+    assert policy.without_reserve(40, 4 * BS, Refusal("quota", "n0", "t", 4, 2, 4)) is None
 
 
 def test_an_early_allocation_asked_differently_is_given_back():

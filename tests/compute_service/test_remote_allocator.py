@@ -124,6 +124,16 @@ def test_an_ask_the_reserve_takes_past_the_quota_is_admitted_without_it(node, ea
     assert len(held(on_loop, client, "s").block_ids) == 4
 
 
+def test_an_ask_short_by_more_than_its_reserve_is_not_asked_again(node):
+    """Tenant q may hold 4 blocks: a 5-block prompt is refused with or without its reserve, so the
+    engine's step makes one call for it, as before the reserve."""
+    allocator, on_loop, client = node
+    ids = list(range(5 * BS))
+    refused = allocator.allocate("s", "q", hashes(ids, "q"), 5 * BS)
+    assert isinstance(refused, Refusal) and refused.reason == "quota"
+    assert allocator.num_sync_allocates == 1 and allocator.live_sequences() == []
+
+
 def settle(allocator, on_loop):
     """Wait until a flush that ``end_step`` may have kicked off has finished."""
 
