@@ -17,8 +17,11 @@ Three rules keep the engine's step from waiting on the network:
   they are queued and sent together after a step. What others wait for goes at the end of its
   step: releases (free blocks, the tenant's quota) and commits of prompt blocks (a request
   sharing the prefix may arrive any moment). Decode-time bookkeeping rides along with those, or
-  goes on its own once it is due: a top-up ``TOPUP_MARGIN`` steps before its sequence could need
-  the block, a generated block's commit or a sliding window's drop after at most ``defer_steps``.
+  goes on its own once it is due: a top-up early enough that its answer is back before its
+  sequence could need the block (``TOPUP_MARGIN`` steps, plus the steps of two measured
+  round trips to block_service: ``set_topup_lead``, topup_lead.py; at the latest with the step
+  that queued it), a generated block's commit or a sliding window's drop after at most
+  ``defer_steps``.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
   The first allocation asks for it (``ask_tokens``: the prompt rounded up to its block boundary,
   plus one block), so a prompt that fills its blocks exactly has the block of its first decoded
@@ -72,7 +75,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFER_STEPS", "TOPUP_MARGIN", "AllocatorPolicy", "Bookkeeping", "Growth", "LiveSequence"]
 
 DEFER_STEPS = 16   # the most steps a generated block's commit waits for company
-TOPUP_MARGIN = 2   # a top-up goes this many steps before its sequence could need the block
+TOPUP_MARGIN = 2   # a top-up goes this many steps (plus the measured lead) before its sequence could need the block
 
 
 @dataclass(slots=True)
@@ -104,10 +107,16 @@ class AllocatorPolicy:
         self._in_step = False
         self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
         self._plain: dict[str, int] = {}            # early asks sent with a reserve → the tokens without it
+        self._topup_lead = 0                        # steps a top-up goes before the margin (the link's pace)
 
     def cap_length(self, max_model_len: int) -> None:
         """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
         self._max_tokens = max_model_len
+
+    def set_topup_lead(self, steps: int) -> None:
+        """Top-ups queued from now on go ``steps`` earlier than ``TOPUP_MARGIN`` (the bridge's
+        measure of its round trip to block_service in engine steps: ``topup_lead.Pace``)."""
+        self._topup_lead = max(steps, 0)
 
     # -- early allocation -------------------------------------------------------------------------
 
@@ -410,8 +419,10 @@ class AllocatorPolicy:
 
     def _topup(self, seq_id: str, num_tokens: int) -> None:
         """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
-        a little before decoding (a token a step) fills the blocks it has."""
+        early enough before decoding (a token a step) fills the blocks it has that its answer is
+        back in time (the margin and the measured lead; at the latest with this step)."""
         held = self._tables[seq_id].handed
         if self._max_tokens is not None and held * self.block_size >= self._max_tokens:
             return  # the handed blocks already hold every token the sequence may reach
-        self._queue.topup(seq_id, (held + 1) * self.block_size, held * self.block_size - num_tokens - TOPUP_MARGIN)
+        free = held * self.block_size - num_tokens
+        self._queue.topup(seq_id, (held + 1) * self.block_size, free - TOPUP_MARGIN - self._topup_lead)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 
 from compute_service.blocks.allocator_policy import DEFER_STEPS, AllocatorPolicy
@@ -62,6 +63,7 @@ class RemoteBlockAllocator:
         # grant fitted) and extends no reserve in the table covered (kvfleet:node_block_sync_calls)
         self.num_sync_allocates = 0
         self.num_sync_extends = 0
+        self._step_began: tuple[float, int] | None = None  # (monotonic, sync calls so far) at begin_step
 
     # -- what the node reads and sets -------------------------------------------------------------
 
@@ -152,12 +154,18 @@ class RemoteBlockAllocator:
     # -- BlockAllocator (the engine's step thread) ------------------------------------------------
 
     def begin_step(self) -> None:
+        self._step_began = (time.monotonic(), self.num_sync_allocates + self.num_sync_extends)
         with self._lock:
             self._policy.begin_step()
 
     def end_step(self) -> None:
-        """The engine finished a step: send what is queued if it is urgent or due (returns at once)."""
+        """The engine finished a step: send what is queued if it is urgent or due (returns at once).
+        The step's time paces the top-ups (a step that waited on block_service is not the engine's pace)."""
+        began, self._step_began, now = self._step_began, None, time.monotonic()
         with self._lock:
+            if began is not None and began[1] == self.num_sync_allocates + self.num_sync_extends:
+                self._sender.pace.step(now - began[0])
+                self._policy.set_topup_lead(self._sender.pace.lead_steps())
             send = self._policy.end_step()
         if send or self._tiers.pending:
             self._sender.send_soon()

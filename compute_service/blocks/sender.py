@@ -29,6 +29,7 @@ from compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
 from compute_service.blocks.link import DOWN, BlockLink, trouble_of
 from compute_service.blocks.sync import BlockSync, SyncOutcome
 from compute_service.blocks.tier_queue import TierQueue
+from compute_service.blocks.topup_lead import Pace
 from kvfleet.allocator import AllocateRequest, TierChange
 from kvfleet.backoff import error_line
 from kvfleet.errors import NotFound
@@ -56,6 +57,7 @@ class BlockSender:
         self.trace_context_of = trace_context_of
         self.on_refused: OnRefused | None = None  # set by the node once its engine runs
         self.num_rpcs = 0
+        self.pace = Pace()                # ApplyMany's round trip (here) and the engine's step, under ``lock``
         self.link = BlockLink()
         self.syncs = BlockSync(node_id, self.sync)
         self._links = BatchLinks(trace_context_of)  # the requests each bookkeeping batch serves
@@ -189,10 +191,13 @@ class BlockSender:
 
     async def _send_bookkeeping(self, batch: Bookkeeping, tiers: list[TierChange]) -> None:
         self.num_rpcs += 1
+        sent = time.monotonic()
         result = await self.client.apply(batch.commits, batch.releases, batch.topups, drops=batch.drops,
                                          node_id=self.node_id, tiers=tiers)
+        round_trip = time.monotonic() - sent
         self.tiers.fold_applied(tiers, result)
         with self.lock:
+            self.pace.round_trip(round_trip)  # how early a top-up must go (``AllocatorPolicy.set_topup_lead``)
             refused = self.policy.fold_applied(batch, result)
         for error in refused:  # refused alone: the rest of the batch was applied
             log.warning("block_service refused %s", error.line())

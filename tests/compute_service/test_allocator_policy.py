@@ -15,6 +15,7 @@ from compute_service.blocks.allocator_policy import (
     AllocatorPolicy,
     LiveSequence,
 )
+from compute_service.blocks.topup_lead import Pace, lead_steps
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 BS = 16
@@ -158,6 +159,38 @@ def test_a_topup_is_due_a_margin_before_decoding_could_need_it():
     assert steps_until_sent(policy) == 32 - 20 - TOPUP_MARGIN + 1
     policy = claimed(32, [0, 1])                          # full: the reserve goes with this step
     assert steps_until_sent(policy) == 1
+
+
+@pytest.mark.parametrize("round_trip, step, sent_after", [
+    (None, None, 32 - 20 - TOPUP_MARGIN + 1),          # nothing measured: the margin alone, as before
+    (0.125, 0.0625, 32 - 20 - TOPUP_MARGIN - 4 + 1),   # two round trips are 4 steps: that much earlier
+    (0.5, 0.03125, 1),                                 # longer than the block: with this step, no earlier
+])
+def test_a_topup_goes_the_steps_of_two_measured_round_trips_earlier(round_trip, step, sent_after):
+    policy = AllocatorPolicy(BS)
+    policy.set_topup_lead(lead_steps(round_trip, step))
+    policy.claim("s", "t", Allocation([0, 1], 0), 20)  # 12 free slots in its 2 blocks
+    assert steps_until_sent(policy) == sent_after
+
+
+def test_a_topup_after_the_reserve_is_handed_over_goes_early_too():
+    policy = AllocatorPolicy(BS)
+    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)   # its reserve came with it
+    policy.set_topup_lead(5)
+    assert policy.extend([("s", 33)]).answers == {"s": [2]}    # the reserve: 15 free slots, top-up queued
+    assert steps_until_sent(policy) == 15 - TOPUP_MARGIN - 5 + 1
+
+
+def test_the_pace_leads_only_once_both_the_round_trip_and_the_step_were_measured():
+    pace = Pace()
+    assert pace.lead_steps() == 0
+    pace.round_trip(0.25)
+    assert pace.lead_steps() == 0                          # no step yet: as before any measure
+    pace.step(0.0625)
+    assert pace.lead_steps() == 8                          # 2 x 0.25 s at 1/16 s a step
+    for _ in range(100):
+        pace.round_trip(0.015625)                          # the link got fast: the lead follows
+    assert pace.lead_steps() == 1
 
 
 def test_a_prompt_blocks_commit_is_urgent_a_generated_blocks_waits_for_company():
