@@ -10,7 +10,14 @@
               remains. Tries used to be cut at half the time left to the fence: over the lossy
               soak's link one slow answer was cut at TTL/6, and the tries after it, given less than
               a round trip, could never succeed (a leader fenced every ~10 s at TTL 5)
-    fence:    past it, or the lease or the key gone: not the leader any more (no write is accepted)
+    fence:    past it: no write is accepted (``holds()`` False); the tries go on until the lease can
+              have lapsed in etcd (TTL after the last success was sent): one answered meanwhile proves
+              the lease never lapsed (etcd renews no expired lease) and the key still this replica's,
+              so the same term goes on with the fence moved past now. Ending the term at the fence
+              cost a takeover (~4 s at TTL 3) for every answer late by a moment: over the lossy
+              soak's link a reconnect (TLS through the lossy link), or a campaign that took 0.9 s
+              with its first refresh due 0.6 s after winning
+    lapse:    past it, or the lease or the key gone: not the leader any more; the standby may campaign
     watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
 
 Split brain is impossible by construction: only the key's holder accepts writes, and etcd hands
@@ -52,6 +59,7 @@ class Election:
         self.clock = clock
         self.lease_id: int | None = None
         self._fence_at = 0.0   # monotonic time after which this replica must not accept writes
+        self._lapse_at = 0.0   # the earliest the lease can have lapsed in etcd: leadership ends there
         self._lost = asyncio.Event()
         self._revision = 0      # the etcd revision at which this replica took the key
         self._why = ""
@@ -73,7 +81,7 @@ class Election:
             with contextlib.suppress(Exception):
                 await self.client.revoke_lease(lease.id)
             return False
-        self.lease_id, self._fence_at = lease.id, sent + self.ttl_s / 2
+        self.lease_id, self._fence_at, self._lapse_at = lease.id, sent + self.ttl_s / 2, sent + self.ttl_s
         self._revision = responses[0].response_put.header.revision
         self._lost = asyncio.Event()
         return True
@@ -102,20 +110,22 @@ class Election:
         interval = self.ttl_s / 6
         tries: dict[asyncio.Task, float] = {}  # refreshes in flight → when each was sent
         failing = False  # the last try failed: the next one comes at once
+        fenced = False   # past the fence with no answer since: said once, and again when one comes
         try:
             while True:
                 # TTL/6 after the last success was sent, not after it came back: a campaign that took
                 # 1.3 s over a slow link left its first refresh 0.2 s to the fence (fenced 1.2 s after winning)
                 now = self.clock()
+                deadline = self._lapse_at if fenced else self._fence_at
                 if len(tries) >= MAX_TRIES:
-                    next_at = self._fence_at  # until one of them answers
+                    next_at = deadline  # until one of them answers
                 elif failing:
                     next_at = now + RETRY_PAUSE_S
                 elif tries:  # none answered yet: another beside them TTL/6 after the last was sent
                     next_at = max(tries.values()) + interval
                 else:
                     next_at = self._fence_at - self.ttl_s / 2 + interval
-                wait = max(min(next_at, self._fence_at) - now, 0.0)
+                wait = max(min(next_at, deadline) - now, 0.0)
                 for task in await self._first_of(tries, wait):
                     if task not in tries:  # cancelled: an answer to a later try came first
                         continue
@@ -132,15 +142,27 @@ class Election:
                         return self._lose("the lease expired")
                     if current is None or current.lease != self.lease_id:
                         return self._lose("the leader key was deleted or taken")
+                    # the lease was alive when this try reached etcd (an expired one is never renewed)
                     self._fence_at = max(self._fence_at, sent + self.ttl_s / 2)
+                    self._lapse_at = max(self._lapse_at, sent + self.ttl_s)
                     failing = False
+                    if fenced and self.clock() < self._fence_at:
+                        fenced = False
+                        log.warning("block_service at %s: a lease refresh succeeded again before the lease could "
+                                    "lapse; accepting writes again (the same term)", self.me.address)
                     for older in [t for t, at in tries.items() if at <= sent]:  # answered by this one
                         del tries[older]
                         older.cancel()
                 if self._lost.is_set():
                     return self._why
-                if self.clock() >= self._fence_at:
-                    return self._lose(f"no lease refresh succeeded for {self.ttl_s / 2:.1f} s (TTL/2)")
+                if self.clock() >= self._lapse_at:
+                    return self._lose(f"no lease refresh succeeded for {self.ttl_s} s (TTL): the lease may have "
+                                      f"lapsed")
+                if not fenced and self.clock() >= self._fence_at:
+                    fenced = True
+                    log.warning("block_service at %s: no lease refresh succeeded for %.1f s (TTL/2); accepting no "
+                                "writes until one does, or the lease can have lapsed in %.1f s", self.me.address,
+                                self.ttl_s / 2, max(self._lapse_at - self.clock(), 0.0))
                 if self.clock() >= next_at - 1e-9 and len(tries) < MAX_TRIES:
                     # the refresh and the key's check together: one round trip, not two (a 0.5 s RTT
                     # link took > TTL/6 for the pair, and every try ran out: 17 fences in 90 s at TTL 3)

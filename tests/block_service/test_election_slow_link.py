@@ -68,3 +68,41 @@ def test_a_later_try_answering_first_ends_the_older_one_and_counts():
     # the first try of each pair answers in 1.9 s (within its fence), the one sent beside it in 0.2 s
     held, refreshes = asyncio.run(_lead_for(_SlowEtcd((1.9, 0.2)), 7.0))
     assert held and refreshes >= 3
+
+
+class _FrozenEtcd(_SlowEtcd):
+    """Every refresh sent from ``FROZEN_S[0]`` on is answered at ``FROZEN_S[1]`` at the earliest (as
+    over a connection that broke and took its TLS reconnect across the lossy link), the others at once."""
+
+    FROZEN_S = (0.5, 4.0)
+
+    def __init__(self) -> None:
+        super().__init__((0.0,))
+        self.t0 = asyncio.get_running_loop().time()
+
+    async def refresh_lease(self, lease_id):
+        now = asyncio.get_running_loop().time() - self.t0
+        if now >= self.FROZEN_S[0]:
+            await asyncio.sleep(max(self.FROZEN_S[1] - now, 0.0))
+        return await super().refresh_lease(lease_id)
+
+
+def test_an_answer_past_the_fence_but_before_the_lease_can_lapse_resumes_the_same_term():
+    """TTL 6: the fence 3 s after the campaign was sent, the lease's earliest lapse 6 s after; etcd
+    answers nothing from 0.5 s to 4 s. Past the fence no write is accepted; the try sent at the fence
+    answers at 4 s, proving the lease alive, and the same replica holds again (the term was ended at
+    the fence: a takeover for every late answer)."""
+    async def run() -> tuple[bool, bool, bool]:
+        etcd = _FrozenEtcd()
+        election = Election(etcd, Leader("a:1", "L"), ttl_s=6)
+        assert await election.campaign()
+        leading = asyncio.create_task(election.lead())
+        await asyncio.sleep(3.5)
+        fenced = not election.holds()
+        await asyncio.sleep(1.5)
+        resumed = election.holds() and not leading.done()
+        await election.resign()
+        await asyncio.wait_for(leading, 5)
+        return fenced, resumed, etcd.refreshes >= 1
+
+    assert asyncio.run(run()) == (True, True, True)
