@@ -20,17 +20,21 @@ Three rules keep the engine's step from waiting on the network:
   goes on its own once it is due: a top-up early enough that its answer is back before its
   sequence could need the block (``TOPUP_MARGIN`` steps, plus the steps of two measured
   round trips to block_service: ``set_topup_lead``, topup_lead.py; at the latest with the step
-  that queued it), a generated block's commit or a sliding window's drop after at most
-  ``defer_steps``.
+  that queued it, and once: not again while it is in flight), a generated block's commit or a
+  sliding window's drop after at most ``defer_steps``.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
   The first allocation asks for it (``ask_tokens``: the prompt rounded up to its block boundary,
   plus one block), so a prompt that fills its blocks exactly has the block of its first decoded
   token at once; when block_service refuses that ask for the reserve alone (the tenant's quota,
   the pool), it is asked again without it (``without_reserve``), which a top-up then brings. When the engine
   crosses a block boundary, ``extend`` hands over the reserve at once and queues a top-up;
-  block_service is only on the path when no reserve covers the growth.
+  block_service is only on the path when no reserve covers the growth. A top-up can go no
+  earlier than that hand-over, so where the margin and the lead are more steps than a block's
+  decoding (a slow link, fast steps) the top-ups keep that many blocks ahead (``reserve_blocks``,
+  at most ``MAX_RESERVE_BLOCKS``).
 
-The reserve costs at most one block per running sequence, charged to its tenant like any other;
+The reserve costs one block per running sequence (up to ``MAX_RESERVE_BLOCKS`` on a slow link),
+charged to its tenant like any other;
 none is kept past ``max_model_len`` (``cap_length``), so a contiguous layout's reservation, which
 already covers it, gets none, and neither does a chain whose every block is named (an import:
 nothing left to compute, it never grows).
@@ -66,6 +70,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from compute_service.blocks.early_grants import EarlyGrants
+from compute_service.blocks.topup_lead import reserve_blocks
 from compute_service.blocks.write_behind import Bookkeeping, WriteBehind
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, LiveSequence, Refusal
 
@@ -93,6 +98,7 @@ class _Table:
     handed: int              # blocks the engine has been given
     num_tokens: int          # the sequence's length at block_service
     prompt_blocks: int       # full blocks of its prompt: their commits are urgent
+    topped: int = 0          # tokens a top-up queued or in flight asks for (0: none; asked once)
 
 
 class AllocatorPolicy:
@@ -108,6 +114,7 @@ class AllocatorPolicy:
         self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
         self._plain: dict[str, int] = {}            # early asks sent with a reserve → the tokens without it
         self._topup_lead = 0                        # steps a top-up goes before the margin (the link's pace)
+        self._reserve = 1                           # blocks topped up past the handed ones (more: a slow link)
 
     def cap_length(self, max_model_len: int) -> None:
         """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
@@ -115,8 +122,10 @@ class AllocatorPolicy:
 
     def set_topup_lead(self, steps: int) -> None:
         """Top-ups queued from now on go ``steps`` earlier than ``TOPUP_MARGIN`` (the bridge's
-        measure of its round trip to block_service in engine steps: ``topup_lead.Pace``)."""
+        measure of its round trip to block_service in engine steps: ``topup_lead.Pace``), and
+        bring as many reserve blocks as decoding goes through in that time (``reserve_blocks``)."""
         self._topup_lead = max(steps, 0)
+        self._reserve = reserve_blocks(TOPUP_MARGIN + self._topup_lead, self.block_size)
 
     # -- early allocation -------------------------------------------------------------------------
 
@@ -217,13 +226,14 @@ class AllocatorPolicy:
     def claim(self, seq_id: str, tenant: str, result: Allocation, num_tokens: int,
               asked: int | None = None) -> Allocation:
         """The engine now holds ``result``, granted for ``asked`` tokens (default ``num_tokens``):
-        the blocks past the ``num_tokens`` it needs are its reserve; without one, queue a top-up.
-        Returns what the engine is handed."""
+        the blocks past the ``num_tokens`` it needs are its reserve; without one (or with fewer
+        blocks than a slow link needs), queue a top-up. Returns what the engine is handed."""
         handed = min(self._blocks(num_tokens), len(result.block_ids))
         self._tables[seq_id] = _Table(tenant, list(result.block_ids), handed,
                                       num_tokens if asked is None else asked, num_tokens // self.block_size)
-        if handed == len(result.block_ids):
+        if len(result.block_ids) < handed + self._reserve:  # no reserve, or less than a slow link needs
             self._topup(seq_id, num_tokens)
+        if handed == len(result.block_ids):
             return result
         return Allocation(list(result.block_ids[:handed]), min(result.num_cached_blocks, handed))
 
@@ -350,9 +360,13 @@ class AllocatorPolicy:
         """block_service's answers to sent top-ups: granted blocks join their tables as the reserve."""
         for (seq_id, tokens), new in zip(topups, results):
             table = self._tables.get(seq_id)
-            if isinstance(new, list) and table is not None:
+            if table is None:
+                continue
+            if isinstance(new, list):
                 table.block_ids.extend(new)
                 table.num_tokens = max(table.num_tokens, tokens)
+            elif table.topped == tokens:
+                table.topped = 0  # refused: the next growth asks again
 
     def fold_commits(self, commits: Sequence[tuple[str, int, bytes]], refused: Collection[int]) -> None:
         """Sent commits block_service took (all but the indexes ``refused``): a commit declares its
@@ -409,7 +423,7 @@ class AllocatorPolicy:
         table, need = self._tables[seq_id], self._blocks(num_tokens)
         new = table.block_ids[table.handed:need]
         table.handed = max(table.handed, need)
-        if len(table.block_ids) <= table.handed:
+        if len(table.block_ids) < table.handed + self._reserve:
             self._topup(seq_id, num_tokens)
         return new
 
@@ -418,11 +432,17 @@ class AllocatorPolicy:
         return table.prompt_blocks if table is not None else index + 1
 
     def _topup(self, seq_id: str, num_tokens: int) -> None:
-        """Queue the reserve block past the handed ones of a sequence now ``num_tokens`` long: due
+        """Queue the reserve blocks past the handed ones of a sequence now ``num_tokens`` long
+        (one; more on a slow link), unless a top-up queued or in flight asks for them already: due
         early enough before decoding (a token a step) fills the blocks it has that its answer is
         back in time (the margin and the measured lead; at the latest with this step)."""
-        held = self._tables[seq_id].handed
-        if self._max_tokens is not None and held * self.block_size >= self._max_tokens:
-            return  # the handed blocks already hold every token the sequence may reach
-        free = held * self.block_size - num_tokens
-        self._queue.topup(seq_id, (held + 1) * self.block_size, free - TOPUP_MARGIN - self._topup_lead)
+        table = self._tables[seq_id]
+        want = table.handed + self._reserve
+        if self._max_tokens is not None:  # no block past the one holding the last token it may reach
+            want = min(want, max(self._blocks(self._max_tokens), table.handed))
+        tokens = want * self.block_size
+        if want <= len(table.block_ids) or tokens <= table.topped:
+            return
+        table.topped = tokens
+        free = len(table.block_ids) * self.block_size - num_tokens
+        self._queue.topup(seq_id, tokens, free - TOPUP_MARGIN - self._topup_lead)

@@ -9,8 +9,11 @@ not steps: the bridge measures the round trip of its ``ApplyMany`` calls and the
     lead = ceil(LEAD_ROUND_TRIPS · round_trip / step)        (0 until both were measured)
 
 ``LEAD_ROUND_TRIPS`` round trips, not one: the round trip jitters, and a top-up may queue behind a
-flush in flight. The write-behind queue never sends earlier than the end of the step that queued
-it, so a lead past a block's worth of steps means "with this step", not one call per token.
+flush in flight. A top-up is queued when its sequence is handed a reserve block and goes no earlier
+than the end of that step: when the margin and the lead are longer than a block's decoding, the
+sequence keeps ``reserve_blocks`` blocks ahead instead of one (a top-up a block, never one a token).
+The step is the engine's ``begin_step`` to ``end_step``, a step that waited on block_service left
+out: a lower bound of the time between steps, so the lead errs early.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from kvfleet.decayed_rate import DecayedRate
 
 LEAD_ROUND_TRIPS = 2     # a top-up's answer is wanted this many measured round trips before its need
 PACE_HALF_LIFE = 16      # observations: older round trips and steps count half after this many more
+MAX_RESERVE_BLOCKS = 4   # the most blocks a sequence holds past those handed to the engine
 
 
 def lead_steps(round_trip_s: float | None, step_s: float | None) -> int:
@@ -29,6 +33,13 @@ def lead_steps(round_trip_s: float | None, step_s: float | None) -> int:
     if not round_trip_s or not step_s:
         return 0
     return math.ceil(LEAD_ROUND_TRIPS * round_trip_s / step_s)
+
+
+def reserve_blocks(steps: int, block_size: int) -> int:
+    """Reserve blocks a sequence needs so that a top-up queued when a block is handed over (the
+    earliest it can go) still comes ``steps`` steps before the table runs out: one, unless those
+    steps are more than a block's decoding (up to ``MAX_RESERVE_BLOCKS``)."""
+    return min(MAX_RESERVE_BLOCKS, max(1, -(-(steps + 1) // block_size)))
 
 
 class Pace:

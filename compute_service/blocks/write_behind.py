@@ -8,8 +8,9 @@ until one ``ApplyMany`` takes them all, and the queue says when that is due. Pur
 What another party waits for is urgent and goes at the end of its step: a release (free blocks, the
 tenant's quota) and a prompt block's commit (a request sharing the prefix may arrive any moment).
 The rest waits for company up to a deadline counted in ``end_step`` calls (``due_within``): a top-up
-a little before its sequence could need the block, a generated block's commit or a sliding
-window's drop after at most the policy's ``defer_steps``.
+early enough that its answer is back before its sequence could need the block (the policy counts
+the measured round trip in; a deadline already past means the end of this step), a generated
+block's commit or a sliding window's drop after at most the policy's ``defer_steps``.
 """
 
 from __future__ import annotations

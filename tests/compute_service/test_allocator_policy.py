@@ -15,7 +15,7 @@ from compute_service.blocks.allocator_policy import (
     AllocatorPolicy,
     LiveSequence,
 )
-from compute_service.blocks.topup_lead import Pace, lead_steps
+from compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS, Pace, lead_steps, reserve_blocks
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 BS = 16
@@ -179,6 +179,34 @@ def test_a_topup_after_the_reserve_is_handed_over_goes_early_too():
     policy.set_topup_lead(5)
     assert policy.extend([("s", 33)]).answers == {"s": [2]}    # the reserve: 15 free slots, top-up queued
     assert steps_until_sent(policy) == 15 - TOPUP_MARGIN - 5 + 1
+
+
+def test_a_topup_in_flight_is_not_asked_again_and_a_refused_one_is():
+    policy = AllocatorPolicy(BS)
+    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)
+    policy.extend([("s", 33)])                                 # the reserve handed over: top-up queued
+    batch = policy.take()
+    assert batch.topups == [("s", 64)]
+    policy.extend([("s", 34)])                                 # its answer not back yet
+    assert not policy.has_bookkeeping()                        # asked once, not once a step
+    policy.fold_topups(batch.topups, [refusal("pool")])
+    policy.extend([("s", 35)])
+    assert policy.take().topups == [("s", 64)]                 # refused: the next growth asks again
+
+
+@pytest.mark.parametrize("lead, blocks", [(0, 1), (13, 1), (14, 2), (45, 3), (10_000, MAX_RESERVE_BLOCKS)])
+def test_a_lead_longer_than_a_block_keeps_more_reserve_blocks(lead, blocks):
+    """A top-up can go no earlier than the hand-over that queues it: when the margin and the lead
+    are more steps than a block's decoding, the reserve is as many blocks as they take."""
+    assert reserve_blocks(TOPUP_MARGIN + lead, BS) == blocks
+    policy = AllocatorPolicy(BS)
+    policy.set_topup_lead(lead)
+    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)   # the first allocation's one reserve block
+    topups = policy.take().topups
+    assert topups == ([("s", (2 + blocks) * BS)] if blocks > 1 else [])  # the rest of it at once
+    policy.fold_topups(topups, [list(range(3, 2 + blocks))] * len(topups))
+    policy.extend([("s", 33)])                                 # 3 blocks handed
+    assert [t for _, t in policy.take().topups] == [(3 + blocks) * BS]
 
 
 def test_the_pace_leads_only_once_both_the_round_trip_and_the_step_were_measured():

@@ -6,6 +6,7 @@ The server and the node's two threads are set up in served_blocks.py.
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
@@ -152,8 +153,11 @@ def decode_step(allocator, on_loop, seq_id: str, num_tokens: int, commits=()) ->
     return new, inside
 
 
-def test_decode_bookkeeping_waits_for_company_yet_the_reserve_never_runs_dry(node):
+def test_decode_bookkeeping_waits_for_company_yet_the_reserve_never_runs_dry(node, monkeypatch):
     allocator, on_loop, client = node
+    for module in ("compute_service.blocks.sender", "compute_service.blocks.remote_allocator"):
+        # the bridge's clock stands still: no pace measured, top-ups go TOPUP_MARGIN steps ahead
+        monkeypatch.setattr(f"{module}.time", types.SimpleNamespace(monotonic=lambda: 0.0))
     ids = list(range(20))  # one full prompt block, four tokens into the second
     allocator.allocate("a", "t", hashes(ids), 20)
     start = allocator.num_rpcs
