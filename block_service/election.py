@@ -18,6 +18,9 @@
               soak's link a reconnect (TLS through the lossy link), or a campaign that took 0.9 s
               with its first refresh due 0.6 s after winning
     lapse:    past it, or the lease or the key gone: not the leader any more; the standby may campaign
+    spare:    with a second client (a connection of its own, carrying nothing else), each try goes on
+              both and the first answer counts: a stall of one connection (the kernel giving it up,
+              ETIMEDOUT, then a TLS reconnect across the lossy link: > TTL at TTL 3) costs no try
     watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
 
 Split brain is impossible by construction: only the key's holder accepts writes, and etcd hands
@@ -49,10 +52,11 @@ MAX_TRIES = 4         # refreshes in flight at once (each lives until the fence,
 
 class Election:
     def __init__(self, client: aetcd.Client, me: Leader, ttl_s: int = 5, key: str = LEADER_KEY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, spare: aetcd.Client | None = None) -> None:
         if ttl_s < 2:
             raise ValueError(f"the leader lease needs a TTL of at least 2 s, got {ttl_s}")
         self.client = client
+        self.refreshers = (client,) if spare is None else (client, spare)  # each try goes on every one
         self.me = me
         self.ttl_s = ttl_s
         self.key = key.encode()
@@ -167,7 +171,7 @@ class Election:
                     # the refresh and the key's check together: one round trip, not two (a 0.5 s RTT
                     # link took > TTL/6 for the pair, and every try ran out: 17 fences in 90 s at TTL 3)
                     failing = False
-                    tries[asyncio.ensure_future(self._refresh_and_read())] = self.clock()
+                    tries[asyncio.ensure_future(self._first_answer())] = self.clock()
         finally:
             for task in tries:
                 task.cancel()
@@ -182,10 +186,26 @@ class Election:
             lost.cancel()
         return [task for task in done if task is not lost]
 
-    async def _refresh_and_read(self):
-        """The lease refreshed and the key read, both sent now; the first failure ends both."""
-        refresh = asyncio.ensure_future(self.client.refresh_lease(self.lease_id))
-        read = asyncio.ensure_future(self.client.get(self.key))
+    async def _first_answer(self):
+        """``_refresh_and_read`` on every client at once: the first that answers (the last failure
+        when none does)."""
+        if len(self.refreshers) == 1:
+            return await self._refresh_and_read(self.refreshers[0])
+        pending = {asyncio.ensure_future(self._refresh_and_read(c)) for c in self.refreshers}
+        try:
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                answered = [t for t in done if t.exception() is None]
+                if answered or not pending:
+                    return (answered or list(done))[0].result()
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _refresh_and_read(self, client: aetcd.Client):
+        """The lease refreshed and the key read on ``client``, both sent now; the first failure ends both."""
+        refresh = asyncio.ensure_future(client.refresh_lease(self.lease_id))
+        read = asyncio.ensure_future(client.get(self.key))
         try:
             return await asyncio.gather(refresh, read)
         finally:

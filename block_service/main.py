@@ -187,6 +187,7 @@ async def _run_replica(config: BlockServiceSettings, store, replication: tuple, 
     role, acks, _, rlog = replication
     address = config.advertise or config.listen
     client = etcd_client(config.etcd)  # connects on first use: etcd down at start is retried, not fatal
+    spare = etcd_client(config.etcd)   # the lease refreshes' second connection (block_service.election)
     try:
         follower = Follower(store, rlog, config.state_dir, address)
         interrupted = reset_interrupted(config.state_dir)
@@ -195,9 +196,10 @@ async def _run_replica(config: BlockServiceSettings, store, replication: tuple, 
                         "it follows a leader before it may lead", config.state_dir)
         replica = ReplicaConfig(address, config.state_dir, config.lease_ttl, config.standby or interrupted)
         return await Replica(client, role, follower, replica, on_lead, acks.can_take_over, on_step_down,
-                             acks.wait_alone_for).run()
+                             acks.wait_alone_for, spare=spare).run()
     finally:
         await client.close()
+        await spare.close()
 
 
 def _serve_metrics(config: BlockServiceSettings, store):

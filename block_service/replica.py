@@ -57,13 +57,16 @@ class Replica:
     def __init__(self, client: aetcd.Client, role: Role, follower: Follower, config: ReplicaConfig,
                  on_lead: Callable[[], Awaitable[None]], standby_ready: Callable[[], bool] | None = None,
                  on_step_down: Callable[[str], None] | None = None,
-                 on_marks: Callable[[Callable[[int], Awaitable[None]] | None], None] | None = None) -> None:
+                 on_marks: Callable[[Callable[[int], Awaitable[None]] | None], None] | None = None,
+                 spare: aetcd.Client | None = None) -> None:
         """``standby_ready``: a standby could take over now (``StandbyAcks.can_take_over``); without
         it the replica never steps down while it holds the lease. ``on_step_down(reason)``: a lead
         ended (``NODES_UNREACHABLE`` or ``LEASE_LOST``), for the metrics. ``on_marks(cover)``: while
         leading, how to wait for a durable mark that covers a change (``MarkWriter.cover``; None
-        when the lead ends), for ``StandbyAcks.alone``."""
+        when the lead ends), for ``StandbyAcks.alone``. ``spare``: a second etcd client the lease
+        refreshes take turns on (``Election``)."""
         self.client, self.role, self.follower, self.on_lead = client, role, follower, on_lead
+        self.spare = spare
         self.standby_ready, self.on_step_down, self.on_marks = standby_ready, on_step_down, on_marks
         self.address, self.state_dir = config.address, config.state_dir
         self.ttl_s, self.standby_first = config.ttl_s, config.standby_first
@@ -173,7 +176,7 @@ class Replica:
 
     async def _campaign(self) -> bool:
         lineage = ensure_lineage(self.state_dir)
-        election = Election(self.client, Leader(self.address, lineage, self.ttl_s), self.ttl_s)
+        election = Election(self.client, Leader(self.address, lineage, self.ttl_s), self.ttl_s, spare=self.spare)
         if not await election.campaign():
             return False
         self.election = election

@@ -106,3 +106,40 @@ def test_an_answer_past_the_fence_but_before_the_lease_can_lapse_resumes_the_sam
         return fenced, resumed, etcd.refreshes >= 1
 
     assert asyncio.run(run()) == (True, True, True)
+
+
+class _StalledEtcd(_SlowEtcd):
+    """A connection that stops answering at ``STALL_AT_S`` (the kernel will give it up): every refresh
+    sent from then on waits forever."""
+
+    STALL_AT_S = 0.5
+
+    def __init__(self) -> None:
+        super().__init__((0.0,))
+        self.t0 = asyncio.get_running_loop().time()
+
+    async def refresh_lease(self, lease_id):
+        if asyncio.get_running_loop().time() - self.t0 >= self.STALL_AT_S:
+            await asyncio.Event().wait()
+        return await super().refresh_lease(lease_id)
+
+
+def test_with_a_spare_connection_a_stalled_one_costs_no_refresh():
+    """TTL 6 (the fence 3 s after a success was sent, the lapse 6 s after): the election's connection
+    stalls at 0.5 s for good; each try goes on the spare too, whose answers keep the lease, so the
+    leader holds throughout, past where the lease would have lapsed without it."""
+    async def run() -> tuple[bool, int]:
+        stalled, spare = _StalledEtcd(), _SlowEtcd((0.1,))
+        election = Election(stalled, Leader("a:1", "L"), ttl_s=6, spare=spare)
+        assert await election.campaign()
+        leading = asyncio.create_task(election.lead())
+        held = True
+        for _ in range(16):  # 8 s: past the fence (3.5 s) and the lapse (6.5 s) of the stalled connection
+            await asyncio.sleep(0.5)
+            held = held and election.holds() and not leading.done()
+        await election.resign()
+        await asyncio.wait_for(leading, 5)
+        return held, spare.refreshes
+
+    held, refreshes = asyncio.run(run())
+    assert held and refreshes >= 6
