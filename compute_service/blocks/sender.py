@@ -58,6 +58,7 @@ class BlockSender:
         self.on_refused: OnRefused | None = None  # set by the node once its engine runs
         self.num_rpcs = 0
         self.pace = Pace()                # ApplyMany's round trip (here) and the engine's step, under ``lock``
+        self._asked_at: float | None = None  # when the oldest bookkeeping not yet taken was asked to go
         self.link = BlockLink()
         self.syncs = BlockSync(node_id, self.sync)
         self._links = BatchLinks(trace_context_of)  # the requests each bookkeeping batch serves
@@ -112,6 +113,8 @@ class BlockSender:
         with self.lock:
             if not self.policy.has_bookkeeping() and not self.tiers.pending:
                 return
+            if self._asked_at is None:
+                self._asked_at = time.monotonic()
         self.loop.call_soon_threadsafe(self.kick)
 
     def kick(self) -> None:
@@ -153,11 +156,12 @@ class BlockSender:
         with self.lock:
             asks = self.policy.take_asks()
             batch = self.policy.take() if self.link.up else Bookkeeping()
+            asked_at, self._asked_at = self._asked_at, None
         tiers = self.tiers.take() if self.link.up else []
         results: list = [None] * len(asks)
         try:
             if batch or tiers:
-                await self._send_batch(batch, tiers)
+                await self._send_batch(batch, tiers, asked_at)
             if asks:
                 results = await self._send_asks(asks)
                 with self.lock:  # refused for their reserve: asked again without it, in place
@@ -169,15 +173,16 @@ class BlockSender:
             if asks:
                 self._answered(asks, results)
 
-    async def _send_batch(self, batch: Bookkeeping, tiers: list[TierChange] = ()) -> None:
-        """Send a bookkeeping batch (and tier moves); one that did not reach block_service is queued again."""
+    async def _send_batch(self, batch: Bookkeeping, tiers: list[TierChange] = (), asked_at: float | None = None) -> None:
+        """Send a bookkeeping batch (and tier moves), asked to go at ``asked_at`` (monotonic); one
+        that did not reach block_service is queued again."""
         try:
             # bookkeeping of many requests at once: a trace of its own, linked to each request's
             with batch_span("bookkeeping", self._links.take(batch.seq_ids()), {
                 "kvfleet.node_id": self.node_id, "kvfleet.num_topups": len(batch.topups),
                 "kvfleet.num_commits": len(batch.commits), "kvfleet.num_releases": len(batch.releases),
                 "kvfleet.num_drops": len(batch.drops)}):
-                await asyncio.wait_for(self._send_bookkeeping(batch, tiers), SEND_TIMEOUT_S)
+                await asyncio.wait_for(self._send_bookkeeping(batch, tiers, asked_at), SEND_TIMEOUT_S)
         except BaseException as e:
             if isinstance(e, Exception) and not self.trouble(e):
                 log.exception("block_service flush failed (%d commits, %d releases, %d top-ups)",
@@ -189,12 +194,13 @@ class BlockSender:
             if not isinstance(e, Exception):
                 raise
 
-    async def _send_bookkeeping(self, batch: Bookkeeping, tiers: list[TierChange]) -> None:
+    async def _send_bookkeeping(self, batch: Bookkeeping, tiers: list[TierChange], asked_at: float | None) -> None:
         self.num_rpcs += 1
         sent = time.monotonic()
         result = await self.client.apply(batch.commits, batch.releases, batch.topups, drops=batch.drops,
                                          node_id=self.node_id, tiers=tiers)
-        round_trip = time.monotonic() - sent
+        # from the step that asked for it (a flush in flight and the loop's queue included) to the answer
+        round_trip = time.monotonic() - (sent if asked_at is None else min(asked_at, sent))
         self.tiers.fold_applied(tiers, result)
         with self.lock:
             self.pace.round_trip(round_trip)  # how early a top-up must go (``AllocatorPolicy.set_topup_lead``)

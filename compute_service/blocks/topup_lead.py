@@ -3,8 +3,9 @@
 A top-up rides the write-behind ``ApplyMany``; the engine decodes a token a step meanwhile. On a
 link whose round trip is several steps long, a top-up sent ``TOPUP_MARGIN`` steps ahead comes back
 after its sequence crossed the boundary, and that step waits on block_service. So the lead is time,
-not steps: the bridge measures the round trip of its ``ApplyMany`` calls and the engine's step
-(``Pace``, decayed means), and a top-up goes ``lead_steps`` steps earlier than the margin:
+not steps: the bridge measures its ``ApplyMany`` round trip (from the step that asked it to go,
+so a flush in flight before it counts too) and the engine's step (``Pace``, decayed means), and a
+top-up goes ``lead_steps`` steps earlier than the margin:
 
     lead = ceil(LEAD_ROUND_TRIPS · round_trip / step)        (0 until both were measured)
 
