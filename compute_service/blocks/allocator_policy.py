@@ -23,23 +23,18 @@ Three rules keep the engine's step from waiting on the network:
   that queued it, and once: not again while it is in flight), a generated block's commit or a
   sliding window's drop after at most ``defer_steps``.
 - **One block ahead.** Every sequence holds one block more than the engine has been handed.
-  The first allocation asks for it (``ask_tokens``: the prompt rounded up to its block boundary,
-  plus one block), so a prompt that fills its blocks exactly has the block of its first decoded
-  token at once; when block_service refuses that ask for the reserve alone (the tenant's quota,
-  the pool), it is asked again without it (``without_reserve``), which a top-up then brings. When the engine
-  crosses a block boundary, ``extend`` hands over the reserve at once and queues a top-up;
-  block_service is only on the path when no reserve covers the growth. A top-up can go no
-  earlier than that hand-over, so where the margin and the lead are more steps than a block's
-  decoding (a slow link, fast steps) the top-ups keep that many blocks ahead (``reserve_blocks``,
-  at most ``MAX_RESERVE_BLOCKS``).
+  The first allocation asks for it (first_reserve.py: refused for the reserve alone, the blocks
+  alone are asked again and a top-up brings it). When the engine crosses a block boundary,
+  ``extend`` hands over the reserve at once and queues a top-up; block_service is only on the
+  path when no reserve covers the growth. A top-up can go no earlier than that hand-over, so
+  where the margin and the lead are more steps than a block's decoding (a slow link, fast steps)
+  the top-ups keep that many blocks ahead (``reserve_blocks``, at most ``MAX_RESERVE_BLOCKS``).
 
-The reserve costs one block per running sequence (up to ``MAX_RESERVE_BLOCKS`` on a slow link),
-charged to its tenant like any other;
-none is kept past ``max_model_len`` (``cap_length``), so a contiguous layout's reservation, which
-already covers it, gets none, and neither does a chain whose every block is named (an import:
-nothing left to compute, it never grows).
-block_service therefore sees a sequence's length at block granularity (up to the reserve's end),
-not token by token: its fill-level figures count a reserve block as full.
+The reserve, charged to its tenant like any other block, is none past ``max_model_len``
+(``cap_length``: a contiguous layout's reservation already covers it) or for a chain whose every
+block is named (an import: it never grows). block_service therefore sees a sequence's length at
+block granularity (up to the reserve's end), not token by token: its fill-level figures count a
+reserve block as full.
 
 A sequence's blocks, as the node sees them (the early asks carry the reserve from ``take_asks`` on):
 
@@ -66,10 +61,11 @@ says when that is due.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from compute_service.blocks.early_grants import EarlyGrants
+from compute_service.blocks.first_reserve import FirstReserve
 from compute_service.blocks.topup_lead import reserve_blocks
 from compute_service.blocks.write_behind import Bookkeeping, WriteBehind
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, LiveSequence, Refusal
@@ -112,13 +108,13 @@ class AllocatorPolicy:
         self._refused: dict[str, Refusal] = {}      # and block_service's refusals of them
         self._in_step = False
         self._max_tokens: int | None = None         # no sequence grows past this (max_model_len)
-        self._plain: dict[str, int] = {}            # early asks sent with a reserve → the tokens without it
+        self.first = FirstReserve(block_size)      # the first allocation's reserve block
         self._topup_lead = 0                        # steps a top-up goes before the margin (the link's pace)
         self._reserve = 1                           # blocks topped up past the handed ones (more: a slow link)
 
     def cap_length(self, max_model_len: int) -> None:
         """No sequence grows past ``max_model_len`` tokens: no reserve block beyond it."""
-        self._max_tokens = max_model_len
+        self._max_tokens = self.first.max_tokens = max_model_len
 
     def set_topup_lead(self, steps: int) -> None:
         """Top-ups queued from now on go ``steps`` earlier than ``TOPUP_MARGIN`` (the bridge's
@@ -135,34 +131,14 @@ class AllocatorPolicy:
         return self._early.ask(request)
 
     def take_asks(self) -> list[AllocateRequest]:
-        """The preallocations to send now, each with its reserve block (``ask_tokens``)."""
-        sent: list[AllocateRequest] = []
-        for request in self._early.take():
-            tokens = self.ask_tokens(request.block_hashes, request.num_tokens)
-            if tokens != request.num_tokens:
-                self._plain[request.seq_id] = request.num_tokens
-                request = replace(request, num_tokens=tokens)
-            sent.append(request)
-        return sent
-
-    def asks_again(self, asks: Sequence[AllocateRequest],
-                   results: Sequence[Allocation | Refusal | None]) -> list[tuple[int, AllocateRequest]]:
-        """Of sent early asks, those to send again at once without their reserve (``without_reserve``),
-        each with its index in ``asks``; the bridge puts them and their answers in place before
-        ``fold_asks``."""
-        again: list[tuple[int, AllocateRequest]] = []
-        for i, (request, result) in enumerate(zip(asks, results)):
-            plain = self._plain.get(request.seq_id, request.num_tokens)
-            if isinstance(result, Refusal) and self.without_reserve(plain, request.num_tokens, result) is not None:
-                again.append((i, replace(request, num_tokens=plain)))
-        return again
+        """The preallocations to send now, each with its reserve block (first_reserve.py)."""
+        return self.first.with_reserve(self._early.take())
 
     def fold_asks(self, asks: Sequence[AllocateRequest], results: Sequence[Allocation | Refusal | None]) -> bool:
         """block_service's answers (``None``: the call failed). A grant for a sequence released
         while its ask was in flight is given back at once. True when a release was queued that
         the bridge should send soon."""
-        for request in asks:
-            self._plain.pop(request.seq_id, None)
+        self.first.answered(asks)
         given = self._early.fold(asks, results)
         for seq_id in given:
             self._queue.release(seq_id)
@@ -176,35 +152,10 @@ class AllocatorPolicy:
         grant = self._early.take_grant(seq_id)
         if grant is None:
             return None
-        if self._early.fits(grant, block_hashes, (num_tokens, self.ask_tokens(block_hashes, num_tokens))):
+        if self._early.fits(grant, block_hashes, (num_tokens, self.first.ask_tokens(block_hashes, num_tokens))):
             return self.claim(seq_id, grant.request.tenant, grant.allocation, num_tokens, grant.request.num_tokens)
         self._queue.release(seq_id)
         return None
-
-    def ask_tokens(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
-        """What a first allocation of ``num_tokens`` asks block_service for: through the reserve
-        block (the blocks the tokens need, plus one), unless that passes ``max_model_len`` (a
-        contiguous reservation is that long already) or every token is in a named block (a chain
-        imported, which never grows)."""
-        need = self._blocks(num_tokens)
-        if len(block_hashes) * self.block_size >= num_tokens:
-            return num_tokens
-        if self._max_tokens is not None and need * self.block_size >= self._max_tokens:
-            return num_tokens
-        return (need + 1) * self.block_size
-
-    def without_reserve(self, num_tokens: int, asked: int, refusal: Refusal) -> int | None:
-        """What to ask next for a first allocation of ``num_tokens`` that block_service refused
-        when asked for ``asked``: the tokens alone, when the refusal was for room (the pool or the
-        tenant's quota) and by its figures the reserve alone may have made the difference (a
-        reserve never costs an admission; a top-up brings it later). None: the refusal stands, and
-        a sequence waiting for a full pool costs one call a step, as it did before the reserve."""
-        reserve = self._blocks(asked) - self._blocks(num_tokens)
-        if reserve <= 0 or refusal.reason not in ("pool", "quota"):
-            return None
-        # the room it reports is at most what the ask may take (pinned cache, others' reservations)
-        shortfall = refusal.blocks_asked - (refusal.blocks_allowed - refusal.blocks_charged)
-        return num_tokens if shortfall <= reserve else None
 
     def give_back_early(self, keep: str, refusal: Refusal) -> list[str]:
         """The pool refused ``keep``, the sequence the engine is admitting: other early grants go

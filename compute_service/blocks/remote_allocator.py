@@ -173,7 +173,7 @@ class RemoteBlockAllocator:
     def allocate(self, seq_id: str, tenant: str, block_hashes: Sequence[bytes], num_tokens: int) -> Allocation | Refusal:
         with self._lock:
             early = self._policy.allocate(seq_id, block_hashes, num_tokens)
-            asked = self._policy.ask_tokens(block_hashes, num_tokens)  # through the reserve block
+            asked = self._policy.first.ask_tokens(block_hashes, num_tokens)  # through the reserve block
         if early is not None:
             return early
 
@@ -190,7 +190,7 @@ class RemoteBlockAllocator:
             return Refusal.unavailable(self.node_id, tenant, -(-num_tokens // self.block_size))
 
         result = self._sender.answer(ask, unavailable, seq_id)
-        plain = self._policy.without_reserve(num_tokens, asked, result) if isinstance(result, Refusal) else None
+        plain = self._policy.first.without_reserve(num_tokens, asked, result) if isinstance(result, Refusal) else None
         if plain is not None:  # the reserve made it not fit: the blocks alone (a top-up brings it later)
             asked = plain
             result = self._sender.answer(ask, unavailable, seq_id)

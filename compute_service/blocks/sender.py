@@ -165,7 +165,7 @@ class BlockSender:
             if asks:
                 results = await self._send_asks(asks)
                 with self.lock:  # refused for their reserve: asked again without it, in place
-                    again = self.policy.asks_again(asks, results)
+                    again = self.policy.first.asks_again(asks, results)
                 if again:
                     for (i, request), result in zip(again, await self._send_asks([r for _, r in again])):
                         asks[i], results[i] = request, result

@@ -73,7 +73,7 @@ class AccountingMachine(RuleBasedStateMachine):
                 yield from self.send_batch(batch, in_call)
             if asks and self.up:
                 results = yield from self.allocate_many(asks, in_call)
-                again = self.policy.asks_again(asks, results)  # refused for their reserve: without it
+                again = self.policy.first.asks_again(asks, results)  # refused for their reserve: without it
                 if again and self.up:
                     for (i, request), result in zip(again, (yield from self.allocate_many([r for _, r in again], in_call))):
                         asks[i], results[i] = request, result
@@ -275,9 +275,9 @@ class AccountingMachine(RuleBasedStateMachine):
 
         def rpc():
             """Through the reserve block; refused for it, the blocks alone (a call of its own)."""
-            asked = self.policy.ask_tokens(hashes, length)
+            asked = self.policy.first.ask_tokens(hashes, length)
             result = yield from ask(asked)
-            plain = self.policy.without_reserve(length, asked, result) if isinstance(result, Refusal) else None
+            plain = self.policy.first.without_reserve(length, asked, result) if isinstance(result, Refusal) else None
             if plain is None:
                 return result
             yield from self.send(in_call=True)

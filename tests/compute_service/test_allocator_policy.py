@@ -15,7 +15,6 @@ from compute_service.blocks.allocator_policy import (
     AllocatorPolicy,
     LiveSequence,
 )
-from compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS, Pace, lead_steps, reserve_blocks
 from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 BS = 16
@@ -77,7 +76,7 @@ def test_a_prompt_filling_its_blocks_decodes_its_first_token_into_the_reserve_it
     assert asks == [asked("e", 3 * BS, H[:1])]
     policy.fold_asks(asks, [Allocation([0, 1, 2], 1)])
     assert policy.allocate("e", H[:1], 32) == Allocation([0, 1], 1)
-    assert policy.ask_tokens(H[:1], 32) == 3 * BS         # the engine's own ask, granted as block_service does
+    assert policy.first.ask_tokens(H[:1], 32) == 3 * BS         # the engine's own ask, granted as block_service does
     assert policy.claim("s", "t", Allocation([5, 6, 7], 0), 32, 3 * BS) == Allocation([5, 6], 0)
     assert not policy.has_bookkeeping()                   # no top-up queued for either
     grown = policy.extend([("e", 33), ("s", 33)])
@@ -89,13 +88,13 @@ def test_a_prompt_filling_its_blocks_decodes_its_first_token_into_the_reserve_it
 
 def test_no_reserve_past_max_model_len_nor_for_a_chain_whose_every_block_is_named():
     policy = AllocatorPolicy(BS)
-    assert policy.ask_tokens([], 20) == 3 * BS
-    assert policy.ask_tokens(H[:2], 32) == 32             # an imported chain: nothing left to compute
+    assert policy.first.ask_tokens([], 20) == 3 * BS
+    assert policy.first.ask_tokens(H[:2], 32) == 32             # an imported chain: nothing left to compute
     policy.cap_length(64)
-    assert policy.ask_tokens([], 64) == 64                # a contiguous reservation: max_model_len already
-    assert policy.ask_tokens(H[:3], 64) == 64
-    assert policy.ask_tokens([], 50) == 50                # its blocks hold every token it may reach
-    assert policy.ask_tokens([], 40) == 64                # the last block it may need is its reserve
+    assert policy.first.ask_tokens([], 64) == 64                # a contiguous reservation: max_model_len already
+    assert policy.first.ask_tokens(H[:3], 64) == 64
+    assert policy.first.ask_tokens([], 50) == 50                # its blocks hold every token it may reach
+    assert policy.first.ask_tokens([], 40) == 64                # the last block it may need is its reserve
     policy.ask(asked("c", 64))
     assert policy.take_asks() == [asked("c", 64)]
 
@@ -108,9 +107,9 @@ def test_an_ask_refused_for_its_reserve_is_asked_again_without_it():
         policy.ask(asked(seq_id, 40, H[:2]))
     asks = policy.take_asks()
     results = [refusal("quota"), pool_short(1), refusal("unavailable"), Allocation([0, 1, 2, 3], 0), pool_short(3)]
-    again = policy.asks_again(asks, results)
+    again = policy.first.asks_again(asks, results)
     assert again == [(0, asked("q", 40, H[:2])), (1, asked("p", 40, H[:2]))]
-    assert policy.asks_again([r for _, r in again], [refusal("quota"), refusal("quota")]) == []  # refused still
+    assert policy.first.asks_again([r for _, r in again], [refusal("quota"), refusal("quota")]) == []  # refused still
     for i, request in again:                              # the bridge puts them in place
         asks[i] = request
     results[:2] = [Allocation([4, 5, 6], 0), refusal("quota")]
@@ -119,14 +118,14 @@ def test_an_ask_refused_for_its_reserve_is_asked_again_without_it():
     assert policy.allocate("q", H[:2], 40) == Allocation([4, 5, 6], 0)  # granted without: it fits
     assert policy.take().topups == [("q", 4 * BS)]        # and its reserve is topped up, as before
     # the engine's own ask: the same decision
-    assert policy.without_reserve(40, 4 * BS, refusal("quota")) == 40
-    assert policy.without_reserve(40, 4 * BS, pool_short(1)) == 40
-    assert policy.without_reserve(40, 4 * BS, refusal("unavailable")) is None
-    assert policy.without_reserve(40, 40, refusal("quota")) is None  # asked without: the refusal stands
+    assert policy.first.without_reserve(40, 4 * BS, refusal("quota")) == 40
+    assert policy.first.without_reserve(40, 4 * BS, pool_short(1)) == 40
+    assert policy.first.without_reserve(40, 4 * BS, refusal("unavailable")) is None
+    assert policy.first.without_reserve(40, 40, refusal("quota")) is None  # asked without: the refusal stands
     # short by more than the reserve: the blocks alone would be refused too (a sequence waiting for
     # a full pool asks once a step, not twice)
-    assert policy.without_reserve(40, 4 * BS, pool_short(2)) is None
-    assert policy.without_reserve(40, 4 * BS, Refusal("quota", "n0", "t", 4, 2, 4)) is None
+    assert policy.first.without_reserve(40, 4 * BS, pool_short(2)) is None
+    assert policy.first.without_reserve(40, 4 * BS, Refusal("quota", "n0", "t", 4, 2, 4)) is None
 
 
 def test_an_early_allocation_asked_differently_is_given_back():
@@ -159,66 +158,6 @@ def test_a_topup_is_due_a_margin_before_decoding_could_need_it():
     assert steps_until_sent(policy) == 32 - 20 - TOPUP_MARGIN + 1
     policy = claimed(32, [0, 1])                          # full: the reserve goes with this step
     assert steps_until_sent(policy) == 1
-
-
-@pytest.mark.parametrize("round_trip, step, sent_after", [
-    (None, None, 32 - 20 - TOPUP_MARGIN + 1),          # nothing measured: the margin alone, as before
-    (0.125, 0.0625, 32 - 20 - TOPUP_MARGIN - 4 + 1),   # two round trips are 4 steps: that much earlier
-    (0.5, 0.03125, 1),                                 # longer than the block: with this step, no earlier
-])
-def test_a_topup_goes_the_steps_of_two_measured_round_trips_earlier(round_trip, step, sent_after):
-    policy = AllocatorPolicy(BS)
-    policy.set_topup_lead(lead_steps(round_trip, step))
-    policy.claim("s", "t", Allocation([0, 1], 0), 20)  # 12 free slots in its 2 blocks
-    assert steps_until_sent(policy) == sent_after
-
-
-def test_a_topup_after_the_reserve_is_handed_over_goes_early_too():
-    policy = AllocatorPolicy(BS)
-    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)   # its reserve came with it
-    policy.set_topup_lead(5)
-    assert policy.extend([("s", 33)]).answers == {"s": [2]}    # the reserve: 15 free slots, top-up queued
-    assert steps_until_sent(policy) == 15 - TOPUP_MARGIN - 5 + 1
-
-
-def test_a_topup_in_flight_is_not_asked_again_and_a_refused_one_is():
-    policy = AllocatorPolicy(BS)
-    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)
-    policy.extend([("s", 33)])                                 # the reserve handed over: top-up queued
-    batch = policy.take()
-    assert batch.topups == [("s", 64)]
-    policy.extend([("s", 34)])                                 # its answer not back yet
-    assert not policy.has_bookkeeping()                        # asked once, not once a step
-    policy.fold_topups(batch.topups, [refusal("pool")])
-    policy.extend([("s", 35)])
-    assert policy.take().topups == [("s", 64)]                 # refused: the next growth asks again
-
-
-@pytest.mark.parametrize("lead, blocks", [(0, 1), (13, 1), (14, 2), (45, 3), (10_000, MAX_RESERVE_BLOCKS)])
-def test_a_lead_longer_than_a_block_keeps_more_reserve_blocks(lead, blocks):
-    """A top-up can go no earlier than the hand-over that queues it: when the margin and the lead
-    are more steps than a block's decoding, the reserve is as many blocks as they take."""
-    assert reserve_blocks(TOPUP_MARGIN + lead, BS) == blocks
-    policy = AllocatorPolicy(BS)
-    policy.set_topup_lead(lead)
-    policy.claim("s", "t", Allocation([0, 1, 2], 0), 32, 48)   # the first allocation's one reserve block
-    topups = policy.take().topups
-    assert topups == ([("s", (2 + blocks) * BS)] if blocks > 1 else [])  # the rest of it at once
-    policy.fold_topups(topups, [list(range(3, 2 + blocks))] * len(topups))
-    policy.extend([("s", 33)])                                 # 3 blocks handed
-    assert [t for _, t in policy.take().topups] == [(3 + blocks) * BS]
-
-
-def test_the_pace_leads_only_once_both_the_round_trip_and_the_step_were_measured():
-    pace = Pace()
-    assert pace.lead_steps() == 0
-    pace.round_trip(0.25)
-    assert pace.lead_steps() == 0                          # no step yet: as before any measure
-    pace.step(0.0625)
-    assert pace.lead_steps() == 8                          # 2 x 0.25 s at 1/16 s a step
-    for _ in range(100):
-        pace.round_trip(0.015625)                          # the link got fast: the lead follows
-    assert pace.lead_steps() == 1
 
 
 def test_a_prompt_blocks_commit_is_urgent_a_generated_blocks_waits_for_company():
