@@ -12,8 +12,15 @@ routing (``--prefix-weight 0``, the same load). Reports mean and p90 time to fir
 hit rate (cached / prompt tokens, from each request's usage), throughput, and per turn where the
 time went (``per_turn``).
 
+The load-only side is, by default, a fleet with no KV awareness at all: its nodes do not fetch a
+prompt's cached prefix from each other either (``--load-kv-fetch off``), as independent serving
+engines behind a load balancer. Nodes that fetch (``--load-kv-fetch auto``) hand load-only routing
+most of the hits KV-aware routing earns (same hit rate, measured 2026-12-02): that run isolates what
+routing adds on top of fetching.
+
     python bench/routing.py [--quick] [--json] [--shape long|short] [--nodes 2] [--rounds 1]
                             [--prefix-weight W] [--decode-block-weight D] [--kv-cache-mib M]
+                            [--kv-fetch auto|always|off] [--load-kv-fetch off|auto|always]
                             [--long-prefill-token-threshold N] [--mean-gap-s G] [--think-s T]
 
 Each node runs one intra-op thread (OMP_NUM_THREADS=1), so two nodes share this machine's two cores
@@ -38,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, add_smoke_flag, ensure_model  # noqa: E402
+from compute_service.node.fetch_policy import FETCH_MODES  # noqa: E402
 from router.routing import RoutingConfig  # noqa: E402
 
 # Long-context chat: each conversation opens with a document (768-1,024 tokens) under one of four
@@ -208,6 +216,13 @@ def main() -> int:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=LONG_PREFILL_TOKEN_THRESHOLD,
                         help="both sides' nodes' --long-prefill-token-threshold (default "
                              f"{LONG_PREFILL_TOKEN_THRESHOLD}: questions go ahead of documents; 0: off)")
+    parser.add_argument("--kv-fetch", choices=FETCH_MODES, default="auto",
+                        help="the KV-aware side's nodes' --kv-fetch (default auto: a node fetches a prompt's cached "
+                             "prefix from the peer that holds it when that is faster than prefilling it)")
+    parser.add_argument("--load-kv-fetch", choices=FETCH_MODES, default="off",
+                        help="the load-only side's nodes' --kv-fetch (default off: a fleet with no KV awareness, "
+                             "neither in routing nor between nodes; auto: load-only routing over nodes that fetch "
+                             "from each other, which isolates what routing alone adds)")
     parser.add_argument("--mean-gap-s", type=float, default=None,
                         help="mean seconds between conversations' arrivals (default: the shape's): the load")
     parser.add_argument("--think-s", type=float, default=None, help="seconds between a reply and the next turn")
@@ -237,8 +252,10 @@ def main() -> int:
     for _ in range(args.rounds):
         memory, decode = args.kv_cache_mib << 20, args.decode_block_weight
         node_args = ("--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
-        kv_runs.append(run_mode(model, conversations, shape, args.nodes, args.prefix_weight, memory, decode, node_args))
-        load_runs.append(run_mode(model, conversations, shape, args.nodes, 0.0, memory, decode, node_args))
+        kv_runs.append(run_mode(model, conversations, shape, args.nodes, args.prefix_weight, memory, decode,
+                                node_args + ("--kv-fetch", args.kv_fetch)))
+        load_runs.append(run_mode(model, conversations, shape, args.nodes, 0.0, memory, decode,
+                                  node_args + ("--kv-fetch", args.load_kv_fetch)))
     kv = [summarize(r, shape["system_len"]) for r in kv_runs]
     load = [summarize(r, shape["system_len"]) for r in load_runs]
     same_tokens = all(r.replies == kv_runs[0].replies for r in kv_runs + load_runs)
@@ -257,13 +274,15 @@ def main() -> int:
         kv_per_turn=kv[0]["per_turn"], load_per_turn=load[0]["per_turn"], prefix_weight=args.prefix_weight,
         nodes=args.nodes, rounds=args.rounds, shape=shape, model=model.name, kv_cache_mib=args.kv_cache_mib,
         decode_block_weight=args.decode_block_weight, long_prefill_token_threshold=args.long_prefill_token_threshold,
+        kv_fetch=args.kv_fetch, load_kv_fetch=args.load_kv_fetch,
     )
     if not args.json:
         print(f"{shape['conversations']} conversations x {shape['turns']} turns over {shape['system_prompts']} "
               f"system prompts of {shape['system_len']} tokens, {args.nodes} nodes, model {model.name}")
         print("| routing | mean TTFT s | p90 TTFT s | prefix hit rate | tokens/s | requests per node |")
         print("|---|---:|---:|---:|---:|---|")
-        sides = ((f"KV-aware (prefix weight {args.prefix_weight:g})", kv), ("load-only (prefix weight 0)", load))
+        sides = ((f"KV-aware (prefix weight {args.prefix_weight:g}, --kv-fetch {args.kv_fetch})", kv),
+                 (f"load-only (prefix weight 0, --kv-fetch {args.load_kv_fetch})", load))
         for name, rows in sides:
             print(f"| {name} | {mean(rows, 'mean_ttft_s'):.3f} | {mean(rows, 'p90_ttft_s'):.3f} | "
                   f"{mean(rows, 'hit_rate'):.1%} | {mean(rows, 'tokens_per_s'):.1f} | {rows[0]['per_node']} |")
