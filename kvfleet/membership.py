@@ -73,6 +73,7 @@ class NodeInfo:
     role: str = MIXED                # kvfleet.roles: mixed, prefill or decode
     fetches_kv: bool = True          # it fetches prompts' KV from peers (--kv-fetch is not off)
     group: str = STABLE              # kvfleet.groups: the configuration it runs (stable, canary, ...)
+    long_prefill_token_threshold: int = 0  # prompts with more tokens to compute yield to shorter ones; 0: off
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -99,6 +100,7 @@ class NodeInfo:
             role=check_role(fields.get("role", MIXED)),
             fetches_kv=bool(fields.get("fetches_kv", True)),
             group=check_group(fields.get("group", STABLE)),
+            long_prefill_token_threshold=max(int(fields.get("long_prefill_token_threshold", 0)), 0),
         )
 
 

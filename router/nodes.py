@@ -40,12 +40,14 @@ class RouterNode:
     ready_since: float | None = None   # None: not READY
     active_blocks: int = 0             # blocks this router's in-flight requests added there (``start``)
     prefill_blocks: int = 0            # of those, the blocks of requests with no token yet: prefill ahead
+    long_prefill_blocks: int = 0       # of those, the blocks of prompts past the node's long-prefill threshold
     num_in_flight: int = 0
     num_routed: int = 0                # requests sent here since it joined
     failed_at: float | None = None     # last time a call to it failed (cleared by a READY update)
     _blocks_of: dict[str, int] = field(default_factory=dict)  # seq id → blocks it counts for here
     _found_of: dict[str, int] = field(default_factory=dict)   # seq id → prefix blocks it found cached here
     _decoding: set[str] = field(default_factory=set)  # seq ids that have had a token: past their prefill
+    _long: set[str] = field(default_factory=set)      # seq ids prefilling a long prompt (``is_long``)
 
     @property
     def node_id(self) -> str:
@@ -57,7 +59,19 @@ class RouterNode:
         rates = self.info.kv_rates
         fetched = peer_weight(rates) if self.info.fetches_kv else 0.0  # a node that never fetches: a miss
         return NodeLoad(self.node_id, self.active_blocks, hit.hot, self.ready_since, hit.lower, self.prefill_blocks,
-                        hit.peer, lower_tier_weight(rates), fetched)
+                        hit.peer, lower_tier_weight(rates), fetched, self.long_prefill_blocks,
+                        self.threshold_blocks())
+
+    def threshold_blocks(self) -> int:
+        """The node's long-prefill threshold in whole blocks (0: it lets no prompt first)."""
+        size = self.info.block_size
+        return self.info.long_prefill_token_threshold // size if size > 0 else 0
+
+    def is_long(self, num_tokens: int, found_blocks: int) -> bool:
+        """Whether a prompt of ``num_tokens`` that found ``found_blocks`` cached here is long for the
+        node: more tokens to compute than its threshold (the node's own test, the scheduler's)."""
+        threshold = self.info.long_prefill_token_threshold
+        return threshold > 0 and num_tokens - found_blocks * self.info.block_size > threshold
 
     def full_blocks(self, num_tokens: int) -> int:
         """How many whole blocks of this node ``num_tokens`` tokens fill."""
@@ -87,7 +101,8 @@ class RouterNode:
     def hold_seq(self, seq_id: str, num_tokens: int, decoding: bool = False) -> None:
         """Record that sequence ``seq_id`` holds ``num_tokens`` tokens of KV on this node; ``decoding``
         once a token of it came back (its prefill is done: no longer work ahead of a new prompt)."""
-        blocks = max(-(-num_tokens // self.info.block_size) - self._found_of.get(seq_id, 0), 0)
+        found = self._found_of.get(seq_id, 0)
+        blocks = max(-(-num_tokens // self.info.block_size) - found, 0)
         self._forget(seq_id)
         self._blocks_of[seq_id] = blocks
         self.active_blocks += blocks
@@ -95,6 +110,9 @@ class RouterNode:
             self._decoding.add(seq_id)
         else:
             self.prefill_blocks += blocks
+            if self.is_long(num_tokens, found):
+                self._long.add(seq_id)
+                self.long_prefill_blocks += blocks
 
     def drop_seq(self, seq_id: str) -> None:
         """Sequence ``seq_id`` holds nothing on this node any more (its attempt here is over)."""
@@ -108,6 +126,9 @@ class RouterNode:
             self._decoding.discard(seq_id)
         else:
             self.prefill_blocks -= blocks
+            if seq_id in self._long:
+                self._long.discard(seq_id)
+                self.long_prefill_blocks -= blocks
 
 
 class NodeTable:

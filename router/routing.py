@@ -27,6 +27,15 @@ at ``d`` (``decode_block_weight``, default 0.1; 1 counts every active block alik
 Measured (docs/benchmarks-history.md, "Routing"): counted in full, a node serving sixteen conversations' decodes
 looked hundreds of blocks busier than its neighbour for a few dozen blocks of imbalance, and a
 conversation's 12-block history lost to that noise on most second turns.
+A node that lets short prompts first (``--long-prefill-token-threshold`` T, published in its
+registration) computes a prompt with at most T tokens to compute ahead of the long prompts queued
+there: such a prompt waits for the step in progress, whose long chunks are at most T tokens, not
+for the documents behind it. So for a prompt that is short on a node (its missed blocks fewer than
+T's), the long prompts' prefill blocks there count for at most T's blocks (``load_for``).
+Counted in full, a node prefilling a document looked a document busier for a conversation's next
+turn too, and the turn was sent to the other node to fetch its history: measured on
+``bench/routing.py``, 4–6 of 32 later turns a round, each waiting a fetch (~0.3 s) its own node
+would not have made it wait.
 The lowest cost wins, ties at random. Prefix affinity alone would pile every request sharing a
 popular prefix onto one node, so when the winner is far busier than the least-loaded node
 (``load > ratio · least + margin``) the least-loaded node is taken instead.
@@ -95,6 +104,8 @@ class NodeLoad:
     peer_prefix_blocks: int = 0        # prompt blocks past the node's own run that another node holds
     lower_tier_weight: float | None = None  # l from the node's measured rates (None: the configured one)
     peer_weight: float | None = None        # p from the node's measured rates (None: the configured one)
+    long_prefill_blocks: int = 0            # of prefill_blocks, those of prompts longer than the node's threshold
+    long_prefill_threshold_blocks: int = 0  # the node's long-prefill threshold in whole blocks (0: off)
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,20 +150,41 @@ class NodePicker:
         prefill = node.active_blocks if node.prefill_blocks is None else node.prefill_blocks
         return prefill + self.config.decode_block_weight * (node.active_blocks - prefill)
 
+    def load_for(self, node: NodeLoad, missed_blocks: int) -> float:
+        """``load`` as a prompt with ``missed_blocks`` blocks to compute there waits on it: on a node
+        that lets short prompts first, a short one (fewer missed blocks than the threshold's, so its
+        partial last block keeps it within the threshold) is behind the long prompts' chunks of the
+        step in progress only, at most the threshold's blocks of them."""
+        cap = node.long_prefill_threshold_blocks
+        if cap <= 0 or missed_blocks >= cap:
+            return self.load(node)
+        return self.load(node) - max(node.long_prefill_blocks - cap, 0)
+
     def tier_weights(self, node: NodeLoad) -> tuple[float, float]:
         """``(l, p)`` for ``node``: derived from its measured rates, else the configured ones."""
         c = self.config
         return (c.lower_tier_hit_weight if node.lower_tier_weight is None else node.lower_tier_weight,
                 c.peer_hit_weight if node.peer_weight is None else node.peer_weight)
 
-    def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
+    @staticmethod
+    def missed(node: NodeLoad, num_prompt_blocks: int) -> tuple[int, int, int]:
+        """``(lower, peer, missed)``: the prompt's blocks past the node's hot run that it copies back
+        from a lower tier, fetches from a peer, and computes."""
         hot = min(node.cached_prefix_blocks, num_prompt_blocks)
         lower = min(node.lower_tier_prefix_blocks, num_prompt_blocks - hot)
         peer = min(node.peer_prefix_blocks, num_prompt_blocks - hot - lower)
-        missed = num_prompt_blocks - hot - lower - peer
+        return lower, peer, num_prompt_blocks - hot - lower - peer
+
+    def to_compute(self, node: NodeLoad, num_prompt_blocks: int) -> int:
+        """The prompt's blocks ``node`` would compute, as this picker sees them: with ``prefix_weight``
+        0 it routes by load alone, blind to every cache, so the whole prompt."""
+        return self.missed(node, num_prompt_blocks)[2] if self.config.prefix_weight > 0 else num_prompt_blocks
+
+    def cost(self, node: NodeLoad, num_prompt_blocks: int) -> float:
+        lower, peer, missed = self.missed(node, num_prompt_blocks)
         lower_weight, peer_weight = self.tier_weights(node)
         prefill = missed + (1.0 - lower_weight) * lower + (1.0 - peer_weight) * peer
-        return self.config.prefix_weight * prefill + self.load(node)
+        return self.config.prefix_weight * prefill + self.load_for(node, self.to_compute(node, num_prompt_blocks))
 
     def choose(self, nodes: Sequence[NodeLoad], num_prompt_blocks: int, now: float) -> RouteDecision | None:
         """The node for a prompt of ``num_prompt_blocks`` full blocks; None when ``nodes`` is empty.
@@ -163,7 +195,7 @@ class NodePicker:
         costs = [self.cost(n, num_prompt_blocks) for n in candidates]
         best_cost = min(costs)
         winner = self._rng.choice([n for n, c in zip(candidates, costs) if c <= best_cost + _EPS])
-        loads = {n.node_id: self.load(n) for n in candidates}
+        loads = {n.node_id: self.load_for(n, self.to_compute(n, num_prompt_blocks)) for n in candidates}
         least = min(loads.values())
         limit = self.config.hot_spot_ratio * least + self.config.hot_spot_margin_blocks
         if loads[winner.node_id] > limit:

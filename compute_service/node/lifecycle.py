@@ -274,7 +274,8 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
     address = command.advertise or f"{command.listen.rsplit(':', 1)[0]}:{port}"
     if registration is not None:
         await registration.update(address=address, num_blocks=pool.num_blocks, block_size=pool.block_size,
-                                  max_num_seqs=live_cap.cap if live_cap is not None else engine.config.max_num_seqs)
+                                  max_num_seqs=live_cap.cap if live_cap is not None else engine.config.max_num_seqs,
+                                  long_prefill_token_threshold=engine.config.long_prefill_token_threshold)
     warm = warm_start.WarmStart(settings.warm_start, node_id, command.model, async_engine,
                                 blocks.flush if blocks is not None else None)
     await warm.restore()  # before the warm-up: its random blocks must not take the pool's room first

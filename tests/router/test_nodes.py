@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from kvfleet.membership import MembershipChange, NodeInfo, NodeState
 from kvfleet.v1 import compute_pb2
@@ -126,3 +127,46 @@ def test_a_request_counts_only_the_blocks_it_adds_past_the_prefix_it_found_cache
         await table.close()
 
     asyncio.run(scenario())
+
+
+def test_the_blocks_of_prompts_past_the_nodes_threshold_count_as_long_until_their_first_token():
+    async def scenario():
+        table, _ = make_table()
+        await table.apply(MembershipChange("n0", NodeInfo("n0", "127.0.0.1:1", "m", 64, 16, NodeState.READY,
+                                                          long_prefill_token_threshold=64)))
+        node = table.get("n0")
+        document, question = list(range(10 * 16)), list(range(5 * 16 + 3))
+        node.start("doc", compute_pb2.ComputeRequest(request_id="doc-a", prompt_token_ids=document))
+        node.start("q", compute_pb2.ComputeRequest(request_id="q-a", prompt_token_ids=question), cached_blocks=4)
+        # the question computes 19 tokens past its 4 cached blocks: short; the document 160: long
+        assert (node.prefill_blocks, node.long_prefill_blocks) == (10 + 2, 10)
+        load = node.load()
+        assert (load.long_prefill_blocks, load.long_prefill_threshold_blocks) == (10, 4)
+        node.hold_seq("doc", len(document) + 1, decoding=True)  # its first token: no longer work ahead
+        assert (node.prefill_blocks, node.long_prefill_blocks) == (2, 0)
+        table.finish(node, "q", "q-a", cancel=False)
+        table.finish(node, "doc", "doc-a", cancel=False)
+        assert (node.active_blocks, node.prefill_blocks, node.long_prefill_blocks) == (0, 0, 0)
+        await table.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_that_lets_no_prompt_first_has_no_long_prefills():
+    async def scenario():
+        table, _ = make_table()
+        await table.apply(MembershipChange("n0", info()))
+        node = table.get("n0")
+        node.start("doc", compute_pb2.ComputeRequest(request_id="doc-a", prompt_token_ids=list(range(500))))
+        assert node.long_prefill_blocks == 0 and node.load().long_prefill_threshold_blocks == 0
+        await table.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_threshold_travels_in_the_membership_record_and_an_older_record_has_none():
+    published = NodeInfo("n0", "127.0.0.1:1", "m", 64, 16, NodeState.READY, long_prefill_token_threshold=128)
+    assert NodeInfo.from_json("n0", published.to_json()) == published
+    older = json.loads(published.to_json())
+    del older["long_prefill_token_threshold"]  # written before the field existed
+    assert NodeInfo.from_json("n0", json.dumps(older).encode()).long_prefill_token_threshold == 0
