@@ -83,13 +83,16 @@ class BlockManagerClient:
             raise Unavailable("no block_service leader is named in etcd yet")
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
 
-    async def ping(self, timeout_s: float) -> None:
+    async def ping(self, timeout_s: float, wait_for_ready: bool = False) -> None:
         """One health check of the replica this client targets, on the channel its calls take (so
-        it fails as they would); raises ``Unavailable`` or the transport's ``AioRpcError``."""
+        it fails as they would; ``wait_for_ready``: it waits for the channel to connect within its
+        time instead of failing at once while the channel backs off); raises ``Unavailable`` or the
+        transport's ``AioRpcError``."""
         channel = self._channel
         if channel is None:
             raise Unavailable("no block_service leader is named in etcd yet")
-        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
+                                                          wait_for_ready=wait_for_ready)
         await self._unless_moved(channel, check)
 
     async def _unless_moved(self, channel: grpc.aio.Channel, call):

@@ -2,9 +2,12 @@
 nodes (but not from etcd, which keeps its lease) can step down (``block_service.step_down``).
 
     every threshold/3: a health check of the leader etcd names, on the node's block_service channel
-        ─▶ ``LeaderReach`` (leader_reach.py): nothing heard from it for the threshold (TTL/2)?
+        (waiting for it to connect, for at most the threshold)
+        ─▶ ``LeaderReach`` (leader_reach.py): nothing heard from it for the threshold (TTL/2), and
+           two checks in a row went their whole threshold unanswered?
         ─▶ yes: put /kvfleet/block_service/unreachable/<node_id> = its address, under the node's lease
            no:  delete that key (once)
+    weighed again at each check and whenever one goes unanswered
 
 The key lives under the node's own lease: a node that dies takes its complaint with it, and a node
 that etcd cannot hear from cannot complain (it is not a live node then either). A complaint names
@@ -45,6 +48,7 @@ class LeaderComplaint:
         self._denied_said = False
         self._tasks: list[asyncio.Task] = []
         self._probes: set[asyncio.Task] = set()  # in flight, each given the threshold to answer
+        self._saying = asyncio.Lock()            # one ``_say`` at a time: the ticks' and the probes'
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow_leader(), name=f"leader-{self.node_id}"),
@@ -76,24 +80,31 @@ class LeaderComplaint:
         address = leader.address if leader is not None else None
         threshold = threshold_for(leader.ttl_s) if leader is not None else MIN_THRESHOLD_S
         self.reach.follow(address, threshold, self.clock())
-        await self._say(self.reach.complaint(self.clock()))
+        await self._say_now()
         if address is not None and self.blocks.target == address:  # the client follows etcd too
-            self.reach.sent(address)
-            probe = asyncio.create_task(self._probe(address, threshold))
+            number = self.reach.sent(address)
+            probe = asyncio.create_task(self._probe(address, number, threshold))
             self._probes.add(probe)
             probe.add_done_callback(self._probes.discard)
         return threshold / PROBES_PER_THRESHOLD
 
-    async def _probe(self, address: str, timeout_s: float) -> None:
+    async def _probe(self, address: str, number: int, timeout_s: float) -> None:
         try:
-            await self.blocks.ping(timeout_s)
+            await self.blocks.ping(timeout_s, wait_for_ready=True)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if trouble_of(e) == DOWN:
-                return  # silence
+                if _went_its_whole_time(e):
+                    self.reach.expired(address, number)
+                    await self._say_now()
+                return  # cut short (its connection broke under it): no evidence either way
             # any other error is an answer: it is reachable
-        self.reach.answered(address, self.clock())
+        self.reach.answered(address, number, self.clock())
+
+    async def _say_now(self) -> None:
+        async with self._saying:
+            await self._say(self.reach.complaint(self.clock()))
 
     async def _say(self, complaint: str | None) -> None:
         """Make etcd hold ``complaint`` (None: no key), tied to the node's current lease."""
@@ -128,3 +139,11 @@ class LeaderComplaint:
                         self.clock() - self.reach.heard_at)
         elif complaint is None and before not in (None, _UNKNOWN[0]):
             log.info("node %s: withdrew its complaint about the block_service leader at %s", self.node_id, before)
+
+
+def _went_its_whole_time(error: BaseException) -> bool:
+    """A probe that failed for its deadline (not one its broken connection cut short)."""
+    if isinstance(error, TimeoutError):
+        return True
+    code = getattr(error, "code", None)
+    return callable(code) and getattr(code(), "name", None) == "DEADLINE_EXCEEDED"

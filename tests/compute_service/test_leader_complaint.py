@@ -19,20 +19,26 @@ def test_the_threshold_is_half_the_leaders_ttl_and_at_least_one_second():
     assert threshold_for(1) == MIN_THRESHOLD_S
 
 
-def test_a_complaint_comes_after_the_threshold_without_an_answer_and_three_probes():
+def test_a_complaint_takes_two_failed_probes_since_the_last_answer_and_the_threshold():
     reach = LeaderReach()
     reach.follow("a:1", 1.5, now=10.0)         # named at 10: heard from, in effect
     assert reach.complaint(20.0) is None       # no probe went out: no evidence
-    for _ in range(3):
-        reach.sent("a:1")
-    assert reach.complaint(11.4) is None
+    first, second = reach.sent("a:1"), reach.sent("a:1")
+    reach.expired("a:1", first)
+    assert reach.complaint(20.0) is None       # one failed probe is not enough
+    reach.expired("a:1", second)
+    assert reach.complaint(11.4) is None       # nor before the threshold
     assert reach.complaint(11.5) == "a:1"
-    reach.answered("a:1", now=12.0)            # a late answer of any probe: it is reachable
+    third = reach.sent("a:1")
+    reach.answered("a:1", third, now=12.0)     # any later probe answered: it is reachable
     assert reach.complaint(20.0) is None
-    reach.sent("a:1")
-    reach.sent("a:1")
-    assert reach.complaint(20.0) is None       # two unanswered probes are not enough
-    reach.sent("a:1")
+    late = reach.sent("a:1")
+    reach.answered("a:1", late, now=12.5)
+    reach.expired("a:1", third)                # an older probe failing after a later answer says nothing
+    fourth, fifth = reach.sent("a:1"), reach.sent("a:1")
+    reach.expired("a:1", fourth)
+    assert reach.complaint(20.0) is None
+    reach.expired("a:1", fifth)
     assert reach.complaint(20.0) == "a:1"
     reach.follow("a:1", 1.5, now=21.0)         # the same leader named again: nothing changes
     assert reach.complaint(21.0) == "a:1"
@@ -41,22 +47,27 @@ def test_a_complaint_comes_after_the_threshold_without_an_answer_and_three_probe
 def test_another_leader_starts_over_and_an_answer_of_the_old_one_is_ignored():
     reach = LeaderReach()
     reach.follow("a:1", 1.0, now=0.0)
-    for _ in range(3):
-        reach.sent("a:1")
+    old = [reach.sent("a:1") for _ in range(2)]
+    for probe in old:
+        reach.expired("a:1", probe)
     assert reach.complaint(5.0) == "a:1"
     reach.follow("b:1", 1.0, now=5.0)
     assert reach.complaint(5.0) is None
-    for _ in range(3):
-        reach.sent("b:1")
-    reach.sent("a:1")                          # a probe of the old leader: not about b
-    reach.answered("a:1", now=5.5)             # ... nor is its answer
+    for probe in [reach.sent("b:1") for _ in range(2)]:
+        reach.expired("b:1", probe)
+    about_a = reach.sent("a:1")                # a probe of the old leader: not about b
+    reach.answered("a:1", about_a, now=5.5)    # ... nor is its answer
     assert reach.complaint(6.0) == "b:1"
+    reach.follow("a:1", 1.0, now=6.5)          # back to a: its probes of the earlier term say nothing
+    reach.expired("a:1", old[0])
+    reach.expired("a:1", about_a)
+    assert reach.complaint(9.0) is None
     reach.follow(None, 1.0, now=7.0)           # nobody leads: nobody to complain about
     assert reach.complaint(9.0) is None
 
 
 class Unreachable(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.DEADLINE_EXCEEDED) -> None:
         self._code = code
 
     def code(self) -> grpc.StatusCode:
@@ -64,12 +75,15 @@ class Unreachable(grpc.RpcError):
 
 
 class FakeBlocks:
-    """The node's block_service client: its target and a ping that fails while ``down``."""
+    """The node's block_service client: its target and a ping that fails while ``down`` (as one
+    that went its whole time unanswered, unless told otherwise)."""
 
     def __init__(self, target: str) -> None:
         self.target, self.down, self.error = target, False, Unreachable()
+        self.waited_for_ready: list[bool] = []
 
-    async def ping(self, timeout_s: float) -> None:
+    async def ping(self, timeout_s: float, wait_for_ready: bool = False) -> None:
+        self.waited_for_ready.append(wait_for_ready)
         if self.down:
             raise self.error
 
@@ -147,6 +161,55 @@ def test_no_complaint_about_an_answer_nor_without_a_lease_nor_about_another_targ
         complaint.leader = Leader("a:1", "L")  # a replica older than step-downs (no TTL said): moot
         await _ticks(complaint, now, [18.0])
         assert etcd.ops[-1] == ("delete", unreachable_key("node-0"))
+        await complaint.close()
+
+    asyncio.run(run())
+
+
+def test_probes_cut_short_by_a_reconnect_are_no_complaint_however_long_it_takes():
+    """Over a lossy link one connection reset (the soak's onset) cut every probe in flight short with
+    UNAVAILABLE while the channel reconnected: counted as silence, the node complained after the
+    threshold, and with every node doing so at once the leader stepped down. Only probes that waited
+    their whole time (for the channel too) are evidence."""
+    blocks, etcd, lease, now = FakeBlocks("a:1"), FakeEtcd(), [7], [100.0]
+    complaint = _complaint(blocks, etcd, lease, now)
+
+    async def run() -> None:
+        await _ticks(complaint, now, [100.0])
+        blocks.down, blocks.error = True, Unreachable(grpc.StatusCode.UNAVAILABLE)
+        await _ticks(complaint, now, [100.5 + 0.5 * k for k in range(10)])  # 5 s of them
+        assert [op[0] for op in etcd.ops] == ["delete"]
+        assert all(blocks.waited_for_ready)  # a probe waits for the channel to connect
+        blocks.error = Unreachable(grpc.StatusCode.DEADLINE_EXCEEDED)
+        await _ticks(complaint, now, [105.5])
+        assert [op[0] for op in etcd.ops] == ["delete"]  # one failed probe is not a cut
+        await _ticks(complaint, now, [106.0])
+        assert etcd.ops[-1] == ("put", unreachable_key("node-0"), b"a:1", 7)
+        await complaint.close()
+
+    asyncio.run(run())
+
+
+def test_the_complaint_is_said_when_a_probe_fails_not_only_at_the_next_tick():
+    class SlowToFail(FakeBlocks):
+        async def ping(self, timeout_s: float, wait_for_ready: bool = False) -> None:
+            if self.down:
+                await asyncio.sleep(0.05)
+                raise self.error
+
+    blocks, etcd, lease, now = SlowToFail("a:1"), FakeEtcd(), [7], [100.0]
+    complaint = _complaint(blocks, etcd, lease, now)
+
+    async def run() -> None:
+        await _ticks(complaint, now, [100.0])
+        blocks.down = True
+        now[0] = 101.0
+        await complaint.tick()
+        now[0] = 102.5
+        await complaint.tick()
+        assert [op[0] for op in etcd.ops] == ["delete"]
+        await asyncio.sleep(0.2)  # both probes fail: 2.5 s since the last answer, over the 2 s threshold
+        assert etcd.ops[-1] == ("put", unreachable_key("node-0"), b"a:1", 7)
         await complaint.close()
 
     asyncio.run(run())
