@@ -21,7 +21,8 @@
     spare:    with a second client (a connection of its own, carrying nothing else), each try goes on
               both and the first answer counts: a stall of one connection (the kernel giving it up,
               ETIMEDOUT, then a TLS reconnect across the lossy link: > TTL at TTL 3) costs no try
-    watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on
+    watch:    the key deleted or taken (an operator revoked the lease): not the leader from that event on;
+              a watch that breaks is made again from the last revision it saw, for the whole term
 
 Split brain is impossible by construction: only the key's holder accepts writes, and etcd hands
 the key to another replica only once the holder's lease has lapsed, which is at least TTL after the
@@ -42,12 +43,13 @@ from collections.abc import Callable
 
 import aetcd
 
-from kvfleet.backoff import error_line
+from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.leader import LEADER_KEY, Leader
 
 log = logging.getLogger(__name__)
 RETRY_PAUSE_S = 0.05  # between tries of a refresh that failed
 MAX_TRIES = 4         # refreshes in flight at once (each lives until the fence, or its answer)
+WATCH_RETRY_S = 0.5   # between a broken watch of the key and the next
 
 
 class Election:
@@ -101,14 +103,34 @@ class Election:
             await asyncio.wait({watcher}, timeout=5.0)  # never hang a step-down on etcd
 
     async def _watch_key(self) -> None:
-        """Lose at once when the key is deleted or rewritten after this replica took it."""
-        lease = self.lease_id
-        with contextlib.suppress(Exception):  # etcd unreachable: the refresh loop and the fence decide
-            watch = await self.client.watch(self.key, start_revision=self._revision + 1)
-            async for event in watch:
-                if event.kind == aetcd.EventKind.DELETE or event.kv.lease != lease:
-                    self._lose("the leader key was deleted or taken")
-                    return
+        """Lose at once when the key is deleted or rewritten after this replica took it. A watch
+        that breaks (its connection killed, ETIMEDOUT over a lossy link, and made again) is made
+        again from the revision after the last it saw, for the whole term: etcd replays what
+        happened meanwhile. It used to end for good at the first break: the key's delete was then
+        seen only by the next refresh's read of it. Meanwhile the refresh loop and the fence decide."""
+        lease, seen = self.lease_id, self._revision
+        throttle = LogThrottle()
+        while not self._lost.is_set():
+            try:
+                watch = await self.client.watch(self.key, start_revision=seen + 1)
+                try:
+                    async for event in watch:
+                        seen = max(seen, event.kv.mod_revision)
+                        if event.kind == aetcd.EventKind.DELETE or event.kv.lease != lease:
+                            self._lose("the leader key was deleted or taken")
+                            return
+                finally:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), WATCH_RETRY_S)
+            except asyncio.CancelledError:
+                raise
+            except aetcd.exceptions.RevisionCompactedError as e:  # the refreshes' reads cover the gap
+                seen = max(seen, e.compacted_revision - 1)
+            except Exception as e:
+                if throttle.due():
+                    log.warning("block_service at %s: the watch of the leader key broke (%s); making it again "
+                                "from revision %d", self.me.address, error_line(e), seen + 1)
+            await asyncio.sleep(WATCH_RETRY_S)
 
     async def _refresh(self) -> str:
         interval = self.ttl_s / 6
