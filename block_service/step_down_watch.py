@@ -4,6 +4,12 @@ one). ``until_due`` returns once the verdict is STEP_DOWN; the replica then resi
 (``Election.resign``: ``holds()`` turns False, then the lease is revoked and the standby campaigns
 at once) and only then ``close``s the watches. Resigning is the replica's, not this task's: a task
 cancelled as the lead ends must not cut a revocation short.
+
+A STEP_DOWN verdict is confirmed by reading both prefixes from etcd first (at most once every
+``CONFIRM_EVERY_S``): the watches' view can be stale (a connection that stalls before the kernel
+kills it, ETIMEDOUT over a lossy link, carries no withdrawal of a complaint until the watch lists
+again), and a leader must not step down on complaints the nodes have already withdrawn. No answer
+within ``CONFIRM_TIMEOUT_S``: it keeps leading, and the next check asks again.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from kvfleet.membership import NODES_PREFIX
 log = logging.getLogger(__name__)
 
 CHECK_S = 0.25
+CONFIRM_EVERY_S = 1.0    # a stale view asks etcd at most this often
+CONFIRM_TIMEOUT_S = 2.0
 
 
 class StepDownWatch:
@@ -41,7 +49,7 @@ class StepDownWatch:
         ``close``, after the resignation); cancelled when its lead ends otherwise."""
         self._follows = [asyncio.create_task(self._follow(NODES_PREFIX, self._node)),
                          asyncio.create_task(self._follow(UNREACHABLE_PREFIX, self._complaint))]
-        led_since, said = self.clock(), KEEP
+        led_since, said, confirm_after = self.clock(), KEEP, float("-inf")
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), CHECK_S)
@@ -51,8 +59,12 @@ class StepDownWatch:
             verdict = decide(self.complaints, self.address, self.standby_ready(), self.clock() - led_since,
                              self.cool_down_s)
             if verdict.action == STEP_DOWN:
-                log.warning("block_service at %s steps down: %s", self.address, verdict.line)
-                return verdict.line
+                if self.clock() >= confirm_after:
+                    confirm_after = self.clock() + CONFIRM_EVERY_S
+                    if await self._confirmed(led_since):
+                        log.warning("block_service at %s steps down: %s", self.address, verdict.line)
+                        return verdict.line
+                continue  # the watches' view was stale, or etcd did not answer: not yet
             if verdict.action not in (said, KEEP):
                 log.warning("block_service at %s: %s", self.address, verdict.line)
             said = verdict.action
@@ -61,6 +73,25 @@ class StepDownWatch:
         for task in self._follows:
             task.cancel()
         await asyncio.gather(*self._follows, return_exceptions=True)
+
+    async def _confirmed(self, led_since: float) -> bool:
+        """The verdict is STEP_DOWN on the live nodes and their complaints as etcd holds them now
+        (False when it does not answer in time)."""
+        try:
+            nodes, against = await asyncio.wait_for(asyncio.gather(
+                self.client.get_prefix(NODES_PREFIX.encode()), self.client.get_prefix(UNREACHABLE_PREFIX.encode())),
+                CONFIRM_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+        now = Complaints()
+        for kv in nodes:
+            now.node(kv.key.decode()[len(NODES_PREFIX):], True)
+        for kv in against:
+            now.complaint(kv.key.decode()[len(UNREACHABLE_PREFIX):], kv.value.decode(errors="replace"))
+        verdict = decide(now, self.address, self.standby_ready(), self.clock() - led_since, self.cool_down_s)
+        return verdict.action == STEP_DOWN
 
     def _node(self, node_id: str, value: bytes | None) -> None:
         self.complaints.node(node_id, value is not None)
