@@ -1,6 +1,7 @@
-"""Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``), KV
-store (``csrc/store_kv_cpu.cpp``) and the fused per-layer steps (``csrc/fused_cpu.cpp``: residual add
-+ RMSNorm, RoPE + KV store), one extension registering ``torch.ops.kvfleet_kernels.*``.
+"""Loader and wrappers of the native CPU kernels: paged decode (``csrc/paged_decode_cpu.cpp``), causal
+prefill (``csrc/prefill_cpu.cpp``), KV store (``csrc/store_kv_cpu.cpp``) and the fused per-layer steps
+(``csrc/fused_cpu.cpp``: residual add + RMSNorm, RoPE + KV store), one extension registering
+``torch.ops.kvfleet_kernels.*``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed, in a
 directory of the building process's own, and the library is moved into the cache under
@@ -28,7 +29,8 @@ from kernels.reference import prepare_store
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [str(_CSRC / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("paged_decode_cpu.cpp", "store_kv_cpu.cpp", "fused_cpu.cpp",
+                                            "prefill_cpu.cpp")]
 _HEADERS = [str(_CSRC / "vec16.h")]  # not compiled on their own, but a change rebuilds
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = (*_QUERY_DTYPES, torch.float8_e4m3fn)
@@ -142,6 +144,27 @@ def supports(query: torch.Tensor, cache: LayerCache) -> bool:
         and query.shape[2] <= 512
         and (_loaded or load_extension())
     )
+
+
+_PREFILL_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)  # csrc/prefill_cpu.cpp's ``built_for``
+_PREFILL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports_prefill(query: torch.Tensor, cache: LayerCache) -> bool:
+    """Whether the native causal prefill serves this layer: float32 or bfloat16 query and cache alike
+    (bfloat16 rows widened to float32 once per call), a head dim it is built for."""
+    return (query.dtype in _PREFILL_DTYPES and cache.k.dtype == query.dtype and query.device.type == "cpu"
+            and query.shape[2] in _PREFILL_HEAD_DIMS and (_loaded or load_extension())
+            and hasattr(torch.ops.kvfleet_kernels, "causal_prefill_cpu"))
+
+
+def causal_prefill(query: torch.Tensor, cache: LayerCache, block_table: torch.Tensor, context_len: int,
+                   scale: float) -> torch.Tensor:
+    """Attention of one sequence's new tokens ``query`` ``[n, H, D]`` (positions ``context_len - n`` on)
+    over its keys ``[0, context_len)`` in ``cache`` (``block_table``: its int32 row), causally; no
+    window, soft-cap or FP8 (the caller's test)."""
+    return torch.ops.kvfleet_kernels.causal_prefill_cpu.default(query, cache.k, cache.v, block_table, context_len,
+                                                                scale)
 
 
 def supports_store(cache: LayerCache) -> bool:

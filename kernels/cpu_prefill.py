@@ -1,4 +1,12 @@
-"""Paged prefill on CPU in torch: per sequence, gather its blocks once, then float32 GEMMs.
+"""Paged prefill on CPU: per sequence, the native causal kernel, torch's flash attention or GEMMs.
+
+In float32 or bfloat16 (query and cache alike), with no window cutting into the context, no soft-cap
+and no FP8, the native kernel (``csrc/prefill_cpu.cpp``) serves every sequence, with or without a
+cached prefix: flash attention's online softmax over 64-key tiles with a matrix kernel's register
+blocking, in float32 (bfloat16 rows widened once per call). At one thread, 12 heads over 4 KV heads
+of 64, it took 0.28 / 12.6 / 65.7 ms at 128 / 512 / 1,024 tokens against torch's fused kernel's 0.82
+/ 32.6 / 146.4 ms in float32 (2.2-3.0x), and 2.3-4.7x in bfloat16 (measured while other work loaded
+the machine; float32 results within float32 rounding of it). The rest:
 
 A sequence with no cached prefix (its whole prompt in this step, no sliding window cutting into it)
 attends to exactly its own new tokens, causally: torch's fused flash attention
@@ -23,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
 from kernels.reference import gather_kv, window_start
 
@@ -37,12 +46,18 @@ def cpu_paged_prefill(query: torch.Tensor, cache: LayerCache, meta: AttentionMet
     group = num_heads // num_kv_heads
     window, cap = params.window, params.logit_softcap
     out = torch.empty_like(query)
+    native = cpu_kernels.supports_prefill(query, cache)
     starts = meta.prefill_query_start_loc.tolist()
     for b, ctx in enumerate(meta.prefill_context_lens.tolist()):
         start, q_len = starts[b], starts[b + 1] - starts[b]
         if q_len == 0:
             continue
         prefix, table = ctx - q_len, meta.prefill_block_tables[b]
+        plain = cache.k_scale is None and cap is None and (window is None or window >= ctx)
+        if plain and native:
+            out[start : start + q_len] = cpu_kernels.causal_prefill(query[start : start + q_len], cache, table, ctx,
+                                                                    params.scale)
+            continue
         if prefix == 0 and cache.k_scale is None and cap is None and (window is None or window >= q_len):
             out[start : start + q_len] = _causal_self_attention(query[start : start + q_len], cache, table,
                                                                 params.scale)
