@@ -3,8 +3,8 @@
 - CUDA tensors → Triton kernels (``triton_store``, ``triton_decode``, ``triton_prefill``).
 - CPU decode and KV store → the native C++ kernels (``cpu_kernels``), built on first use; if they
   cannot be built, the torch reference, with one logged warning.
-- CPU prefill → ``cpu_prefill`` (compute-bound: each sequence's blocks gathered once, then float32
-  GEMMs, 2-3× faster than ``scaled_dot_product_attention`` at long prompts).
+- CPU prefill → ``cpu_prefill`` (compute-bound): the native causal kernel in float32 and bfloat16,
+  else torch's fused attention or each sequence's blocks gathered once and float32 GEMMs.
 - ``KVFLEET_ATTENTION=reference`` forces the reference everywhere.
 
 Every implementation takes the same four things: the query (or new K/V), the layer's ``LayerCache``,
