@@ -134,7 +134,7 @@ class PrefixFetcher:
         started = time.monotonic()
         try:
             got = await self.fetch(self.peers.address(peer) or "", peer, tenant, hashes, self.engine, plan.deadline_s,
-                                   prefix_group=chain.prefix_group)
+                                   prefix_group=chain.prefix_group, peers=self.peers)
         finally:
             figures.in_flight -= 1
         seconds = time.monotonic() - started
@@ -145,5 +145,6 @@ class PrefixFetcher:
             self.cost.observe_fetch(got.bytes, seconds)
         if got.blocks < len(hashes):
             figures.fallbacks[got.reason or "short"] += 1
-        log.info("node %s: fetched %d blocks (%.1f MB) for tenant %r from node %s in %.3fs; %d of %d held now",
-                 self.node_id, got.imported, got.bytes / 1e6, tenant, peer, seconds, got.blocks, len(hashes))
+        log.info("node %s: fetched %d blocks (%.1f MB) for tenant %r from node %s in %.3fs (open %.3f, stream %.3f, "
+                 "commit %.3f); %d of %d held now", self.node_id, got.imported, got.bytes / 1e6, tenant, peer, seconds,
+                 got.open_s, got.stream_s, got.commit_s, got.blocks, len(hashes))

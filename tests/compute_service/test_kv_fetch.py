@@ -12,6 +12,7 @@ import logging
 
 import pytest
 
+from compute_service.engine.async_engine import AsyncEngine
 from compute_service.node.kv_fetch import fetch_over
 from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.conftest import random_prompt
@@ -253,3 +254,24 @@ def test_a_fetch_cancelled_mid_stream_leaks_no_block(llama_dir, tmp_path):
             return await engine.call(counts)
 
     assert asyncio.run(main()) == (64, 0, 0)
+
+
+def test_a_fetch_waits_on_the_receivers_engine_twice_and_a_refused_or_held_one_once(llama_dir, tmp_path, monkeypatch):
+    """Each call waits for the step in progress (on a loaded node, most of a small fetch): the open,
+    then the commit with the release; a fetch that moves nothing makes only the open."""
+    holder, _, _ = holder_with_prompt(llama_dir, tmp_path)
+    receiver, full = make_engine(llama_dir, 64), make_engine(llama_dir, 3)
+    calls = []
+    real_call = AsyncEngine.call
+
+    def counted(self, fn):
+        calls.append(self.engine)
+        return real_call(self, fn)
+
+    monkeypatch.setattr(AsyncEngine, "call", counted)
+    assert fetch(holder, receiver, "default", HASHES) == 4
+    assert calls.count(receiver) == 2
+    assert fetch(holder, receiver, "default", HASHES) == 4  # every block held already
+    assert fetch(holder, full, "default", HASHES) == 0      # refused: no room
+    assert (calls.count(receiver), calls.count(full)) == (3, 1)
+    assert counts(receiver) == (60, 4, 0) and counts(full) == (3, 0, 0)

@@ -35,7 +35,7 @@ class Doubles:
     async def match(self, hashes):
         return ({n: min(k, len(hashes)) for n, k in self.held.items()}, {})
 
-    async def fetch(self, address, node_id, tenant, hashes, engine, deadline_s, prefix_group=""):
+    async def fetch(self, address, node_id, tenant, hashes, engine, deadline_s, prefix_group="", peers=None):
         self.calls.append((address, node_id, tenant, len(hashes)))
         if self.gate is not None:
             await self.gate.wait()
