@@ -31,10 +31,11 @@ def test_add_rms_norm_matches_torch(dtype, rows):
     assert torch.equal(cpu_kernels.add_rms_norm(want_x.clone(), None, norm.weight.data, norm.eps), out)
 
 
+@pytest.mark.parametrize("dim", [64, 40, 128])  # float32: 16-lane vectors where half the dim allows, else scalar
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_matches_torch(dtype):
+def test_rope_store_matches_torch(dtype, dim):
     torch.manual_seed(0)
-    tokens, heads, kv_heads, dim, block_size = 37, 9, 3, 64, 16
+    tokens, heads, kv_heads, block_size = 37, 9, 3, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)  # q, k, v: strided views, as the model has them
     q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     angles = torch.randn(tokens, dim // 2) * 10
