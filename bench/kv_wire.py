@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -125,12 +127,20 @@ def creds(certs_dir: Path, node: str) -> tls.Credentials:
 
 async def serve_holder(certs_dir: Path, mib: int, kv_cache_dtype: str, block_size: int) -> None:
     """The child: fill, serve under TLS, print the port, serve until stdin closes."""
+    engine = make_engine(mib, kv_cache_dtype, block_size)
+    fill(engine, chain(num_blocks(mib, kv_cache_dtype, block_size)[0], block_size))
+    async with serving(certs_dir, engine, block_size):
+        await asyncio.to_thread(sys.stdin.read)
+
+
+@contextlib.asynccontextmanager
+async def serving(certs_dir: Path, engine: LLMEngine, block_size: int) -> AsyncIterator[AsyncEngine]:
+    """``engine`` as node ``holder``'s ``Compute`` server under its certificate, on loopback, its
+    port printed (the parent's ``holder_address``); the engine's face, both stopped after."""
     from compute_service.node.context import NodeContext, NodeStatus
     from compute_service.node.server import ComputeServicer, add_to_server
     from kvfleet import rpc
 
-    engine = make_engine(mib, kv_cache_dtype, block_size)
-    fill(engine, chain(num_blocks(mib, kv_cache_dtype, block_size)[0], block_size))
     tls.use(creds(certs_dir, HOLDER))
     holder = AsyncEngine(engine)
     server = rpc.server(internal=True)
@@ -138,9 +148,11 @@ async def serve_holder(certs_dir: Path, mib: int, kv_cache_dtype: str, block_siz
     port = rpc.bind_internal(server, "127.0.0.1:0")
     await server.start()
     print(json.dumps({"port": port}), flush=True)
-    await asyncio.to_thread(sys.stdin.read)
-    await server.stop(grace=0)
-    await asyncio.to_thread(holder.shutdown)
+    try:
+        yield holder
+    finally:
+        await server.stop(grace=0)
+        await asyncio.to_thread(holder.shutdown)
 
 
 class Memcpy:
@@ -215,30 +227,43 @@ async def fetch_times(address: str, engine: AsyncEngine, blocks: list[FetchedBlo
     return times
 
 
-def run(mib: int, kv_cache_dtype: str, block_size: int, repeats: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="kv-wire-") as tmp:
+@contextlib.contextmanager
+def holder_child(script: str, args: list[str], prefix: str) -> Iterator[tuple[Path, subprocess.Popen]]:
+    """``script --serve-holder CERTS *args`` started (the holder, under its own certificate from a
+    fresh CA in CERTS): (CERTS, the child), its stdin closed after (it stops serving)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         certs_dir = Path(tmp)
         certs.ensure(certs_dir, [Identity.node(HOLDER), Identity.node(RECEIVER)])
-        child = subprocess.Popen([sys.executable, __file__, "--serve-holder", str(certs_dir), "--mib", str(mib),
-                                  "--kv-cache-dtype", kv_cache_dtype, "--block-size", str(block_size)],
+        child = subprocess.Popen([sys.executable, script, "--serve-holder", str(certs_dir), *args],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         try:
-            receiver = make_engine(mib, kv_cache_dtype, block_size)
-            line = child.stdout.readline()
-            if not line:
-                raise SystemExit("the holder exited before serving (its stderr is above)")
-            address = f"127.0.0.1:{json.loads(line)['port']}"
-            tls.use(creds(certs_dir, RECEIVER))
-            engine = AsyncEngine(receiver)
-            try:
-                n, per = num_blocks(mib, kv_cache_dtype, block_size)
-                blocks = chain(n, block_size)
-                times = asyncio.run(fetch_times(address, engine, blocks, n * per, repeats, child.pid))
-            finally:
-                engine.shutdown()
+            yield certs_dir, child
         finally:
             child.stdin.close()
             child.wait(timeout=60)
+
+
+def holder_address(certs_dir: Path, child: subprocess.Popen) -> str:
+    """The holder's address once it serves; this process speaks as node n1 from then on."""
+    line = child.stdout.readline()
+    if not line:
+        raise SystemExit("the holder exited before serving (its stderr is above)")
+    tls.use(creds(certs_dir, RECEIVER))
+    return f"127.0.0.1:{json.loads(line)['port']}"
+
+
+def run(mib: int, kv_cache_dtype: str, block_size: int, repeats: int) -> dict:
+    with holder_child(__file__, ["--mib", str(mib), "--kv-cache-dtype", kv_cache_dtype, "--block-size",
+                                 str(block_size)], "kv-wire-") as (certs_dir, child):
+        receiver = make_engine(mib, kv_cache_dtype, block_size)
+        address = holder_address(certs_dir, child)
+        engine = AsyncEngine(receiver)
+        try:
+            n, per = num_blocks(mib, kv_cache_dtype, block_size)
+            blocks = chain(n, block_size)
+            times = asyncio.run(fetch_times(address, engine, blocks, n * per, repeats, child.pid))
+        finally:
+            engine.shutdown()
     moved = n * per
     seconds, _, holder_cpu, receiver_cpu = min(times)
     transfer, memcpy = moved / seconds / 1e9, moved / min(t[1] for t in times) / 1e9
