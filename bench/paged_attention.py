@@ -8,7 +8,7 @@ For each shape and block size, on identical KV (float32), in interleaved rounds 
 Prints each time (best of the rounds), the KV GB/s, ratio = (b)/(a) and fraction = (d)/(a), the share of
 measured read bandwidth that (a) reaches. ``--json`` prints one object whose ``ratio`` and
 ``bandwidth_fraction`` are those of block_size 256 on the first shape. ``--prefill`` adds CPU prefill:
-the dispatch's GEMM path against the SDPA reference.
+the dispatch's native causal kernel against the GEMM path it replaced and the SDPA reference.
 """
 
 from __future__ import annotations
@@ -105,28 +105,48 @@ def run_shape(shape, block_sizes, rounds: int, gather_rounds: int) -> list[dict]
     return rows
 
 
+PREFILL_HEADS = [(32, 8, 128), (12, 4, 64)]  # (query heads, KV heads, head_dim): an 8B-class layer, bench-small's
+
+
 def run_prefill(prompt_lens: list[int], rounds: int) -> list[dict]:
-    """CPU prefill of whole prompts: the dispatch's path against SDPA over the gathered K/V, same KV."""
-    from kernels.cpu_prefill import cpu_paged_prefill
+    """CPU prefill of whole prompts, same KV: the dispatch (the native causal kernel), the GEMM path
+    it replaced, and SDPA over the gathered K/V, in interleaved rounds."""
+    from unittest import mock
+
+    from kernels import cpu_prefill
     from kernels.reference import gather_kv
     from kernels.testing import make_case
 
     rows = []
-    for prompt in prompt_lens:
-        case = make_case([prompt], q_lens=[prompt], num_heads=32, num_kv_heads=8, head_dim=128, block_size=256)
-        table, cache = case.meta.prefill_block_tables[0], case.cache
-        gemm = lambda: cpu_paged_prefill(*case.args())  # noqa: E731
-        sdpa = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            case.query.transpose(0, 1), gather_kv(cache.k, table, prompt, None), gather_kv(cache.v, table, prompt, None),
-            is_causal=True, scale=case.params.scale, enable_gqa=True)
-        gemm(), sdpa()  # warm-up: the first calls of a shape cost several times more
-        times = {"gemm": [], "sdpa": []}
-        for _ in range(rounds):
-            timed(gemm, times["gemm"])
-            timed(sdpa, times["sdpa"])
-        gemm, sdpa = min(times["gemm"]), min(times["sdpa"])
-        rows.append({"prompt": prompt, "gemm_ms": round(gemm * 1e3, 1), "sdpa_ms": round(sdpa * 1e3, 1),
-                     "ratio": round(sdpa / gemm, 2)})
+    for heads, kv_heads, head_dim in PREFILL_HEADS:
+        for prompt in prompt_lens:
+            case = make_case([prompt], q_lens=[prompt], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                             block_size=256)
+            table, cache = case.meta.prefill_block_tables[0], case.cache
+
+            def gemm():
+                with mock.patch.object(cpu_kernels, "supports_prefill", lambda query, cache: False):
+                    return cpu_prefill.cpu_paged_prefill(*case.args())
+
+            paths = {
+                "native": lambda: cpu_prefill.cpu_paged_prefill(*case.args()),  # noqa: B023
+                "gemm": gemm,
+                "sdpa": lambda: F.scaled_dot_product_attention(  # noqa: B023
+                    case.query.transpose(0, 1), gather_kv(cache.k, table, prompt, None),  # noqa: B023
+                    gather_kv(cache.v, table, prompt, None), is_causal=True, scale=case.params.scale,  # noqa: B023
+                    enable_gqa=True),
+            }
+            for fn in paths.values():
+                fn()  # warm-up: the first calls of a shape cost several times more
+            times = {name: [] for name in paths}
+            for _ in range(rounds):
+                for name, fn in paths.items():
+                    timed(fn, times[name])
+            best = {name: min(t) for name, t in times.items()}
+            rows.append({"heads": f"{heads}/{kv_heads}x{head_dim}", "prompt": prompt,
+                         **{f"{name}_ms": round(t * 1e3, 1) for name, t in best.items()},
+                         "ratio": round(best["sdpa"] / best["native"], 2),
+                         "gemm_ratio": round(best["gemm"] / best["native"], 2)})
     return rows
 
 
@@ -144,7 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds; the long shape at block 256 only")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--prefill", action="store_true", help="also time CPU prefill: GEMM path vs SDPA")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also time CPU prefill: the native kernel against the GEMM path and SDPA")
     add_smoke_flag(parser)
     args = parser.parse_args()
     if not cpu_kernels.load_extension():
@@ -168,10 +189,12 @@ def main() -> None:
     print(f"block_size 256, first shape: paged is {headline['ratio']:.2f}× faster than contiguous SDPA "
           f"and reaches {headline['bandwidth_fraction']:.0%} of the measured read bandwidth")
     if prefill:
-        print("\nCPU prefill of one whole prompt (32 / 8 heads, head_dim 128): GEMM path vs SDPA reference")
-        print("| prompt | gemm ms | sdpa ms | sdpa/gemm |\n|---|---|---|---|")
+        print("\nCPU prefill of one whole prompt: the native causal kernel (the dispatch) against the GEMM path "
+              "and SDPA over the gathered K/V")
+        print("| heads | prompt | native ms | gemm ms | sdpa ms | gemm/native | sdpa/native |\n|---|---|---|---|---|---|---|")
         for r in prefill:
-            print(f"| {r['prompt']} | {r['gemm_ms']:.1f} | {r['sdpa_ms']:.1f} | {r['ratio']:.2f}× |")
+            print(f"| {r['heads']} | {r['prompt']} | {r['native_ms']:.1f} | {r['gemm_ms']:.1f} | {r['sdpa_ms']:.1f} "
+                  f"| {r['gemm_ratio']:.2f}× | {r['ratio']:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 // Causal prefill attention of one sequence on CPU: its new tokens' queries against every key of the
 // sequence so far (a cached prefix and the tokens just stored), read from the paged cache.
 //
-// The shape of torch's flash attention, with the blocking of a matrix kernel: for a block of R query
-// rows of one head (R * D/16 <= 24 accumulators) and a tile of 64 keys, the scores are an outer
-// product over the head dim (a broadcast query element times 4 vectors of 16 transposed keys: R * 4
-// FMAs per 4 loads), the online softmax keeps each row's running max and sum, and P·V is the same
-// outer product the other way (a broadcast probability times D/16 vectors of a value row). K and V are
+// The shape of torch's flash attention, with the blocking of a matrix kernel: for a block of 6 query
+// rows of one head and a tile of 64 keys, the scores are an outer product over the head dim (a
+// broadcast query element times 4 vectors of 16 transposed keys: 24 FMAs per 4 loads), the online
+// softmax keeps each row's running max and sum, and P·V is the same outer product the other way (a
+// broadcast probability times D/16 vectors of a value row), for as many of the 6 rows at a time as
+// keep its accumulators at 24 or fewer. K and V are
 // first widened to float32 once per call, K transposed ([Hkv][D][keys], so that 16 keys are one
 // load), V as rows ([Hkv][keys][D]); queries scaled by scale·log2(e), so the softmax is 2^x.
 // Measured against ``scaled_dot_product_attention(is_causal, enable_gqa)`` in kernels/cpu_prefill.py's
@@ -42,10 +43,37 @@ struct Widened {
   int64_t rows;    // query rows (new tokens)
 };
 
+constexpr int R = 6;  // query rows of a block: R * NK = 24 score accumulators
+
+// rows of a P·V pass for head dim NV * 16: RP * NV <= 24 accumulators (R divides by it)
+template <int NV>
+constexpr int pv_rows_per_pass() { return NV <= 4 ? R : NV <= 8 ? 3 : NV <= 12 ? 2 : 1; }
+
+// o[r] = o[r] * alpha[r] + sum over the tile's keys j of p[r][j] * v[j], for RP rows
+template <int NV, int RP>
+inline void pv_rows(const float* v, int64_t keys, const float (*p)[KT], const float* alpha, float (*o)[NV * W]) {
+  constexpr int D = NV * W;
+  vf acc[RP][NV];
+  for (int r = 0; r < RP; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n] = load(o[r] + n * W) * alpha[r];
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* vrow = v + j * D;
+    vf vv[NV];
+    for (int n = 0; n < NV; ++n) vv[n] = load(vrow + n * W);
+    for (int r = 0; r < RP; ++r) {
+      const vf pj = splat(p[r][j]);
+      for (int n = 0; n < NV; ++n) acc[r][n] += pj * vv[n];
+    }
+  }
+  for (int r = 0; r < RP; ++r)
+    for (int n = 0; n < NV; ++n) store(o[r] + n * W, acc[r][n]);
+}
+
 // One block of R rows of head h starting at row i0: the softmax-weighted sum of V over keys
-// [0, last row's position], into out (R rows of D floats, unnormalised) and l (row sums).
-template <int NV, int R>
+// [0, last row's position], normalised into out (the block's valid rows of D floats).
+template <int NV>
 void attend_block(const Widened& w, int h, int64_t i0, float* out) {
+  constexpr int RP = pv_rows_per_pass<NV>();
   constexpr int D = NV * W;
   const int kvh = h / (w.heads / w.kv_heads);
   const float* q = w.q + (h * w.rows_padded + i0) * D;
@@ -100,20 +128,8 @@ void attend_block(const Widened& w, int h, int64_t i0, float* out) {
       l[r] = l[r] * alpha[r] + hsum(tot);
     }
     const int64_t keys = std::min<int64_t>(KT, key_end - j0);
-    vf acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < NV; ++n) acc[r][n] = load(o[r] + n * W) * alpha[r];
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* vrow = vh + (j0 + j) * D;
-      vf vv[NV];
-      for (int n = 0; n < NV; ++n) vv[n] = load(vrow + n * W);
-      for (int r = 0; r < R; ++r) {
-        const vf pj = splat(p[r][j]);
-        for (int n = 0; n < NV; ++n) acc[r][n] += pj * vv[n];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < NV; ++n) store(o[r] + n * W, acc[r][n]);
+    for (int g = 0; g < R; g += RP)  // P·V for RP rows at a time: RP * NV accumulators
+      pv_rows<NV, RP>(vh + j0 * D, keys, &p[g], &alpha[g], &o[g]);
   }
   for (int r = 0; r < valid; ++r) {
     const float inv = 1.f / l[r];
@@ -122,17 +138,13 @@ void attend_block(const Widened& w, int h, int64_t i0, float* out) {
 }
 
 template <int NV>
-constexpr int rows_per_block() { return NV >= 24 ? 1 : 24 / NV; }
-
-template <int NV>
 void attend_all(const Widened& w, float* out /* [H][rows_padded][D] */) {
-  constexpr int R = rows_per_block<NV>();
   const int64_t blocks = w.rows_padded / R;
   at::parallel_for(0, (int64_t)w.heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int h = item / blocks;
       const int64_t i0 = (item % blocks) * R;
-      attend_block<NV, R>(w, h, i0, out + (h * w.rows_padded + i0) * NV * W);
+      attend_block<NV>(w, h, i0, out + (h * w.rows_padded + i0) * NV * W);
     }
   });
 }
@@ -148,7 +160,6 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& k_cache, const at::Ten
   const int64_t rows = query.size(0);
   const int heads = query.size(1), d = query.size(2), kv_heads = k_cache.size(1);
   const int nv = d / W;
-  const int R = nv >= 24 ? 1 : 24 / nv;
   const int64_t rows_padded = (rows + R - 1) / R * R;
   const int64_t ldk = (context_len + KT - 1) / KT * KT;
   const int64_t bs = k_cache.size(2);
