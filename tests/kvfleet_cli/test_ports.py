@@ -27,3 +27,18 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch):
         monkeypatch.setattr(ports, "_FLOOR", taken - 1000)
         for _ in range(30):
             assert ports.free_port() != taken
+
+
+def test_a_slice_of_the_range_is_kept_to(monkeypatch):
+    monkeypatch.setenv(ports.SLICE_ENV, "1/4")
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 32000)
+    width = (32000 - ports._FLOOR) // 4
+    picked = [ports.free_port() for _ in range(50)]
+    assert all(ports._FLOOR + width <= p < ports._FLOOR + 2 * width for p in picked), picked
+
+
+def test_a_malformed_slice_means_the_whole_range(monkeypatch):
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 32000)
+    for value in ("", "x", "4/4", "1/0", "1/2/3"):
+        monkeypatch.setenv(ports.SLICE_ENV, value)
+        assert ports._picking_range() == (ports._FLOOR, 32000)
