@@ -10,11 +10,20 @@ A test gets a marker when any fixture in its closure (its own fixtures and the f
 is named below; a fixture that starts processes belongs in these tables. A test that starts a
 process without such a fixture carries the marker itself (``tests/test_tiers.py`` finds the ones
 that don't).
+
+On several xdist workers each worker picks its ports from a slice of its own (``KVFLEET_PORT_SLICE``,
+kvfleet_cli/ports.py; its children inherit it), so two workers' clusters never pick the same port; and
+with ``--dist loadscope`` (the process tier on several workers: ``-n 4 --dist loadscope -m "process or
+cluster or chaos"``) the unit a worker takes is ``xdist_scope``'s, below.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from kvfleet_cli.ports import SLICE_ENV
 
 # fixture name -> the markers every test using it gets
 FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
@@ -48,3 +57,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tiers |= {implied for tier in tiers for implied in IMPLY[tier]}
         for tier in sorted(tiers - have):
             item.add_marker(tier)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and SLICE_ENV not in os.environ:  # worker "gw3" of 4 -> "3/4"
+        os.environ[SLICE_ENV] = f"{int(worker.removeprefix('gw'))}/{int(count)}"
+
+
+# the partition bed's tests are one unit, one worker runs them in turn: its namespaces, links and subnet are
+# named by pid (10.213.<pid % 250>: two beds at once could share a subnet in the root namespace)
+PARTITION_BED = "tests/partition/"
+# the benchmarks' smoke runs are two units, one per dtype default: at most two at once, as when they ran on two
+# workers of their own (each is CPU-bound for a minute; more at once starve the timing of the chaos tests beside)
+BENCH_SMOKE = "tests/bench/test_bench_smoke.py::test_benchmark_smoke["
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a test goes to a worker in: its module (a module's cluster or etcd starts once, on
+    one worker), except the partition bed's and the benchmarks' smoke runs. (Not ``--dist loadgroup``'s
+    marks: pytest-xdist 3.8 drops them under pytest 9.2, pytest-dev/pytest-xdist#1386.)"""
+    if nodeid.startswith(PARTITION_BED):
+        return "the partition bed"
+    if nodeid.startswith(BENCH_SMOKE):
+        return f"benchmark smoke runs, {'float32' if nodeid.endswith('-float32]') else 'bfloat16'} default"
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):  # the largest units first (--loadscope-reorder, xdist's default)
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return Scopes(config, log)
