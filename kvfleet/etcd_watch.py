@@ -7,7 +7,11 @@ the block_service leader (``kvfleet.leader``).
             └──── watch_prefix from r + 1 ─▶ Change per event ─── breaks ──────┘ (after retry_s)
 
 A watch whose stream is not up yet may never answer its cancel (etcd down): the cancel is bounded
-by ``CANCEL_TIMEOUT_S``, or a consumer closing the loop would hang on it.
+by ``CANCEL_TIMEOUT_S``, or a consumer closing the loop would hang on it. A cancel of the task that
+reaches the loop as an etcd error (aetcd maps a gRPC call cancelled under it to an exception of its
+own) or that Python 3.11's ``wait_for`` loses is still a cancel: the loop ends when its task has one
+pending (``Task.cancelling``), not only on ``CancelledError``. Seen: a node told to stop with etcd
+gone kept listing every second for an hour, its shutdown waiting on this loop.
 """
 
 from __future__ import annotations
@@ -74,7 +78,17 @@ async def follow_prefix(client: aetcd.Client, prefix: str, what: str, retry_s: f
         except asyncio.CancelledError:
             raise
         except Exception as e:  # etcd restarted or unreachable, history compacted: list again
+            raise_if_cancelled()
             if throttle.due():
                 log.warning("watch of %s in etcd broke (%s); listing it again every %.1fs",
                             what, error_line(e), retry_s)
+        raise_if_cancelled()
         await asyncio.sleep(retry_s)
+
+
+def raise_if_cancelled() -> None:
+    """``CancelledError`` when the running task has a cancel pending that something swallowed on
+    its way here (an exception of the etcd client's for the cancelled call, 3.11's ``wait_for``)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -43,7 +43,7 @@ from kvfleet.backoff import LogThrottle, error_line
 from kvfleet.etcd_endpoints import parse_endpoints
 from kvfleet.etcd_failover import KEEPALIVE, FailoverClient
 from kvfleet.etcd_tls import TlsClient
-from kvfleet.etcd_watch import Listed, follow_prefix
+from kvfleet.etcd_watch import Listed, follow_prefix, raise_if_cancelled
 from kvfleet.groups import STABLE, check_group
 from kvfleet.kv_rates import KvRates
 from kvfleet.roles import MIXED, check_role
@@ -211,6 +211,7 @@ class NodeRegistration:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd briefly unreachable: try again next tick
+                raise_if_cancelled()  # a cancel the etcd client turned into its own exception
                 failing = True
                 if throttle.due():
                     log.warning("lease keep-alive for node %s failed: %s", self.info.node_id, error_line(e))
