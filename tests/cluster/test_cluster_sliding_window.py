@@ -13,6 +13,7 @@ import pytest
 from cluster_helpers import block_pools, random_prompt, request
 
 from block_service.durable import recover
+from compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS
 from kvfleet.v1 import inference_pb2_grpc
 from tests.compute_service.windowed_models import make_windowed_model, transformers_greedy
 
@@ -44,8 +45,11 @@ def test_long_generation_matches_transformers_and_holds_its_window(start_cluster
                 next_sample += 30
     assert tokens == transformers_greedy(model_dir, prompt, MAX_TOKENS, ignore_eos=True)
     # 340 tokens would fill 22 blocks of 16. Held: the blocks the window reaches, the one being
-    # written, its reserve, and a drop the node may still be deferring (at most 16 steps: a block).
-    assert len(used) == MAX_TOKENS // 30 and max(used) <= -(-window // 16) + 4, used
+    # written, its reserve (up to MAX_RESERVE_BLOCKS where block_service's round trips are slow
+    # against the steps: a loaded machine), and a drop the node may still be deferring (at most 16
+    # steps: a block). Before the top-up lead the reserve was one block: seen 8 > 7 at load 16.
+    bound = -(-window // 16) + 1 + MAX_RESERVE_BLOCKS + 1
+    assert len(used) == MAX_TOKENS // 30 and max(used) <= bound, used
 
     state = tmp_path / "state-copy"
     shutil.copytree(cluster.work_dir / "block_state", state)
