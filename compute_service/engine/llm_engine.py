@@ -40,7 +40,7 @@ from compute_service.kv.pool import (
 )
 from compute_service.kv.tier_setup import build_tiers, measure_prefill
 from compute_service.model.config import ModelConfig
-from compute_service.model.cpu_linear import pack_linears
+from compute_service.model.cpu_linear import pack_linears, step_rows
 from compute_service.model.sliding_window import droppable_window
 from compute_service.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from compute_service.model.weights import load_model, parse_dtype
@@ -89,7 +89,7 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len)
         model = load_model(model_dir, mc, dtype, self.device)
-        pack_linears(model, config.max_num_batched_tokens, threads)
+        packed = pack_linears(model, config.max_num_batched_tokens, threads)
         self.thread_probe = ThreadProbe(model, dtype, ThreadGovernor(threads)) if threads else None
         block_size = int(config.block_size)
         self.bytes_per_block = bytes_per_block(mc, block_size, kv_dtype)
@@ -116,7 +116,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.allocator, config.share_prefix_across_tenants,
                                  droppable_window(mc.layer_windows), reserve, self.tiers)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.long_prefill_token_threshold), self.kv)
+                                                   self.max_model_len, config.long_prefill_token_threshold,
+                                                   step_rows(config.max_num_batched_tokens) if packed else None),
+                                   self.kv)
         self.sampler = Sampler(self.device)
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,6 +77,16 @@ def row_tiles(rows: int, whole: tuple[int, ...] = ()) -> list[tuple[int, int, in
         return [(0, rows, rows)]
     return [(start, min(TILE_ROWS, rows - start), padded_rows(min(TILE_ROWS, rows - start)))
             for start in range(0, rows, TILE_ROWS)]
+
+
+def step_rows(batch_hint: int) -> Callable[[int], int]:
+    """The rows oneDNN computes for a step of N tokens, padding included (``row_tiles``; a step of
+    the whole ``batch_hint`` is one call): the scheduler trims a long prompt's chunk to fit them."""
+    whole = (batch_hint,) if batch_hint > TILE_ROWS else ()
+
+    def rows(n: int) -> int:
+        return sum(padded for _, _, padded in row_tiles(n, whole)) if n > 0 else 0
+    return rows
 
 
 class PackedLinear(nn.Module):

@@ -12,6 +12,7 @@ from compute_service.model.cpu_linear import (
     padded_rows,
     row_tiles,
     rows_per_pass,
+    step_rows,
     whole_sizes,
 )
 from compute_service.node.mem_probe import malloc_info
@@ -42,6 +43,14 @@ def test_a_step_of_the_whole_budget_is_one_call():
     assert PackedLinear(torch.nn.Linear(8, 8), 2048, pass_rows=1024).whole_rows == (2048, 1024)  # an MLP's
     assert PackedLinear(torch.nn.Linear(8, 8), 2048, pass_rows=2048).whole_rows == (2048,)
     assert PackedLinear(torch.nn.Linear(8, 8), 64).whole_rows == ()  # within one tile anyway
+
+
+def test_step_rows_are_the_rows_onednn_computes():
+    rows = step_rows(2048)
+    assert [rows(n) for n in (1, 16, 17, 128, 131, 160)] == [1, 16, 20, 128, 160, 160]
+    assert rows(300) == TILE_ROWS + padded_rows(300 - TILE_ROWS)  # a tile and a padded remainder
+    assert rows(2048) == 2048 and rows(0) == 0                     # the whole budget: one call
+    assert step_rows(128)(TILE_ROWS + 3) == TILE_ROWS + 3           # a budget within a tile is never whole
 
 
 def test_an_mlp_pass_keeps_its_intermediate_under_the_mmap_ceiling():

@@ -12,10 +12,10 @@ from kvfleet.allocator import Refusal
 from kvfleet.sampling import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, long_prefill=0):
+def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, long_prefill=0, step_rows=None):
     allocator = LocalBlockAllocator.standalone(num_blocks, block_size, bytes_per_block=1024)
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
-                                     long_prefill_token_threshold=long_prefill),
+                                     long_prefill_token_threshold=long_prefill, step_rows=step_rows),
                      KVCacheManager(allocator)), allocator
 
 
@@ -87,6 +87,46 @@ def test_a_short_prompt_arriving_mid_document_goes_first_and_the_step_stays_with
         advance(batch)
     assert long.num_computed == 400
     allocator.page_table.check()
+
+
+def pad_to_32(n):
+    """A model that computes rows in multiples of 32 above 16 (cpu_linear's padding, simplified)."""
+    return n if n <= 16 else -(-n // 32) * 32
+
+
+def test_a_long_chunk_is_trimmed_so_that_the_step_computes_no_padding_rows():
+    sched, allocator = make_scheduler(num_blocks=128, budget=256, long_prefill=96, step_rows=pad_to_32)
+    decoders = [seq(f"d{i}", 20, start=100 * i) for i in range(3)]
+    for s in decoders:
+        sched.add(s)
+    advance(sched.schedule())                   # their prompts, in one step
+    long = seq("long", 400, start=1000)
+    sched.add(long)
+    batch = sched.schedule()                    # 3 decodes + 96 would be 99 rows, computed as 128
+    assert [s.seq_id for s in batch.decodes] == ["d0", "d1", "d2"]
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("long", 93)]
+    advance(batch)
+    short = seq("short", 40, start=5000)        # 3 decodes + 40 + the long one's 56 = 99 again
+    sched.add(short)
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("short", 40), ("long", 53)]
+    advance(batch)
+    while long.num_computed < 400:              # while it is long, each step computes no padding
+        was_long = 400 - long.num_computed > 96
+        batch = sched.schedule()
+        assert not was_long or pad_to_32(batch.num_tokens) == batch.num_tokens
+        advance(batch)
+    assert long.num_computed == 400             # trimmed tokens are computed later, none lost
+    allocator.page_table.check()
+
+
+def test_a_long_chunk_is_not_trimmed_below_a_block():
+    sched, _ = make_scheduler(num_blocks=128, budget=256, long_prefill=96, step_rows=pad_to_32)
+    short = seq("short", 90)
+    sched.add(short)
+    sched.add(seq("long", 400, start=1000))
+    batch = sched.schedule()                    # 90 + a block = 106: trimming 10 would leave 6 tokens
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("short", 90), ("long", 16)]
 
 
 def test_a_prompt_is_long_or_short_by_what_it_has_left_after_its_cache_hit():
