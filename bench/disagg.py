@@ -13,7 +13,7 @@ is served twice, each time by a fresh local cluster (etcd, block_service, router
               the prompt's KV and continues; the chats' short prompts run on the decode node
 
 Both arms' nodes run ``--long-prefill-token-threshold`` at its best measured setting (bench/routing.py's
-128: short prompts first, a document's chunk what they leave of 128 tokens a step), one intra-op
+128: short prompts first, a document's chunk 128 tokens a step alone, a block beside them), one intra-op
 thread each (OMP_NUM_THREADS=1: two nodes on two cores), ``--dtype`` and ``--kv-cache-dtype`` as given
 (float32 by default, always passed: never the CPU's default), blocks of 16; routers ``--warmup-s 0``.
 

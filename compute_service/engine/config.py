@@ -43,9 +43,9 @@ class EngineConfig:
                                           "(with --p99-itl-target-ms, a few per sequence keeps a burst of prompts "
                                           "out of one step)", at_least=1, metavar="N")
     long_prefill_token_threshold: int = setting(
-        0, "a prompt with more than N tokens left to prefill is long: short prompts go first, and a long one's "
-           "chunk is what they leave of N tokens a step (at least a block), so a short prompt is not held for a "
-           "long one's prefill (0: off, a step's whole budget)", at_least=0, metavar="N")
+        0, "a prompt with more than N tokens left to prefill is long: short prompts go first (one a step beyond N "
+           "tokens), a long one takes N tokens a step alone and a block beside them, so a short prompt is not held "
+           "for a long one's prefill (0: off, a step's whole budget)", at_least=0, metavar="N")
     max_model_len: int | None = setting(None, "longest sequence, prompt and output (at most the model's context "
                                         "length)", unset="the model's context length", at_least=1, metavar="N")
     kv_layout: str = setting("paged", "paged, or contiguous: each sequence reserves --max-model-len slots at "

@@ -16,12 +16,18 @@ lasts) with them as a cache hit. Sequences behind it are admitted meanwhile, and
 idle for it: the prefill it waits for is in the batch.
 
 With ``long_prefill_token_threshold`` T > 0, a prompt with more than T tokens left to compute is
-*long*. Short prompts (running or admitted) take their whole remainder first; a long prompt's chunk
-is what the step's other prompt tokens leave of T, at least one block. So a question that arrives
-while a document is being prefilled waits for one short step, not for the document, and a step
-that carries a long prompt computes about T prompt tokens (vLLM's knob, with short prompts let
-ahead as its partial-prefill limits do). Whether a prompt is long is decided by what is left after
-its prefix-cache hit: a later turn of a long conversation whose history is cached is short.
+*long*. Short prompts (running or admitted) go first, each whole: the first of a step always, more
+while the step's prompt tokens stay within T (the others wait a step, holding their blocks). A long
+prompt's chunk is T when the step has no other prompt tokens, else one block. So a question that
+arrives while a document is being prefilled waits for the step in progress (about T tokens), not
+for the document, and its own step is as small as it can be: on a CPU a prefill step costs in
+proportion to its tokens, so prompts computed one after the other give the first its token sooner
+and the last no later than computed together, and the document, whose every token is computed
+before its first one either way, finishes about when it would have (measured on
+``bench/routing.py``: short turns had waited ~0.13 s for steps of 128-160 tokens that their ~75
+shared). A step that carries a long prompt alone computes T tokens (vLLM's knob, with short prompts
+let ahead as its partial-prefill limits do). Whether a prompt is long is decided by what is left
+after its prefix-cache hit: a later turn of a long conversation whose history is cached is short.
 
 A step's matmuls may compute more rows than its tokens (``step_rows``: oneDNN on CPU is handed a
 few row counts only, so 131 tokens cost what 160 do, ``cpu_linear.padded_rows``). A step carrying a
@@ -145,7 +151,7 @@ class Scheduler:
         budget = max(self.step_token_budget, min(len(self.running), self.config.max_num_batched_tokens))
         self.running.sort(key=_rank)
         plan: list[tuple[Sequence, int]] = []
-        long_prompts: list[Sequence] = []  # their chunks take what the short prompts leave (below)
+        long_prompts: list[Sequence] = []  # their chunks come after the short prompts (_long_chunks)
         for seq in self.running:
             if budget == 0:
                 break
@@ -153,15 +159,18 @@ class Scheduler:
                 long_prompts.append(seq)
                 continue
             n = self._chunk(seq, budget)
+            if not self._fits(n, _prompt_tokens(plan)):
+                continue  # a short prompt that waits for the next step, holding its blocks
             plan.append((seq, n))
             budget -= n
         scheduled = self._grow(plan, batch)
         left_by_running = budget
         if not batch.preempted:
             stepping = [s for s, _ in scheduled] + long_prompts  # the long ones step too, after admission
-            admitted = self._admit(budget, batch, stepping, _prompt_tokens(scheduled))
+            admitted, admitted_long = self._admit(budget, batch, stepping, _prompt_tokens(scheduled))
             budget -= sum(n for _, n in admitted)
             scheduled += admitted
+            long_prompts += admitted_long
         if long_prompts:
             scheduled += self._grow(self._long_chunks(long_prompts, budget, _prompt_tokens(scheduled)), batch)
             scheduled = [(s, n) for s, n in scheduled if s.status is Status.RUNNING]  # minus victims
@@ -181,13 +190,22 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, prompt_tokens_in_step: int = 0) -> int:
         """The tokens ``seq`` computes this step: what it has left, within the budget. A long prompt
-        (``_is_long_prompt``) takes what the step's other prompt tokens leave of the threshold, and at
-        least a block, so that its chunks neither hold back the short prompts beside it nor stall."""
+        (``_is_long_prompt``) takes the threshold when the step has no other prompt tokens, else one
+        block: it keeps moving, and the short prompts beside it get their first token from as small
+        a step as they can."""
         n = min(seq.num_tokens - seq.num_computed, budget)
         if not self._is_long_prompt(seq):
             return n
-        share = self.config.long_prefill_token_threshold - prompt_tokens_in_step
+        share = self.config.long_prefill_token_threshold if prompt_tokens_in_step == 0 else 0
         return min(n, max(share, self.kv.block_size))
+
+    def _fits(self, n: int, prompt_tokens_in_step: int) -> bool:
+        """Whether a short prompt's ``n`` tokens join a step that already has ``prompt_tokens_in_step``:
+        the first always; more while the step's prompt tokens stay within the threshold. A prefill
+        step costs in proportion to its tokens, so two prompts computed one after the other give the
+        first its token sooner and the second no later than computed together."""
+        cap = self.config.long_prefill_token_threshold
+        return n <= 1 or cap == 0 or prompt_tokens_in_step == 0 or prompt_tokens_in_step + n <= cap
 
     def _fit_rows(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Trim a long prompt's chunk (the last one that keeps at least a block) so that the step's
@@ -242,12 +260,16 @@ class Scheduler:
         return granted
 
     def _admit(self, budget: int, batch: ScheduledBatch, stepping: list[Sequence],
-               prompt_tokens: int = 0) -> list[tuple[Sequence, int]]:
+               prompt_tokens: int = 0) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Waiting sequences by rank while budget, seats and blocks last. A full pool stops
         admission (the head of the queue waits for blocks); a tenant over its quota only holds
         back that tenant's requests, and one that could never fit its quota is refused; one whose
-        prefix a sequence of this step (``stepping``, then those admitted) is prefilling waits."""
+        prefix a sequence of this step (``stepping``, then those admitted) is prefilling waits.
+        Returns the admitted short prompts with their chunks, and the admitted long ones (their
+        chunks come last: ``_long_chunks``). A short one that does not fit the step (``_fits``) is
+        admitted and computes from the next step on."""
         admitted: list[tuple[Sequence, int]] = []
+        admitted_long: list[Sequence] = []
         self.waiting.sort(key=_rank)
         held_back: list[Sequence] = []
         stepping = list(stepping)
@@ -274,13 +296,19 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = self._chunk(seq, budget, prompt_tokens)
+            if self._is_long_prompt(seq):
+                admitted_long.append(seq)
+                stepping.append(seq)
+                continue
+            n = self._chunk(seq, budget)
+            if not self._fits(n, prompt_tokens):
+                continue
             admitted.append((seq, n))
             stepping.append(seq)
             budget -= n
             prompt_tokens += n if n > 1 else 0
         self.waiting[:0] = held_back
-        return admitted
+        return admitted, admitted_long
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
