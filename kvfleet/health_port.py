@@ -14,6 +14,8 @@ import logging
 
 import grpc
 
+from kvfleet.rpc import NO_REUSEPORT, add_port
+
 log = logging.getLogger(__name__)
 
 
@@ -22,9 +24,9 @@ async def serve_health_port(health_servicer, listen: str, port: int, service: st
     from grpc_health.v1 import health_pb2_grpc
 
     host = listen.rsplit(":", 1)[0] if ":" in listen else listen
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[NO_REUSEPORT])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
+    bound = add_port(server, f"{host or '0.0.0.0'}:{port}")
     if not bound:
         raise OSError(f"{service}: cannot listen for health on {host}:{port}")
     await server.start()

@@ -49,7 +49,7 @@ SERVER_DEFAULT_MIN_RECV_PING_INTERVAL_MS = 300_000
 IDLE_SERVER_MIN_RECV_PING_INTERVAL_MS = 7_200_000  # no call open and pings without calls not permitted
 KNOWN_OPTIONS = frozenset({
     KEEPALIVE_TIME, KEEPALIVE_TIMEOUT, PERMIT_WITHOUT_CALLS, MAX_PINGS_WITHOUT_DATA, MIN_RECV_PING_INTERVAL,
-    MAX_PING_STRIKES, "grpc.max_receive_message_length", "grpc.max_send_message_length",
+    MAX_PING_STRIKES, "grpc.max_receive_message_length", "grpc.max_send_message_length", "grpc.so_reuseport",
 })
 
 Options = Sequence[tuple[str, int]]

@@ -94,8 +94,15 @@ def sync_channel(target: str, peer: Identity | None = None, credentials: tls.Cre
     return grpc.secure_channel(target, credentials, options=options)
 
 
+# gRPC binds its servers' ports with SO_REUSEPORT unless told not to: a second server on a port already
+# bound (a port picked twice, a service started twice) then binds too, and the kernel splits new
+# connections between the two, so a TLS client may reach a plaintext one (seen as WRONG_VERSION_NUMBER
+# in tests on several workers). Off, the second bind fails and says so.
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
 def server_options(max_send_bytes: int | None = None) -> list[tuple[str, int]]:
-    options = [*keepalive_server_options(), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [*keepalive_server_options(), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), NO_REUSEPORT]
     if max_send_bytes is not None:
         options.append(("grpc.max_send_message_length", max_send_bytes))
     return options
@@ -116,9 +123,17 @@ def bind_internal(server: grpc.aio.Server, address: str) -> int:
     """Listen on ``address`` under mutual TLS when this process has credentials, else in
     plaintext; the port bound (0: could not bind)."""
     credentials = tls.current()
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials.server_credentials())
+    return add_port(server, address, None if credentials is None else credentials.server_credentials())
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on ``address`` (under ``credentials`` when given, else in plaintext); the port bound,
+    0 when it cannot be bound (in use, say: ``NO_REUSEPORT``). gRPC raises there rather than
+    answer 0 as it once did."""
+    try:
+        return server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError:
+        return 0
 
 
 def serve_health_and_reflection(server: grpc.aio.Server, service_name: str):

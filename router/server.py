@@ -86,10 +86,10 @@ async def build_server(
     server = rpc.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generations), server)
     health_servicer = rpc.serve_health_and_reflection(server, SERVICE_NAME)
-    port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls)
+    port = rpc.add_port(server, listen, tls)
     if port == 0:
         raise CannotListen(f"cannot listen on {listen}")
-    if unix_socket is not None and server.add_insecure_port(f"unix:{unix_socket}") == 0:
+    if unix_socket is not None and rpc.add_port(server, f"unix:{unix_socket}") == 0:
         raise CannotListen(f"cannot listen on the Unix socket {unix_socket}")
     routed = RouterServer(server, port, nodes, health_servicer)
     await routed.update_health()

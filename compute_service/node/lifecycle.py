@@ -268,6 +268,9 @@ async def _start(command: NodeCommand, parts: _Parts) -> _Ready:
     health = rpc.serve_health_and_reflection(server, "kvfleet.v1.Compute")
     await health.set("kvfleet.v1.Compute", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = rpc.bind_internal(server, command.listen)
+    if port == 0:  # taken since the preflight found it free
+        from kvfleet.preflight import PreflightError
+        raise PreflightError(f"cannot listen on {command.listen}: the port is in use")
     await server.start()
     parts.readiness = await Readiness.start(health, "kvfleet.v1.Compute", command.listen, command.health_port,
                                             command.tls.cert_warn_days, f"node {node_id}")
