@@ -56,11 +56,12 @@ def test_the_standby_replays_pins_and_their_expiry(etcd, replicas, certs_dir, ad
             assert isinstance(got[0], Allocation)
             await node.commit([("s1", i, h) for i, h in enumerate(hashes)])
             await node.release(["s1"])
-            pinned = await operator.pin_prefix("n0", "gold", hashes, ttl_s=2)
+            # long enough to be read on both replicas on a loaded machine (2 s expired first under 3 test workers)
+            pinned = await operator.pin_prefix("n0", "gold", hashes, ttl_s=10)
             assert (pinned.num_new, pinned.tenant_pinned, pinned.allowed) == (3, 3, 8)
         _, pins, held, _ = await same()
         assert [p[:5] for p in pins] == [("gold", "n0", 3, 8, 3)] and held == {"n0": 3}
-        deadline = time.monotonic() + 30  # the leader's expiry loop looks every 5 s
+        deadline = time.monotonic() + 45  # the pin's 10 s, and the leader's expiry loop looks every 5 s
         while (await _pins_and_cache(a.address, admin, hashes))[1] and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         _, pins, held, _ = await same()
