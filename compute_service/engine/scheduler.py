@@ -152,6 +152,7 @@ class Scheduler:
         self.running.sort(key=_rank)
         plan: list[tuple[Sequence, int]] = []
         long_prompts: list[Sequence] = []  # their chunks come after the short prompts (_long_chunks)
+        deferred: list[Sequence] = []  # short prompts that wait for the next step (_fits)
         for seq in self.running:
             if budget == 0:
                 break
@@ -160,13 +161,16 @@ class Scheduler:
                 continue
             n = self._chunk(seq, budget)
             if not self._fits(n, _prompt_tokens(plan)):
-                continue  # a short prompt that waits for the next step, holding its blocks
+                deferred.append(seq)  # waits for the next step, holding its blocks
+                continue
             plan.append((seq, n))
             budget -= n
         scheduled = self._grow(plan, batch)
         left_by_running = budget
         if not batch.preempted:
-            stepping = [s for s, _ in scheduled] + long_prompts  # the long ones step too, after admission
+            # the long ones step too, after admission; the deferred ones next step: a prompt sharing their
+            # uncomputed prefix waits for it rather than compute it beside them
+            stepping = [s for s, _ in scheduled] + long_prompts + deferred
             admitted, admitted_long = self._admit(budget, batch, stepping, _prompt_tokens(scheduled))
             budget -= sum(n for _, n in admitted)
             scheduled += admitted
@@ -301,10 +305,10 @@ class Scheduler:
                 stepping.append(seq)
                 continue
             n = self._chunk(seq, budget)
+            stepping.append(seq)
             if not self._fits(n, prompt_tokens):
                 continue
             admitted.append((seq, n))
-            stepping.append(seq)
             budget -= n
             prompt_tokens += n if n > 1 else 0
         self.waiting[:0] = held_back

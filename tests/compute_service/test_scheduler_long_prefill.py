@@ -123,3 +123,23 @@ def test_a_prompt_is_long_or_short_by_what_it_has_left_after_its_cache_hit():
 def test_the_long_prefill_threshold_is_not_negative():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def test_a_prompt_sharing_a_deferred_prompts_prefix_waits_for_it_and_finds_it_cached():
+    sched, _ = make_scheduler(num_blocks=128, budget=256, long_prefill=96)
+    shared = list(range(5000, 5048))                       # three blocks nobody has computed yet
+    a, b = seq("a", 60), Sequence("b", shared + list(range(60, 72)), SamplingParams(max_tokens=100))
+    c = Sequence("c", shared + list(range(90, 102)), SamplingParams(max_tokens=100))
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()                               # a fits; b (60 more) waits a step, admitted
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("a", 60)]
+    assert b.status is Status.RUNNING and c.status is Status.WAITING  # c would compute b's prefix again
+    advance(batch)
+    sched.kv.commit_full_blocks([a])
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.prefills] == [("b", 60)]
+    advance(batch)
+    sched.kv.commit_full_blocks([b])                       # as the engine does after the step
+    sched.schedule()
+    assert c.status is Status.RUNNING and c.num_cached_tokens == 48
