@@ -23,6 +23,7 @@ import os
 
 import pytest
 
+from kvfleet import tls
 from kvfleet_cli.ports import SLICE_ENV
 
 # fixture name -> the markers every test using it gets
@@ -63,6 +64,17 @@ def pytest_configure(config: pytest.Config) -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if worker and count and SLICE_ENV not in os.environ:  # worker "gw3" of 4 -> "3/4"
         os.environ[SLICE_ENV] = f"{int(worker.removeprefix('gw'))}/{int(count)}"
+
+
+@pytest.fixture(autouse=True)
+def _process_credentials_kept():
+    """This process's internal TLS credentials (``kvfleet.tls``) as they were before each test. A test
+    that sets them (a command's or a service's main run in-process, ``tls.use``) would leave them to the
+    next test on its worker, whose clients without credentials of their own would then speak TLS to a
+    plaintext service: seen on three workers as a handshake failing with WRONG_VERSION_NUMBER."""
+    before = tls.current()
+    yield
+    tls.use(before)
 
 
 # the partition bed's tests are one unit, one worker runs them in turn: its namespaces, links and subnet are
