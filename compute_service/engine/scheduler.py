@@ -300,12 +300,11 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)
+            stepping.append(seq)  # computing this step, or next: in flight either way
             if self._is_long_prompt(seq):
                 admitted_long.append(seq)
-                stepping.append(seq)
                 continue
             n = self._chunk(seq, budget)
-            stepping.append(seq)
             if not self._fits(n, prompt_tokens):
                 continue
             admitted.append((seq, n))
