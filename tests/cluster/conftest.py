@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import BLOCK_SIZE, TENANTS
 
+from kvfleet import tls
 from kvfleet_cli.etcd_server import EtcdServer
 from kvfleet_cli.local_cluster import LocalCluster
 from kvfleet_cli.model_maker import make_model
@@ -76,9 +77,13 @@ def shared_cluster(model_dir, tmp_path_factory):
         key = repr((num_nodes, sorted(kw.items())))
         if key not in by_settings:
             by_settings[key] = clusters.start(num_nodes, **kw)
-        dead = by_settings[key].exited()
+        cluster = by_settings[key]
+        dead = cluster.exited()
         assert not dead, f"the module's cluster lost a process to an earlier test: {dead}"
-        return by_settings[key]
+        # this test calls the cluster as its admin: the credentials the cluster's start installed were
+        # put back after the test that started it (tests/conftest.py), so each test gets them again here
+        tls.use(cluster.certs.admin())
+        return cluster
 
     try:
         yield get
