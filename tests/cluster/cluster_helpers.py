@@ -99,3 +99,16 @@ def block_pools(cluster) -> dict:
         return {n.node_id: n for n in nodes}
 
     return asyncio.run(read())
+
+
+def released_pool(cluster, node_id: str = "node-0", within_s: float = 60.0):
+    """block_service's ``NodeStats`` for ``node_id`` once it holds no sequence and no block in use: a
+    finished or cancelled request's blocks are freed shortly after its stream ends, not before the
+    client sees the end. Fails naming what is still held after ``within_s``."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while (pool := block_pools(cluster)[node_id]).num_sequences or pool.num_used:
+        assert time.monotonic() < deadline, f"blocks still held after the requests ended: {pool}"
+        time.sleep(0.1)
+    return pool

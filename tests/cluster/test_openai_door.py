@@ -12,7 +12,7 @@ import grpc
 import httpx2 as httpx
 import openai
 import pytest
-from cluster_helpers import BLOCK_SIZE, TENANTS, block_pools, random_prompt, request, stream, tokens_of
+from cluster_helpers import BLOCK_SIZE, TENANTS, random_prompt, released_pool, request, stream, tokens_of
 
 from compute_service.model.tokenizer import Tokenizer
 from kvfleet.identity import Identity
@@ -154,16 +154,9 @@ def node_generated(cluster) -> int:
         return compute_pb2_grpc.ComputeStub(channel).Stats(compute_pb2.ComputeStatsRequest(), timeout=30).generated_tokens
 
 
-def wait_blocks_free(cluster) -> None:
-    deadline = time.monotonic() + 60
-    while (pool := block_pools(cluster)["node-0"]).num_sequences or pool.num_used:
-        assert time.monotonic() < deadline, f"blocks still held after the client left: {pool}"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
 def test_a_client_that_leaves_cancels_its_request_and_frees_its_blocks(cluster, streaming):
-    wait_blocks_free(cluster)
+    released_pool(cluster)
     before = node_generated(cluster)
     body = {"model": model_id(cluster), "prompt": random_prompt(50, 4), "max_tokens": 4000, "ignore_eos": True,
             "stream": streaming}
@@ -176,7 +169,7 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_its_blocks(cluster, 
     else:  # the client gives up waiting for the whole answer
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(cluster.http_url + "/completions", json=body, headers=headers, timeout=1.0)
-    wait_blocks_free(cluster)
+    released_pool(cluster)
     assert 0 < node_generated(cluster) - before < 4000  # stopped, not run to the end
 
 
