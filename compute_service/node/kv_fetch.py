@@ -176,8 +176,11 @@ async def _receive(call: FetchCall, reader: RunReader, tenant: str, asked: list[
     left = deadline - time.monotonic()
     if left <= 0:
         return "deadline", "the deadline passed before the fetch began"
-    stream = call(request, timeout=left)
+    stream = None
     try:
+        # asked inside: a channel closed meanwhile (another fetch found the peer gone and dropped it)
+        # raises here, and that is the peer's failure like any other, not this request's
+        stream = call(request, timeout=left)
         async with asyncio.timeout(left):
             async for chunk in stream:
                 await _feed(reader, chunk)

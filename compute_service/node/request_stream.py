@@ -23,6 +23,7 @@ node's, and the router retries a full pool elsewhere.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,8 @@ from kvfleet.ids import MAX_ID_LEN
 from kvfleet.membership import NodeState
 from kvfleet.v1 import compute_pb2, inference_pb2
 from kvfleet.wire import InvalidRequest, sampling_from_proto
+
+log = logging.getLogger(__name__)
 
 tracer = trace.get_tracer(__name__)
 
@@ -94,7 +97,19 @@ class RequestStream:
         self.arrival_s = time.monotonic()  # the start of its queue time (request_phases.py)
 
     async def run(self) -> None:
-        """Check, allocate early and hand the request to the engine; a problem ends it with an error."""
+        """Check, allocate early and hand the request to the engine; a problem ends it with an error,
+        this node's own fault included (UNAVAILABLE: the router sends it elsewhere), so that no
+        request is left waiting on a start that died."""
+        try:
+            await self._start()
+        except Exception as e:
+            log.error("node %s: starting request %s failed", self.node.node_id, self.request_id, exc_info=e)
+            if not self.ended:
+                self.node.abort(self.request_id)
+                self.fail(grpc.StatusCode.UNAVAILABLE,
+                          f"node {self.node.node_id} could not start the request ({type(e).__name__}: {e})")
+
+    async def _start(self) -> None:
         if self.ended:  # cancelled before this task ran (its start and cancel came in one message):
             return      # its end released nothing, so nothing may be asked for it now
         request, node = self.request, self.node

@@ -14,10 +14,13 @@ import pytest
 
 from compute_service.engine.async_engine import AsyncEngine
 from compute_service.node.kv_fetch import fetch_over
+from kvfleet import rpc
+from kvfleet.identity import Identity
 from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.conftest import random_prompt
 from tests.compute_service.kv_peers import (
     BS,
+    HOLDER,
     OTHERS,
     PROMPT,
     altered,
@@ -215,6 +218,28 @@ def test_an_unreachable_or_stalled_peer_imports_nothing_and_leaks_nothing(llama_
     with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
         assert fetch(holder, receiver, "default", HASHES, wrap=stall, deadline_s=0.5) == 0
     assert "deadline" in caplog.text
+    assert counts(receiver) == (64, 0, 0)
+    receiver.allocator.page_table.check()
+
+
+def test_a_fetch_asking_on_a_channel_closed_under_it_imports_nothing_and_leaks_nothing(llama_dir, tmp_path, caplog):
+    """Seen in a chaos run: one fetch found its killed peer gone and dropped the channel kept to it;
+    another fetch, which had taken that channel already, then asked on it closed. That is the peer's
+    failure like any other (the request prefills instead), not an exception that left it unstarted."""
+    holder, _, _ = holder_with_prompt(llama_dir, tmp_path)
+    receiver = make_engine(llama_dir, 64)
+
+    async def main():
+        async with peers(holder, receiver) as (served_at, r):
+            channel = rpc.channel(served_at, peer=Identity.node(HOLDER))
+            await channel.close()  # the real thing: gRPC refuses a call on it at once
+            return await fetch_over(compute_pb2_grpc.ComputeStub(channel).FetchBlocks, "a closed channel", "default",
+                                    HASHES, r, 10)
+
+    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+        got = asyncio.run(main())
+    assert (got.blocks, got.reason) == (0, "peer")
+    assert "closed" in caplog.text
     assert counts(receiver) == (64, 0, 0)
     receiver.allocator.page_table.check()
 

@@ -106,3 +106,29 @@ def test_a_chunked_prefill_streams_an_empty_chunk_per_chunk_before_its_first_tok
     assert not chunks[0].HasField("usage") and chunks[3].HasField("usage")  # the first token's carries it
     unchunked = serve(node, "whole", random_prompt(200, seed=12), 0, 3)
     assert [t for c in chunks for t in c.token_ids] == [t for c in unchunked for t in c.token_ids]
+
+
+def test_a_start_that_dies_ends_the_request_unavailable_and_holds_nothing(node, monkeypatch, caplog):
+    """A fault of the node's own while a request starts (seen: a KV fetch asking on a channel closed
+    under it) ends the request with UNAVAILABLE, which the router answers by sending it elsewhere;
+    before, the start's task died, the request never ended, and its client hung."""
+    async def broken_fetch(self, *args):
+        raise RuntimeError("the fetch's channel is closed")
+
+    monkeypatch.setattr(NodeContext, "fetch_prefix", broken_fetch)
+    request = compute_pb2.ComputeRequest(request_id="dies", tenant="t", prompt_token_ids=PROMPT)
+    request.sampling.max_tokens = 4
+    ended = []
+
+    async def main():
+        events: list[compute_pb2.RequestEvent] = []
+        await RequestStream(request, node, events.append, ended.append).run()
+        await asyncio.sleep(0.2)  # an abort reaches the engine's thread
+        return events, await node.engine_stats()
+
+    (event,), stats = asyncio.run(main())
+    assert event.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "could not start the request (RuntimeError: the fetch's channel is closed)" in event.error.message
+    assert len(ended) == 1
+    assert "starting request dies failed" in caplog.text
+    assert stats.num_running == stats.num_waiting == 0
