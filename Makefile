@@ -44,8 +44,8 @@ demo: setup protos $(REAL_MODEL)/config.json
 
 # the tiers (tests/conftest.py): pure and in-process tests start nothing, so they run one worker per CPU;
 # tests that start processes, clusters or kill them run on three workers, a module (and the partition bed)
-# to one worker, each worker's ports from a slice of its own: most of their time is waiting on their
-# processes (15.5-16 min on 2 cores against 22-23 serial)
+# to one worker, each worker's ports from a slice of its own: serial, a core sits idle while a test waits
+# on its processes; three keep both cores busy (14.5-16 min on 2 cores against 22-23 serial)
 IN_PROCESS := not process and not cluster and not chaos
 PROCESS_WORKERS ?= 3
 
