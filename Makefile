@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 
 # the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:
 # the engine then falls back to the torch reference with a warning
-$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
-	$(PY) -c "from kernels import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load_extension() else 'unavailable, using the reference')"
+$(KERNELS): $(STAMP) $(wildcard kvfleet/kernels/csrc/*.cpp kvfleet/kernels/csrc/*.h)
+	$(PY) -c "from kvfleet.kernels import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load_extension() else 'unavailable, using the reference')"
 	touch $(KERNELS)
 
 protos: $(STUBS)
@@ -35,12 +35,12 @@ $(STUBS): $(PROTOS) $(STAMP)
 
 # downloaded (~100 MB, cached in ~/.cache/kvfleet) and converted once per machine
 $(REAL_MODEL)/config.json: | $(STAMP)
-	$(PY) -m kvfleet_cli models pull smollm2
+	$(PY) -m kvfleet.cli models pull smollm2
 
 model: $(REAL_MODEL)/config.json
 
 demo: setup protos $(REAL_MODEL)/config.json
-	$(PY) -m kvfleet_cli demo --model $(REAL_MODEL)
+	$(PY) -m kvfleet.cli demo --model $(REAL_MODEL)
 
 # the tiers (tests/conftest.py): pure and in-process tests start nothing, so they run one worker per CPU;
 # tests that start processes, clusters or kill them run on three workers, a module (and the partition bed)

@@ -1,7 +1,7 @@
 """Block manager operations per second: the page table in-process against the same trace through
 block_service over loopback gRPC, with the write-ahead log off and fsynced.
 
-The trace (``block_service.trace``): prompts that share a few long prefixes plus a private part, every
+The trace (``kvfleet.block_service.trace``): prompts that share a few long prefixes plus a private part, every
 live sequence growing by one block (``block_size`` tokens) per step, full blocks committed, finished
 sequences released, new ones arriving; pools small enough that eviction and refusals happen. A block
 operation is one block granted (prefix hits included), appended, committed or released.
@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_smoke_flag  # noqa: E402
-from block_service.client import BlockManagerClient  # noqa: E402
-from block_service.durable import DurablePageTable  # noqa: E402
-from block_service.page_table import PageTable  # noqa: E402
-from block_service.trace import Trace, drive, drive_async  # noqa: E402
-from kvfleet_cli.ports import free_port  # noqa: E402
+from kvfleet.block_service.client import BlockManagerClient  # noqa: E402
+from kvfleet.block_service.durable import DurablePageTable  # noqa: E402
+from kvfleet.block_service.page_table import PageTable  # noqa: E402
+from kvfleet.block_service.trace import Trace, drive, drive_async  # noqa: E402
+from kvfleet.cli.ports import free_port  # noqa: E402
 
 NODES = [f"n{i}" for i in range(4)]
 TENANTS = ["acme", "globex", "initech"]
@@ -100,7 +100,7 @@ def bench_grpc(seconds: float, durability: str, clients: int, arrivals: int, war
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as state_dir:
         proc = subprocess.Popen(  # plaintext: TLS's cost is bench/cluster_overhead.py --tls's figure
-            [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen", address,
+            [sys.executable, "-m", "kvfleet.cli.cli", "--log-level", "ERROR", "block-service", "--listen", address,
              "--state-dir", state_dir, "--durability", durability, "--insecure-internal"],
             cwd=ROOT,
         )

@@ -90,9 +90,9 @@ def node_credentials(cluster, node_id: str):
     (only ``node:<id>`` may register and change its own pool), or None when the cluster is plaintext."""
     if cluster.certs.root is None:
         return None
-    from kvfleet import certs
-    from kvfleet.identity import Identity
-    from kvfleet.tls import Credentials
+    from kvfleet.core import certs
+    from kvfleet.core.identity import Identity
+    from kvfleet.core.tls import Credentials
 
     identity = Identity.node(node_id)
     certs.ensure(cluster.certs.root, [identity])
@@ -110,7 +110,7 @@ class Probe:
 
     async def change(self) -> bool:
         """One allocation and its commit; True once both were acknowledged."""
-        from kvfleet.allocator import AllocateRequest, Allocation
+        from kvfleet.core.allocator import AllocateRequest, Allocation
 
         if self.admin.target:
             self.client.retarget(self.admin.target)
@@ -155,8 +155,8 @@ class Probe:
 
 async def _run(cluster, cfg: dict, stop_load, old: str) -> dict:
     """Warm up, kill the leader ``old``, measure the takeover, carry on, then count what was lost."""
-    from block_service import leader_client
-    from block_service.client import BlockManagerClient
+    from kvfleet.block_service import leader_client
+    from kvfleet.block_service.client import BlockManagerClient
 
     admin = await leader_client.connect("etcd", cluster.etcd.url, timeout_s=2.0)  # this process's: admin
     client = BlockManagerClient(admin.target, timeout_s=2.0, credentials=node_credentials(cluster, PROBE_NODE))
@@ -207,7 +207,7 @@ def main() -> None:
     cfg = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     model = ensure_model("tiny", ROOT / "models" / "soak-tiny")
 
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
 
     with LocalCluster(model, num_nodes=args.nodes, block_size=16, kv_cache_memory=32 << 20, log_level="INFO",
                       block_service_standby=True, lease_ttl_s=args.lease_ttl, metrics=False) as cluster:

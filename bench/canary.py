@@ -1,6 +1,6 @@
 """A canary's verdicts against a known difference and a control (issue 32), then a promote under load.
 
-Two runs, each on a fresh local cluster of 3 nodes (2 stable + 1 canary, ``kvfleet_cli.canary_cluster``; the
+Two runs, each on a fresh local cluster of 3 nodes (2 stable + 1 canary, ``kvfleet.cli.canary_cluster``; the
 smoke shape 1 stable + 1 canary)
 serving the tiny random model, the split at 0.33 of new conversations, the same seeded open-loop
 arrivals (distinct conversations, Poisson at ``--rate`` per second):
@@ -11,7 +11,7 @@ arrivals (distinct conversations, Poisson at ``--rate`` per second):
     control   every node the same configuration: any metric called better or worse is a false verdict
 
 The verdicts are ``kvfleet canary report``'s (the router's own per-request outcomes, the bootstrap of
-``kvfleet_cli.canary_verdict``: ``--confidence``, seeded). After the control's measurement, a promote
+``kvfleet.cli.canary_verdict``: ``--confidence``, seeded). After the control's measurement, a promote
 (the same path as ``kvfleet canary promote`` under ``kvfleet up``: every node drained and restarted,
 one at a time) runs while requests keep arriving; every request must end with all its tokens.
 
@@ -88,8 +88,8 @@ async def arrivals(address: str, count: int, rate: float, max_tokens: int, seed:
 
 def start(model: Path, canary_batch_wait_ms: float | None, stable: int):
     """A started cluster of ``stable`` stable nodes and 1 canary (``canary_batch_wait_ms``: None, the same config)."""
-    from kvfleet_cli.canary_cluster import CanaryNodes, CanaryPlan
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.canary_cluster import CanaryNodes, CanaryPlan
+    from kvfleet.cli.local_cluster import LocalCluster
 
     cluster = LocalCluster(model, num_nodes=stable, log_level="WARNING", http=False, env={"OMP_NUM_THREADS": "1"},
                            router_args=("--warmup-s", "0"))
@@ -106,9 +106,9 @@ def start(model: Path, canary_batch_wait_ms: float | None, stable: int):
 
 
 def set_share(cluster, share: float) -> None:
-    from kvfleet.canary import CanarySplit
-    from kvfleet_cli.canary_command import fetch_samples
-    from kvfleet_cli.canary_etcd import CanaryStore
+    from kvfleet.cli.canary_command import fetch_samples
+    from kvfleet.cli.canary_etcd import CanaryStore
+    from kvfleet.core.canary import CanarySplit
 
     async def write() -> None:
         async with CanaryStore(cluster.etcd.url) as store:
@@ -124,8 +124,8 @@ def set_share(cluster, share: float) -> None:
 
 
 def measure(cluster, args, shape: dict, seed: int) -> dict:
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.canary_command import fetch_samples, report
+    from kvfleet.cli.canary_command import fetch_samples, report
+    from kvfleet.core.event_loop import run as run_loop
 
     run_loop(arrivals(cluster.router_address, shape["warmup"], 4.0, 4, seed=1000 + seed))  # warm-up, before the split
     set_share(cluster, SHARE)  # a new started_at: the comparison starts now
@@ -137,8 +137,8 @@ def measure(cluster, args, shape: dict, seed: int) -> dict:
 
 def promote_under_load(cluster, canary, args, shape: dict) -> dict:
     """Promote while requests arrive; lost = requests that ended with an error or short of their tokens."""
-    from kvfleet.canary import PROMOTE
-    from kvfleet.event_loop import run as run_loop
+    from kvfleet.core.canary import PROMOTE
+    from kvfleet.core.event_loop import run as run_loop
 
     done = threading.Event()
     results: list = []
@@ -160,7 +160,7 @@ def promote_under_load(cluster, canary, args, shape: dict) -> dict:
 
 
 def canary_split(cluster):
-    from kvfleet_cli.canary_etcd import CanaryStore
+    from kvfleet.cli.canary_etcd import CanaryStore
 
     async def read():
         async with CanaryStore(cluster.etcd.url) as store:
@@ -170,7 +170,7 @@ def canary_split(cluster):
 
 
 def cluster_nodes(cluster):
-    from kvfleet_cli.canary_etcd import CanaryStore
+    from kvfleet.cli.canary_etcd import CanaryStore
 
     async def read():
         async with CanaryStore(cluster.etcd.url) as store:

@@ -67,6 +67,6 @@ def cpu_name() -> str:
 
 def has_amx() -> bool:
     """Whether the CPU has AMX bfloat16 matrix units (``amx_bf16`` in its flags)."""
-    from compute_service.engine.cpu_host import host_cpu_flags
+    from kvfleet.compute_service.engine.cpu_host import host_cpu_flags
 
     return "amx_bf16" in host_cpu_flags()

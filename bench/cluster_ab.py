@@ -64,9 +64,9 @@ def main() -> None:
         args.rounds = 1
     sides = {"A": (shlex.split(args.a), _env(args.a_env)), "B": (shlex.split(args.b), _env(args.b_env))}
 
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.event_loop import run as run_loop
 
     model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)

@@ -45,7 +45,7 @@ def run_inprocess(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """``engine.generate`` on a worker thread, as the node runs its engine (``AsyncEngine``'s step
     thread): torch's intra-op (OpenMP) threading is configured per calling thread, and on a small
     machine the main thread's team can be many times slower or faster than a worker's."""
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     result: list = []
     worker = threading.Thread(target=lambda: result.append(
@@ -86,7 +86,7 @@ async def _through_router(address: str, prompts: list[list[int]], new_tokens: in
 
 
 async def _block_rpcs(cluster) -> int:
-    from kvfleet.identity import Identity
+    from kvfleet.core.identity import Identity
     from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
     node_address = f"127.0.0.1:{cluster.nodes['node-0'].port}"
@@ -129,9 +129,9 @@ def main() -> None:
     model = Path(args.model) if args.model else ensure_model("tiny", ROOT / "models" / "bench-tiny") if tiny else ensure_model()
     prompts = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=1)
 
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.event_loop import run as run_loop
 
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_CACHE_MEMORY))
     warm = seeded_prompts(cfg["requests"], cfg["min_len"], cfg["max_len"], seed=2)

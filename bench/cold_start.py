@@ -123,7 +123,7 @@ def run_method(cluster, method: str, prompts: list[list[int]], snapshot_args: tu
 def measure(model: Path, cfg: dict, prompts: list[list[int]], work: Path, runs: dict[str, list[dict]]) -> dict:
     """Every method's runs into ``runs``; returns the snapshot's size in MiB and the seconds its
     restores and writes took (from the node's log)."""
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
 
     snapshot_args = ("--kv-snapshot-dir", str(work / "snapshots"), "--kv-snapshot-interval-s", "0")
     cluster = LocalCluster(model, num_nodes=1, work_dir=work / "cluster", block_size=BLOCK_SIZE,
@@ -161,7 +161,7 @@ def main() -> None:
     model = Path(args.model) if args.model else (ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else
                                                  SMOLLM2 if (SMOLLM2 / "config.json").is_file() else ensure_model())
 
-    from compute_service.model.config import ModelConfig
+    from kvfleet.compute_service.model.config import ModelConfig
 
     prompts = first_prompts(cfg, ModelConfig.from_dir(model).vocab_size)
     work = Path(tempfile.mkdtemp(prefix="kvfleet-cold-start-"))

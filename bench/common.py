@@ -21,7 +21,7 @@ def ensure_model(preset: str = "small", path: Path = BENCH_MODEL) -> Path:
         import shutil
 
         sys.path.insert(0, str(ROOT))
-        from kvfleet_cli.model_maker import make_model
+        from kvfleet.cli.model_maker import make_model
 
         own = path.with_name(f".{path.name}.{os.getpid()}")
         make_model(own, preset, seed=0)
@@ -38,7 +38,7 @@ def engine_dtype() -> str:
     """The dtype the engine resolves ``auto`` to here (``KVFLEET_DEFAULT_DTYPE``, else bfloat16 on a CPU
     with native bfloat16, else float32): a benchmark sizes its pool and names its dtype from this,
     never from the CPU its author had."""
-    from compute_service.engine.config import EngineConfig
+    from kvfleet.compute_service.engine.config import EngineConfig
 
     return EngineConfig().dtype
 
@@ -73,7 +73,7 @@ def peak_rss_mib() -> float:
 def model_dir_or_none(arg: str | None, prog: str) -> Path | None:
     """The model directory ``--model`` names (default: the pulled SmolLM2), or None where it holds
     no model (said in one line on stderr)."""
-    from kvfleet_cli.models_pull import default_model_dir
+    from kvfleet.cli.models_pull import default_model_dir
 
     model_dir = Path(arg) if arg else default_model_dir()
     if not (model_dir / "config.json").is_file():

@@ -55,9 +55,9 @@ from bench.disagg_sweep import threshold_sweep  # noqa: E402
 from bench.kv_transfer import log_problems, progress  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.routing import LONG_PREFILL_TOKEN_THRESHOLD  # noqa: E402
-from compute_service.engine.config import DTYPES  # noqa: E402
-from compute_service.kv.cache_dtype import KV_CACHE_DTYPES  # noqa: E402
-from router.disagg import DisaggConfig  # noqa: E402
+from kvfleet.compute_service.engine.config import DTYPES  # noqa: E402
+from kvfleet.compute_service.kv.cache_dtype import KV_CACHE_DTYPES  # noqa: E402
+from kvfleet.router.disagg import DisaggConfig  # noqa: E402
 
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 FULL = dict(chats=36, chat_len=(64, 128), chat_tokens=64, chat_window_s=320.0, docs=4, doc_len=(4096, 7168),
@@ -143,8 +143,8 @@ async def warm(address: str, vocab: int) -> None:
 
 def make_cluster(args, shape: dict, disagg: bool):
     """The arm's cluster, not started; in a temporary work directory whose logs outlive it."""
-    from kvfleet_cli.local_cluster import LocalCluster
-    from kvfleet_cli.local_nodes import node_roles
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_nodes import node_roles
 
     cluster = LocalCluster(
         MODEL, num_nodes=2, roles=node_roles(2, prefill=1, decode=1) if disagg else None, block_size=BLOCK_SIZE,
@@ -157,7 +157,7 @@ def make_cluster(args, shape: dict, disagg: bool):
 
 
 def summarize(arrivals: list[Arrival], outcomes: list[Outcome], seconds: float) -> dict:
-    from compute_service.engine.batch_controller import p99
+    from kvfleet.compute_service.engine.batch_controller import p99
 
     chat = [o for a, o in zip(arrivals, outcomes) if a.chat]
     docs = [o for a, o in zip(arrivals, outcomes) if not a.chat]
@@ -185,7 +185,7 @@ def summarize(arrivals: list[Arrival], outcomes: list[Outcome], seconds: float) 
 def run_arm(args, shape: dict, arrivals: list[Arrival], vocab: int, disagg: bool) -> tuple[dict, dict]:
     """One arm on a fresh cluster: (its summary, each request's tokens by name); with ``disagg`` and
     no ``--skip-sweep``, the threshold sweep follows on the same cluster."""
-    from kvfleet.event_loop import run as run_loop
+    from kvfleet.core.event_loop import run as run_loop
 
     name = "disagg" if disagg else "mixed"
     cluster = make_cluster(args, shape, disagg)

@@ -51,7 +51,7 @@ async def generate(stub, prompt: list[int], max_tokens: int, name: str = "", int
 
 def server_figures(cluster) -> dict[str, float]:
     """The router's hand-overs and the nodes' KV fetches so far (counters summed over the nodes)."""
-    from kvfleet_cli.node_direct import metric, node_metrics
+    from kvfleet.cli.node_direct import metric, node_metrics
 
     router = node_metrics(cluster, "router")
     nodes = [node_metrics(cluster, n) for n in cluster.nodes]

@@ -88,7 +88,7 @@ async def _one_by_one(cluster, prompts: list[list[int]], vocab: int) -> list[Mea
 
 
 def threshold_sweep(cluster, lengths: tuple[int, ...], vocab: int, progress: Callable[[str], None]) -> dict:
-    from kvfleet.event_loop import run as run_loop
+    from kvfleet.core.event_loop import run as run_loop
 
     rng = random.Random(1)
     sides = {}

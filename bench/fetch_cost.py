@@ -42,13 +42,13 @@ import torch  # noqa: E402
 
 from bench.common import BENCH_MODEL, add_smoke_flag, ensure_model  # noqa: E402
 from bench.kv_wire import HOLDER, RECEIVER, TENANT, chain, cpu, fill, flush, holder_address, holder_child, serving  # noqa: E402
-from compute_service.engine.async_engine import AsyncEngine  # noqa: E402
-from compute_service.engine.config import EngineConfig  # noqa: E402
-from compute_service.engine.llm_engine import LLMEngine  # noqa: E402
-from compute_service.kv.pool import bytes_per_block  # noqa: E402
-from compute_service.model.config import ModelConfig  # noqa: E402
-from compute_service.node.kv_fetch import fetch_blocks  # noqa: E402
-from kvfleet.sampling import SamplingParams  # noqa: E402
+from kvfleet.compute_service.engine.async_engine import AsyncEngine  # noqa: E402
+from kvfleet.compute_service.engine.config import EngineConfig  # noqa: E402
+from kvfleet.compute_service.engine.llm_engine import LLMEngine  # noqa: E402
+from kvfleet.compute_service.kv.pool import bytes_per_block  # noqa: E402
+from kvfleet.compute_service.model.config import ModelConfig  # noqa: E402
+from kvfleet.compute_service.node.kv_fetch import fetch_blocks  # noqa: E402
+from kvfleet.core.sampling import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 STREAM_PROMPT = 64     # the holder's decoding stream: prompt tokens, then greedy tokens until restarted
@@ -96,8 +96,8 @@ async def serve_holder(certs_dir: Path, blocks: int, decoding: bool) -> None:
 async def fetch_runs(address: str, engine: AsyncEngine, blocks: list, sizes: list[int], repeats: int, child,
                      receiver_decoding: bool) -> dict:
     """Per fetch size: the fetches' seconds (median, best, each) and the receiver's phases (medians)."""
-    from compute_service.node.peer_directory import PeerDirectory
-    from kvfleet.membership import NodeInfo, NodeState
+    from kvfleet.compute_service.node.peer_directory import PeerDirectory
+    from kvfleet.core.membership import NodeInfo, NodeState
 
     peers = PeerDirectory(RECEIVER)  # the channel kept between fetches, as a node keeps it
     peers.apply(HOLDER, NodeInfo(HOLDER, address, "bench-small", len(blocks), BLOCK_SIZE, NodeState.READY))

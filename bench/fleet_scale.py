@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_smoke_flag, peak_rss_mib  # noqa: E402
-from block_service.durable import DurablePageTable, recover  # noqa: E402
-from kvfleet.allocator import AllocateRequest  # noqa: E402
-from kvfleet.block_hash import HASH_BYTES  # noqa: E402
-from kvfleet_cli.loadgen.server_side import rss_mib  # noqa: E402
-from kvfleet_cli.ports import free_port  # noqa: E402
+from kvfleet.block_service.durable import DurablePageTable, recover  # noqa: E402
+from kvfleet.cli.loadgen.server_side import rss_mib  # noqa: E402
+from kvfleet.cli.ports import free_port  # noqa: E402
+from kvfleet.core.allocator import AllocateRequest  # noqa: E402
+from kvfleet.core.block_hash import HASH_BYTES  # noqa: E402
 
 BLOCK_SIZE, BYTES_PER_BLOCK = 16, 1 << 17
 SYSTEM_PROMPTS, PROMPT_BLOCKS = 32, 64
@@ -209,11 +209,11 @@ class Service:
     """``kvfleet block-service`` in its own process and a client on a private event loop."""
 
     def __init__(self, state_dir: str, durability: str) -> None:
-        from block_service.client import BlockManagerClient
+        from kvfleet.block_service.client import BlockManagerClient
 
         self.address = f"127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(  # plaintext: TLS's cost is bench/cluster_overhead.py --tls's figure
-            [sys.executable, "-m", "kvfleet_cli.cli", "--log-level", "ERROR", "block-service", "--listen",
+            [sys.executable, "-m", "kvfleet.cli.cli", "--log-level", "ERROR", "block-service", "--listen",
              self.address, "--state-dir", state_dir, "--durability", durability, "--insecure-internal"], cwd=ROOT)
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # the client's channel binds to the current loop

@@ -72,7 +72,7 @@ def forward_all_positions(model, pool: tuple, prompts: list[list[int]], position
     over the paged pool ``(kv_cache, kv_scales)``; sequence i owns blocks ``i * n .. (i + 1) * n - 1``."""
     import torch
 
-    from kernels.metadata import AttentionMetadata, layer_caches
+    from kvfleet.kernels.metadata import AttentionMetadata, layer_caches
 
     kv_cache, kv_scales = pool
     n = len(prompts)
@@ -119,11 +119,11 @@ def next_token_nll(logprobs, prompts: list[list[int]], positions: int) -> float:
 def run(model_dir: Path, num_prompts: int, positions: int, corpus: str = "docs") -> tuple[dict, list[list[int]]]:
     import torch
 
-    from compute_service.kv.pool import allocate_kv_cache, kv_cache_dtype
-    from compute_service.model.config import ModelConfig
-    from compute_service.model.cpu_linear import pack_linears
-    from compute_service.model.tokenizer import Tokenizer
-    from compute_service.model.weights import load_model
+    from kvfleet.compute_service.kv.pool import allocate_kv_cache, kv_cache_dtype
+    from kvfleet.compute_service.model.config import ModelConfig
+    from kvfleet.compute_service.model.cpu_linear import pack_linears
+    from kvfleet.compute_service.model.tokenizer import Tokenizer
+    from kvfleet.compute_service.model.weights import load_model
 
     mc = ModelConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
@@ -179,9 +179,9 @@ def run(model_dir: Path, num_prompts: int, positions: int, corpus: str = "docs")
 
 def greedy_agreement(model_dir: Path, num_chats: int, max_tokens: int, step_tokens: int = 2048) -> dict:
     """The chat questions answered greedily with bfloat16 KV and with FP8 KV (float32 compute)."""
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
-    from router.chat_template import ChatMessage, ChatTemplate
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
+    from kvfleet.router.chat_template import ChatMessage, ChatTemplate
 
     template = ChatTemplate.from_model_dir(model_dir)
     prompts = [template.render([ChatMessage("user", q)]) for q in CHAT_QUESTIONS[:num_chats]]
@@ -204,7 +204,7 @@ def k_bf16_v_fp8(model_dir: Path, prompts: list[list[int]]) -> dict:
     import torch
 
     from bench.fp8_kv_variants import build, fp8_rows
-    from compute_service.kv.cache_dtype import ELEMENT_BYTES, SCALE_BYTES
+    from kvfleet.compute_service.kv.cache_dtype import ELEMENT_BYTES, SCALE_BYTES
 
     _model, mc, forward = build(model_dir)
     bf16, fp8 = (lambda _layer, x: x.bfloat16().float()), (lambda _layer, x: fp8_rows(x))
@@ -263,7 +263,7 @@ def vllm_figures(model_dir: Path, prompts: list[list[int]]) -> dict:
 
 
 def _bytes_per_token(mc, name: str) -> int:
-    from compute_service.kv.cache_dtype import kv_bytes_per_token
+    from kvfleet.compute_service.kv.cache_dtype import kv_bytes_per_token
 
     return kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, name)
 

@@ -54,9 +54,9 @@ def build(model_dir: Path):
     import torch
     import torch.nn.functional as F
 
-    from compute_service.model.config import ModelConfig
-    from compute_service.model.rope import apply_rope, inverse_frequencies
-    from compute_service.model.weights import load_model
+    from kvfleet.compute_service.model.config import ModelConfig
+    from kvfleet.compute_service.model.rope import apply_rope, inverse_frequencies
+    from kvfleet.compute_service.model.weights import load_model
 
     mc = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, mc, torch.float32, torch.device("cpu")).eval()
@@ -121,7 +121,7 @@ def variants(stats: dict, mc) -> dict:
     """name -> (k_fn, v_fn), each ``(layer, x [B, Hkv, T, D]) -> x`` as read back from the cache."""
     import torch
 
-    from compute_service.model.rope import inverse_frequencies
+    from kvfleet.compute_service.model.rope import inverse_frequencies
 
     half = mc.head_dim // 2
     inv_freq, _ = inverse_frequencies(mc.head_dim, mc.rope)
@@ -178,7 +178,7 @@ def variants(stats: dict, mc) -> dict:
 def run(model_dir: Path, corpus: str, num_prompts: int, positions: int, names: list[str] | None) -> dict:
     import torch
 
-    from compute_service.model.tokenizer import Tokenizer
+    from kvfleet.compute_service.model.tokenizer import Tokenizer
 
     model, mc, forward = build(model_dir)
     tokenizer = Tokenizer(model_dir)

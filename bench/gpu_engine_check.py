@@ -46,7 +46,7 @@ def _transformers_greedy(model_dir: Path, prompts: list[list[int]], dtype, devic
 
 
 def _engine(model_dir: Path, dtype: str, device: str, kv_bytes: int):
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine(model_dir, EngineConfig(block_size=64, kv_cache_memory=kv_bytes, max_num_seqs=64,
                                              max_num_batched_tokens=4096, dtype=dtype, device=device))
@@ -55,7 +55,7 @@ def _engine(model_dir: Path, dtype: str, device: str, kv_bytes: int):
 def check_dtype(model_dir: Path, dtype_name: str, device: str, quick: bool) -> dict:
     import torch
 
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     prompts = [_prompt(n, seed=n) for n in (PROMPT_LENGTHS[:4] if quick else PROMPT_LENGTHS)]
     engine = _engine(model_dir, dtype_name, device, (256 << 20) if quick else (4 << 30))
@@ -88,7 +88,7 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_engine_check: no CUDA device here", file=sys.stderr)
         return 2
-    from kvfleet_cli.model_maker import make_model
+    from kvfleet.cli.model_maker import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "small", "small", seed=0)

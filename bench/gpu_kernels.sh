@@ -26,9 +26,9 @@ timeout 240 "$PYTHON" - <<'EOF'
 import json, os, sys
 import torch
 sys.path.insert(0, os.getcwd())
-from kernels import reference
-from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
-from kernels.triton_decode import triton_paged_decode
+from kvfleet.kernels import reference
+from kvfleet.kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
+from kvfleet.kernels.triton_decode import triton_paged_decode
 
 peak = float(os.environ["PEAK_TBPS"]) * 1e12
 num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16

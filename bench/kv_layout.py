@@ -4,7 +4,7 @@ The field guide's claim: paging cuts memory fragmentation from 37% to under 9% a
 concurrent sessions (8 -> 26 per card). Here both layouts run the same requests through the
 in-process engine (``LLMEngine`` with its local allocator: the same page table block_service
 serves, without the network; the layouts differ only in how a sequence takes blocks,
-``compute_service/kv/layout.py``) over a pool of ``--pool-seqs`` contiguous reservations:
+``kvfleet/compute_service/kv/layout.py``) over a pool of ``--pool-seqs`` contiguous reservations:
 
     workload   20% of requests at 8K tokens, 80% at 128K (prompt + output), all arriving at once,
                in a seeded order; ``--scale S`` divides every length by S (64: 128 and 2,048 tokens)
@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logging.getLogger("block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
+logging.getLogger("kvfleet.block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_smoke_flag, engine_dtype
@@ -82,9 +82,9 @@ def workload(num_requests: int, scale: int, short_share: float = SHORT_SHARE, se
 
 
 def make_engine(model_dir: Path, layout: str, scale: int, pool_seqs: int):
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from compute_service.kv.pool import bytes_per_block
-    from compute_service.model.config import ModelConfig
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.compute_service.kv.pool import bytes_per_block
+    from kvfleet.compute_service.model.config import ModelConfig
 
     max_len = LONG // scale
     num_blocks = pool_seqs * -(-max_len // BLOCK_SIZE)
@@ -102,7 +102,7 @@ def make_engine(model_dir: Path, layout: str, scale: int, pool_seqs: int):
 
 
 def _sampling(max_tokens: int):
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
@@ -151,7 +151,7 @@ def run(scale: int, num_requests: int, pool_seqs: int, repeats: int, rounds: int
         short_share: float = SHORT_SHARE) -> dict:
     """Both layouts on the workload ``rounds`` times (paged first, then contiguous first, ...: the
     counts are the same every round, the faster wall time counts), then batch-1 ``repeats`` times."""
-    from kvfleet_cli.model_maker import make_model
+    from kvfleet.cli.model_maker import make_model
 
     if LONG // scale < 4 * BLOCK_SIZE or SHORT // scale < 2 * BLOCK_SIZE:
         raise SystemExit(f"--scale {scale} leaves requests under two blocks; use at most {SHORT // (2 * BLOCK_SIZE)}")

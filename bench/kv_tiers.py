@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logging.getLogger("block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
+logging.getLogger("kvfleet.block_service").setLevel(logging.ERROR)  # a full pool is this benchmark's normal state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, add_smoke_flag, engine_dtype, ensure_model
@@ -87,9 +87,9 @@ def working_set_blocks(shape: dict) -> int:
 
 
 def engine(model: Path, pool_blocks: int, budget: int = 4096, **tiers):
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from compute_service.kv.pool import bytes_per_block
-    from compute_service.model.config import ModelConfig
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.compute_service.kv.pool import bytes_per_block
+    from kvfleet.compute_service.model.config import ModelConfig
 
     per_block = bytes_per_block(ModelConfig.from_dir(model), BLOCK_SIZE, engine_dtype())  # the dtype auto resolves to
     sized = {k: v * per_block if k in ("kv_host_memory", "kv_disk_bytes") else v for k, v in tiers.items()}
@@ -99,7 +99,7 @@ def engine(model: Path, pool_blocks: int, budget: int = 4096, **tiers):
 
 def one_request(eng, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """Run a request alone: its tokens and its time to first token."""
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     start = time.perf_counter()
     eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -136,7 +136,7 @@ def run_chat(eng, shape: dict) -> tuple[TierRun, list[list[int]]]:
 
 
 def run_preemption(model: Path, shape: dict, mode: str) -> tuple[PreemptRun, list[list[int]]]:
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(shape["preempt_prompt"] + 8 * i)] for i in range(shape["preempt_seqs"])]

@@ -2,7 +2,7 @@
 
 Part 1, one prefix at a time: a local cluster of two nodes (``--kv-fetch auto``: a warm-up fetch
 each way measures the rate it decides with; each repeat's ``cached_tokens`` shows that it fetched),
-requests written straight to a node as the router writes them (``kvfleet_cli.node_direct``). Per
+requests written straight to a node as the router writes them (``kvfleet.cli.node_direct``). Per
 prefix length L and repeat, a fresh random prompt P (L tokens of the vocabulary, then ``SUFFIX``
 more, so that its last block is partial and every prefix block is fetchable):
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, add_smoke_flag  # noqa: E402
 from bench.plan_vs_measured import cpu_model  # noqa: E402
 from bench.routing import _run, schedule, summarize  # noqa: E402
-from router.routing import RoutingConfig  # noqa: E402
+from kvfleet.router.routing import RoutingConfig  # noqa: E402
 
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 FULL = dict(prefixes=(512, 2048, 4096), repeats=3, kv_cache_mib=512,
@@ -72,7 +72,7 @@ LOG_MARKS = (" WARNING ", " ERROR ", "Traceback")
 
 
 def start_cluster(mode: str, args, kv_cache_mib: int, router_args: tuple[str, ...] = ()):
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
 
     return LocalCluster(MODEL, num_nodes=2, block_size=args.block_size, kv_cache_memory=kv_cache_mib << 20,
                         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, log_level="INFO", http=False,
@@ -82,7 +82,7 @@ def start_cluster(mode: str, args, kv_cache_mib: int, router_args: tuple[str, ..
 
 def fetch_totals(cluster, node_id: str) -> dict[str, float]:
     """The node's fetch counters now: blocks, bytes, seconds (the histogram's sum), fetches, fallbacks."""
-    from kvfleet_cli.node_direct import metric, node_metrics
+    from kvfleet.cli.node_direct import metric, node_metrics
 
     s = node_metrics(cluster, node_id)
     return dict(blocks=metric(s, "kvfleet:kv_fetch_blocks_total"), bytes=metric(s, "kvfleet:kv_fetch_bytes_total"),
@@ -116,7 +116,7 @@ def memcpy_gbps(nbytes: int, repeats: int = 10) -> float:
 
 
 def one(cluster, node_id: str, name: str, prompt: list[int]):
-    from kvfleet_cli.node_direct import run_on
+    from kvfleet.cli.node_direct import run_on
 
     answer = run_on(cluster, node_id, name, prompt, MAX_TOKENS)
     if answer.error or answer.ttft_s is None:
@@ -161,7 +161,7 @@ def warm(cluster, vocab: int, length: int, rng: random.Random) -> None:
 def wait_peer_weights(cluster, timeout_s: float = 30.0) -> dict[str, float]:
     """The router's peer weight per node once both nodes' measured fetch rates reached it (through
     their membership records), or what it has at the timeout."""
-    from kvfleet_cli.node_direct import node_metrics
+    from kvfleet.cli.node_direct import node_metrics
 
     deadline, weights = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
@@ -178,8 +178,8 @@ def chat(cluster, shape: dict, fetching: bool) -> dict:
     """Part 2 on a started cluster: the group's system prompt cached on node-0 only, then the
     conversations through the router: routing's summary of the run, with its replies, the nodes'
     fetches and the router's hot-spot decisions during it."""
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.node_direct import metric, node_metrics
+    from kvfleet.cli.node_direct import metric, node_metrics
+    from kvfleet.core.event_loop import run as run_loop
 
     conversations = schedule(shape)
     one(cluster, "node-0", "group-system", conversations[0].system + [0] * SUFFIX)
@@ -202,7 +202,7 @@ def chat(cluster, shape: dict, fetching: bool) -> dict:
 def fetching_side(args, shape: dict, vocab: int) -> tuple[dict, dict | None, Path, float]:
     """Part 1, then part 2's fetching side, on one ``--kv-fetch auto`` cluster: (part 1's figures by
     prefix length, the chat's summary or None, the cluster's work directory, node-0's prefill tokens/s)."""
-    from kvfleet_cli.node_direct import metric, node_metrics
+    from kvfleet.cli.node_direct import metric, node_metrics
 
     rng = random.Random(0)
     with start_cluster("auto", args, shape["kv_cache_mib"]) as cluster:

@@ -46,18 +46,18 @@ import numpy as np
 import torch
 
 from bench.common import add_smoke_flag
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.config import EngineConfig
-from compute_service.engine.llm_engine import LLMEngine
-from compute_service.kv.chain_import import commit_chain, open_chain
-from compute_service.kv.pool import bytes_per_block
-from compute_service.model.config import ModelConfig
-from compute_service.node.block_chunks import FetchedBlock
-from compute_service.node.kv_fetch import fetch_blocks
-from kvfleet import certs, tls
-from kvfleet.allocator import Refusal
-from kvfleet.block_hash import block_hashes, cluster_seed, tenant_extra_key
-from kvfleet.identity import Identity
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.config import EngineConfig
+from kvfleet.compute_service.engine.llm_engine import LLMEngine
+from kvfleet.compute_service.kv.chain_import import commit_chain, open_chain
+from kvfleet.compute_service.kv.pool import bytes_per_block
+from kvfleet.compute_service.model.config import ModelConfig
+from kvfleet.compute_service.node.block_chunks import FetchedBlock
+from kvfleet.compute_service.node.kv_fetch import fetch_blocks
+from kvfleet.core import certs, tls
+from kvfleet.core.allocator import Refusal
+from kvfleet.core.block_hash import block_hashes, cluster_seed, tenant_extra_key
+from kvfleet.core.identity import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -137,9 +137,9 @@ async def serve_holder(certs_dir: Path, mib: int, kv_cache_dtype: str, block_siz
 async def serving(certs_dir: Path, engine: LLMEngine, block_size: int) -> AsyncIterator[AsyncEngine]:
     """``engine`` as node ``holder``'s ``Compute`` server under its certificate, on loopback, its
     port printed (the parent's ``holder_address``); the engine's face, both stopped after."""
-    from compute_service.node.context import NodeContext, NodeStatus
-    from compute_service.node.server import ComputeServicer, add_to_server
-    from kvfleet import rpc
+    from kvfleet.compute_service.node.context import NodeContext, NodeStatus
+    from kvfleet.compute_service.node.server import ComputeServicer, add_to_server
+    from kvfleet.core import rpc
 
     tls.use(creds(certs_dir, HOLDER))
     holder = AsyncEngine(engine)

@@ -50,9 +50,9 @@ POLL_S = 0.5
 def planned_pool(model_dir: Path, context: int) -> tuple[int, int]:
     """(bytes of KV the plan gives one sequence of ``context`` tokens, bytes per token): whole
     blocks, as the engine allocates them."""
-    from kvfleet_cli.planning.capacity import CapacityRequest, capacity
-    from kvfleet_cli.planning.devices import device_named
-    from kvfleet_cli.planning.model_dir import shape_from_dir
+    from kvfleet.cli.planning.capacity import CapacityRequest, capacity
+    from kvfleet.cli.planning.devices import device_named
+    from kvfleet.cli.planning.model_dir import shape_from_dir
 
     # the device only matters without --kv-cache-memory; the budget here is one block table's worth
     request = CapacityRequest(context=context, block_size=BLOCK_SIZE, kv_cache_dtype=KV_DTYPE, kv_cache_memory=1 << 40)
@@ -70,7 +70,7 @@ class BlockWatch:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._poll()), daemon=True)
 
     async def _poll(self) -> None:
-        from block_service.client import BlockManagerClient
+        from kvfleet.block_service.client import BlockManagerClient
 
         async with BlockManagerClient(self.address, timeout_s=10) as client:
             while not self._stop.is_set():
@@ -91,7 +91,7 @@ class BlockWatch:
 
 def generate(router: str, prompt: list[int], decode: int, timeout_s: float) -> tuple[float, list[float], list[int]]:
     """(seconds to the first token, arrival time of each token, the tokens) of one greedy request."""
-    from kvfleet import rpc
+    from kvfleet.core import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     req = inference_pb2.GenerateRequest(
@@ -110,7 +110,7 @@ def generate(router: str, prompt: list[int], decode: int, timeout_s: float) -> t
 
 
 def run(num_tokens: int, decode: int, timeout_s: float) -> dict:
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
 
     model = ensure_model("long", LONG_MODEL)
     planned, per_token = planned_pool(model, num_tokens + decode)

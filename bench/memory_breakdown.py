@@ -104,8 +104,8 @@ def _kvfleet_parts(engine) -> dict:
 
     import torch
 
-    from compute_service.model.cpu_linear import PackedLinear
-    from compute_service.node.mem_probe import malloc_info
+    from kvfleet.compute_service.model.cpu_linear import PackedLinear
+    from kvfleet.compute_service.node.mem_probe import malloc_info
 
     model, pool = engine.runner.model, engine.runner.kv_cache
     tensors = [*model.parameters(), *model.buffers()] + [t for t in vars(model).values() if hasattr(t, "nbytes")]
@@ -130,9 +130,9 @@ def _kvfleet_parts(engine) -> dict:
 def run_kvfleet_side(model: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict:
     before = status_mib()["rss_mib"]
     from bench.engine_vs_vllm import run_kvfleet
-    from compute_service.engine.llm_engine import LLMEngine
-    from compute_service.model import cpu_linear
-    from compute_service.node.mem_probe import malloc_info
+    from kvfleet.compute_service.engine.llm_engine import LLMEngine
+    from kvfleet.compute_service.model import cpu_linear
+    from kvfleet.compute_service.node.mem_probe import malloc_info
 
     found = {"imports_mib": status_mib()["rss_mib"], "interpreter_mib": before}
     warm_up = cpu_linear.warm_up

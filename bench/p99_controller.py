@@ -62,13 +62,13 @@ class Run:
 
 
 def p99(values: list[float]) -> float:
-    from compute_service.engine.batch_controller import p99 as nearest_rank
+    from kvfleet.compute_service.engine.batch_controller import p99 as nearest_rank
 
     return nearest_rank(values) if values else float("nan")
 
 
 async def client(engine, run: Run, index: int, stop: asyncio.Event) -> None:
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.core.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
     i = 0
@@ -148,10 +148,10 @@ def plot(runs: list[Run], target_ms: float, seconds: float) -> None:
 async def main_async(args) -> dict:
     import torch
 
-    from compute_service.engine.async_engine import AsyncEngine
-    from compute_service.engine.batch_controller import BatchController, ControllerConfig
-    from compute_service.engine.live_cap import LiveCap
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.compute_service.engine.async_engine import AsyncEngine
+    from kvfleet.compute_service.engine.batch_controller import BatchController, ControllerConfig
+    from kvfleet.compute_service.engine.live_cap import LiveCap
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(args.threads)
     model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()  # smoke: models/bench-tiny

@@ -38,8 +38,8 @@ def _ints(text: str) -> list[int]:
 async def sweep(args) -> list[dict]:
     import torch
 
-    from compute_service.engine.async_engine import AsyncEngine
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.compute_service.engine.async_engine import AsyncEngine
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(1)
     model = ensure_model("tiny", ROOT / "models" / "bench-tiny") if args.smoke else ensure_model()  # smoke: models/bench-tiny

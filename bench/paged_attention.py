@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
 from bench.common import add_smoke_flag  # noqa: E402
-from kernels import cpu_kernels  # noqa: E402
-from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache  # noqa: E402
+from kvfleet import kernels  # noqa: E402
+from kvfleet.kernels import cpu_kernels  # noqa: E402
+from kvfleet.kernels.metadata import AttentionMetadata, AttentionParams, LayerCache  # noqa: E402
 
 SHAPES = [  # (batch, num_heads, num_kv_heads, head_dim, context)
     (8, 32, 8, 128, 16384),
@@ -113,9 +113,9 @@ def run_prefill(prompt_lens: list[int], rounds: int) -> list[dict]:
     it replaced, and SDPA over the gathered K/V, in interleaved rounds."""
     from unittest import mock
 
-    from kernels import cpu_prefill
-    from kernels.reference import gather_kv
-    from kernels.testing import make_case
+    from kvfleet.kernels import cpu_prefill
+    from kvfleet.kernels.reference import gather_kv
+    from kvfleet.kernels.testing import make_case
 
     rows = []
     for heads, kv_heads, head_dim in PREFILL_HEADS:

@@ -1,7 +1,7 @@
 """Partitions, not crashes: a cluster with each service in its own network namespace (etcd, two
 block_service replicas, two nodes, the router), links cut, cut one way or made lossy while clients
 record every acknowledged page-table change and every streamed token; then the heal and the checker
-(``kvfleet_cli.partition``). As root (``ip netns``, ``iptables``). The lossy soak's delay is ``tc netem``
+(``kvfleet.cli.partition``). As root (``ip netns``, ``iptables``). The lossy soak's delay is ``tc netem``
 where the kernel has it, else a userspace TCP delay proxy per namespace (JSON ``delay_mechanism``).
 
 Per scenario, and summed at the top level (goal: every total 0 but ``unavailable_s``, near one lease
@@ -55,9 +55,9 @@ def _line(name: str, r: dict) -> str:
 def _run_bed(args, model: Path, work: Path, etcd_members: int, chosen: list, max_tokens: int, soak_s: float,
              history_dir: Path) -> dict[str, dict]:
     """Each of ``chosen`` (``--repeat`` times) on one bed whose etcd has ``etcd_members`` members."""
-    from kvfleet_cli.partition import scenarios
-    from kvfleet_cli.partition.bed_cluster import BedCluster
-    from kvfleet_cli.partition.history import StreamClients
+    from kvfleet.cli.partition import scenarios
+    from kvfleet.cli.partition.bed_cluster import BedCluster
+    from kvfleet.cli.partition.history import StreamClients
 
     results: dict[str, dict] = {}
     with BedCluster(model, work / f"cluster-etcd{etcd_members}", work / "tenants.yaml", lease_ttl_s=args.lease_ttl,
@@ -78,7 +78,7 @@ def _run_bed(args, model: Path, work: Path, etcd_members: int, chosen: list, max
 
 
 def main() -> int:
-    from kvfleet_cli.partition import checker, netns, scenarios
+    from kvfleet.cli.partition import checker, netns, scenarios
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 30 s soak instead of 5 minutes")
@@ -102,7 +102,7 @@ def main() -> int:
         print(f"partitions: cannot make network namespaces here: {reason}", file=sys.stderr)
         return 2
     model = ensure_model("tiny", ROOT / "models" / "soak-tiny")
-    from kvfleet_cli.partition.bed_cluster import BED_TENANTS
+    from kvfleet.cli.partition.bed_cluster import BED_TENANTS
 
     work = Path(tempfile.mkdtemp(prefix="kvfleet-partitions-"))
     history_dir = args.history_dir or work / "histories"

@@ -49,8 +49,8 @@ def measure_decode(model: Path, batch: int, prompt_len: int, decode_steps: int) 
     """(decode tokens/s, mean context during the timed steps): ``batch`` prompts prefilled first,
     ``WARM_UP`` decode steps, then ``decode_steps`` steps of one token for each, timed one by one;
     the median step counts (a shared machine's stalls land in a few steps, not in every one)."""
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=64, kv_cache_memory=1 << 30, max_num_seqs=batch,
                                            max_num_batched_tokens=max(2048, batch * prompt_len)))
@@ -86,10 +86,10 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
 
-    from kvfleet_cli.planning.capacity import CapacityRequest, capacity
-    from kvfleet_cli.planning.cpu_device import measured_cpu
-    from kvfleet_cli.planning.model_dir import shape_from_dir
-    from kvfleet_cli.planning.sizing import decode_step
+    from kvfleet.cli.planning.capacity import CapacityRequest, capacity
+    from kvfleet.cli.planning.cpu_device import measured_cpu
+    from kvfleet.cli.planning.model_dir import shape_from_dir
+    from kvfleet.cli.planning.sizing import decode_step
 
     cpu = measured_cpu()
     model = ensure_model(setup["preset"], ROOT / "models" / f"bench-{setup['preset']}")

@@ -45,8 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, add_smoke_flag, ensure_model  # noqa: E402
-from compute_service.node.fetch_policy import FETCH_MODES  # noqa: E402
-from router.routing import RoutingConfig  # noqa: E402
+from kvfleet.compute_service.node.fetch_policy import FETCH_MODES  # noqa: E402
+from kvfleet.router.routing import RoutingConfig  # noqa: E402
 
 # Long-context chat: each conversation opens with a document (768-1,024 tokens) under one of four
 # shared system prompts, then short questions; arrivals and think times leave the cluster loaded but
@@ -154,8 +154,8 @@ async def _run(address: str, conversations: list[Conversation], shape: dict) -> 
 def run_mode(model: Path, conversations: list[Conversation], shape: dict, nodes: int, prefix_weight: float,
              kv_cache_memory: int, decode_block_weight: float | None = None,
              compute_args: tuple[str, ...] = ()) -> RunResult:
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.core.event_loop import run as run_loop
 
     router_args = ("--prefix-weight", str(prefix_weight), "--warmup-s", "0")
     if decode_block_weight is not None:

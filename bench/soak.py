@@ -14,7 +14,7 @@ blocks, resident memory (VmRSS) per process at start, after warm-up and at the e
 
 Resident memory is sampled every ``--rss-interval-s`` all along, and each process's growth after
 warm-up is one figure, ``rss_slope_mib_per_hour``: a least-squares line through its samples
-(``kvfleet_cli/loadgen/rss_slope.py``; issue 35's goal: 5 MiB an hour or less). The nodes also write
+(``kvfleet/cli/loadgen/rss_slope.py``; issue 35's goal: 5 MiB an hour or less). The nodes also write
 their glibc heap figures (the memory probe's cheap half, ``KVFLEET_MEM_PROBE``), fitted the same way:
 ``in_use`` rising is memory something holds, ``free`` rising with ``in_use`` flat is fragmentation.
 ``--json`` prints all of it as one JSON object on the last line; ``--quick`` is a 3-minute shape
@@ -43,9 +43,9 @@ from chaos_load import LoadGenerator, PromptBook  # noqa: E402
 from chaos_outcomes import FaultPolicy, RequestSpec, Tally, violations  # noqa: E402
 
 from bench.common import add_smoke_flag, ensure_model  # noqa: E402
+from kvfleet.cli.bench_command import cpu_model  # noqa: E402
+from kvfleet.cli.loadgen.memory_track import MemoryTrack, heap_slopes, probe_dir, probe_env  # noqa: E402
 from kvfleet.v1 import inference_pb2_grpc  # noqa: E402
-from kvfleet_cli.bench_command import cpu_model  # noqa: E402
-from kvfleet_cli.loadgen.memory_track import MemoryTrack, heap_slopes, probe_dir, probe_env  # noqa: E402
 
 SOAK_MODEL = ROOT / "models" / "soak-tiny"
 GOAL_MIB_PER_HOUR = 5.0  # issue 35: resident memory growth after warm-up, per process

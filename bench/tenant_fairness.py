@@ -144,7 +144,7 @@ async def _drive(address: str, shape: dict, seed: int) -> list[Sent]:
 
 
 async def _evictions(address: str) -> dict[str, dict[str, int]]:
-    from block_service.client import BlockManagerClient
+    from kvfleet.block_service.client import BlockManagerClient
 
     async with BlockManagerClient(address, timeout_s=10) as client:
         _, tenants = await client.stats()
@@ -157,9 +157,9 @@ async def _evictions(address: str) -> dict[str, dict[str, int]]:
 
 
 def run_policy(model: Path, policy: str, shape: dict, work: Path) -> Run:
-    from block_service.settings import EvictionSettings
-    from kvfleet.event_loop import run as run_loop
-    from kvfleet_cli.local_cluster import LocalCluster
+    from kvfleet.block_service.settings import EvictionSettings
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.core.event_loop import run as run_loop
 
     work.mkdir(parents=True, exist_ok=True)
     tenants = work / "tenants.yaml"

@@ -12,7 +12,7 @@ process without such a fixture carries the marker itself (``tests/test_tiers.py`
 that don't).
 
 On several xdist workers each worker picks its ports from a slice of its own (``KVFLEET_PORT_SLICE``,
-kvfleet_cli/ports.py; its children inherit it), so two workers' clusters never pick the same port; and
+kvfleet/cli/ports.py; its children inherit it), so two workers' clusters never pick the same port; and
 with ``--dist loadscope`` (the process tier on several workers: ``-n 4 --dist loadscope -m "process or
 cluster or chaos"``) the unit a worker takes is ``xdist_scope``'s, below.
 """
@@ -23,8 +23,8 @@ import os
 
 import pytest
 
-from kvfleet import tls
-from kvfleet_cli.ports import SLICE_ENV
+from kvfleet.cli.ports import SLICE_ENV
+from kvfleet.core import tls
 
 # fixture name -> the markers every test using it gets
 FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
@@ -68,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _process_credentials_kept():
-    """This process's internal TLS credentials (``kvfleet.tls``) as they were before each test. A test
+    """This process's internal TLS credentials (``kvfleet.core.tls``) as they were before each test. A test
     that sets them (a command's or a service's main run in-process, ``tls.use``) would leave them to the
     next test on its worker, whose clients without credentials of their own would then speak TLS to a
     plaintext service: seen on three workers as a handshake failing with WRONG_VERSION_NUMBER."""

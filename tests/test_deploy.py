@@ -28,7 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
-# the service each kvfleet container's readiness names (kvfleet_cli.cli's subcommand → gRPC service)
+# the service each kvfleet container's readiness names (kvfleet.cli.cli's subcommand → gRPC service)
 READY_SERVICE = {"block-service": "kvfleet.v1.BlockManager", "compute": "kvfleet.v1.Compute",
                  "router": "kvfleet.v1.Inference"}
 # the image variants (deploy/Dockerfile's VARIANT) and the --device a node of each runs with
@@ -147,17 +147,17 @@ def exported_names() -> set[str]:
     """Every sample name the services can export, from their metrics modules (no process needed)."""
     from prometheus_client import generate_latest
 
-    from block_service import metrics as block_metrics
-    from block_service.durable import DurablePageTable
-    from block_service.page_table import PageTable
-    from compute_service.engine.stats import EngineStats
-    from compute_service.kv.tier_index import TierCounts
-    from compute_service.node import metrics as node_metrics
-    from compute_service.node.fetch_figures import FetchFigures
-    from kvfleet.allocator import AllocatorStats
-    from kvfleet.latency_histogram import LatencyHistogram
-    from kvfleet.metric_families import registry_of
-    from router import metrics as router_metrics
+    from kvfleet.block_service import metrics as block_metrics
+    from kvfleet.block_service.durable import DurablePageTable
+    from kvfleet.block_service.page_table import PageTable
+    from kvfleet.compute_service.engine.stats import EngineStats
+    from kvfleet.compute_service.kv.tier_index import TierCounts
+    from kvfleet.compute_service.node import metrics as node_metrics
+    from kvfleet.compute_service.node.fetch_figures import FetchFigures
+    from kvfleet.core.allocator import AllocatorStats
+    from kvfleet.core.latency_histogram import LatencyHistogram
+    from kvfleet.core.metric_families import registry_of
+    from kvfleet.router import metrics as router_metrics
 
     table = PageTable()
     table.register_node("n0", 8, 16, 1024)
@@ -332,7 +332,7 @@ def test_the_build_context_holds_the_sources_and_nothing_heavy():
         assert dockerignored(heavy), f"{heavy} goes into the build context"
     packages = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()]
     needed = ["pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos/kvfleet/v1/compute.proto",
-              *(f"kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").iterdir()),
+              *(f"kvfleet/kernels/csrc/{p.name}" for p in (ROOT / "kvfleet" / "kernels" / "csrc").iterdir()),
               *(f"{p}/__init__.py" for p in packages if p not in ("bench", "tests"))]
     assert not [p for p in needed if dockerignored(p)]
 
@@ -353,7 +353,7 @@ def test_the_image_build_fails_when_the_kernels_do_not_build(tmp_path):
     assert "|| true" not in dockerfile() and "|| :" not in dockerfile()
     assert re.search(r"apt-get install .*\bg\+\+ .*\bninja-build\b", dockerfile())
     steps = set(re.findall(r'python -c "([^"]*cpu_kernels\.load_extension\(\)[^"]*)"', dockerfile()))
-    assert steps  # the compile from kernels/ alone, then the load from the installed package: the same line
+    assert steps  # the compile from kvfleet/kernels/ alone, then the load from the installed package: the same line
     env = {k: v for k, v in os.environ.items() if k != "KVFLEET_CPU_MARCH"}
     env |= {"KVFLEET_CPU_MARCH": "no-such-cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     for step in steps:

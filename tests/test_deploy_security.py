@@ -1,6 +1,6 @@
 """deploy/ closes the back wall: every internal connection is mutual TLS under the cluster CA, each
 container holds its own identity's key and no other, and the networks carry only the architecture's
-arrows. Read as data (pyyaml), with kvfleet.identity deciding what an identity's directory and host
+arrows. Read as data (pyyaml), with kvfleet.core.identity deciding what an identity's directory and host
 name are, so the deploy files and the services cannot drift apart.
 
 cert-manager's objects are not in the Kubernetes schema that tests/test_deploy.py validates against:
@@ -15,7 +15,7 @@ import re
 import pytest
 import yaml
 
-from kvfleet.identity import ADMIN, BLOCK_SERVICE, ETCD, ROUTER, SINGLE_KINDS, Identity
+from kvfleet.core.identity import ADMIN, BLOCK_SERVICE, ETCD, ROUTER, SINGLE_KINDS, Identity
 from tests.test_deploy import (
     CERT_MANAGER_API,
     COMPOSE_IMAGE,

@@ -18,7 +18,7 @@ def tracked_python_files() -> list[Path]:
 
 def test_the_listing_sees_the_project():
     names = {p.relative_to(ROOT).as_posix() for p in tracked_python_files()}
-    assert "tests/test_file_sizes.py" in names and "compute_service/engine/llm_engine.py" in names
+    assert "tests/test_file_sizes.py" in names and "kvfleet/compute_service/engine/llm_engine.py" in names
 
 
 def test_no_python_file_is_over_400_lines():

@@ -1,14 +1,17 @@
 """The floors of the house, read from the source (nothing is imported: no torch, no grpc).
 
-    kvfleet_cli, bench      the command line, local cluster, demo, benchmarks     (top)
-    router                  the public door
-    compute_service         the engine and the node
-    kernels, block_service  attention kernels; the page table and its service
-    kvfleet                 the ground: hashing, wire conventions, sampling, the allocator contract,
-                            errors, tenants, tracing, membership, event loop, generated stubs
+    kvfleet.cli, bench                      the command line, local cluster, demo, benchmarks  (top)
+    kvfleet.router                          the public door
+    kvfleet.compute_service                 the engine and the node
+    kvfleet.kernels, kvfleet.block_service  attention kernels; the page table and its service
+    kvfleet.core, kvfleet.v1                the ground: hashing, wire conventions, sampling, the allocator
+                                            contract, errors, tenants, tracing, membership, event loop;
+                                            the generated stubs
 
-An import may only point to a lower floor or inside its own package; packages on the same floor do
-not import each other. Every import counts, the lazy ones inside functions too, and the modules of
+Everything kvfleet ships imports as ``kvfleet.<part>``: nothing at the repository root is a package
+under another name (a generic one, ``kernels`` or ``router``, would shadow a distribution of the same
+name installed beside kvfleet, or be shadowed by it). An import may only point to a lower floor or
+inside its own package; packages on the same floor do not import each other. Every import counts, the lazy ones inside functions too, and the modules of
 the project import one another without a cycle. The pure modules (policy, page table, parsers)
 reach neither torch nor grpc, not even through what they import.
 """
@@ -24,58 +27,63 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = {
-    "kvfleet": 0,
-    "kernels": 1,
-    "block_service": 1,
-    "compute_service": 2,
-    "router": 3,
-    "kvfleet_cli": 4,
+    "kvfleet": -1,                # the namespace package itself: its version, nothing else, under every floor
+    "kvfleet.core": 0,
+    "kvfleet.kernels": 1,
+    "kvfleet.block_service": 1,
+    "kvfleet.compute_service": 2,
+    "kvfleet.router": 3,
+    "kvfleet.cli": 4,
     "bench": 5,
 }
 
 # pure logic: neither these modules nor anything they import (inside the project) imports torch or grpc
 PURE = [
-    "kvfleet.allocator", "kvfleet.block_hash", "kvfleet.errors", "kvfleet.sampling", "kvfleet.tenants",
-    "kvfleet.wire", "kvfleet.ids", "kvfleet.keepalive", "kvfleet.identity", "kvfleet.access", "kvfleet.certs",
-    "kvfleet.tls_settings", "kvfleet.kv_rates", "kvfleet.decayed_rate",
-    "compute_service.engine.prefill_rate", "compute_service.node.fetch_policy", "compute_service.node.fetch_figures",
-    "kvfleet.roles", "router.disagg",
-    "block_service.page_table", "block_service.block_pool", "block_service.local_allocator",
-    "block_service.durable", "block_service.checkpoint", "block_service.trace", "block_service.tenants",
-    "block_service.bookkeeping", "block_service.node_sync", "block_service.blocks_report",
-    "block_service.backup", "block_service.restore", "block_service.validation", "block_service.node_pool",
-    "block_service.prefix_index", "block_service.eviction", "block_service.eviction.policy",
-    "block_service.eviction.lru", "block_service.eviction.facts", "block_service.fleet", "block_service.sequence",
-    "block_service.node_figures", "block_service.recovery", "kvfleet.block_size",
-    "block_service.pool_codec", "block_service.frozen_keys",
-    "block_service.lineage", "block_service.lower_tiers", "block_service.replication_log",
-    "block_service.standby_acks", "block_service.role",
-    "compute_service.engine.scheduler", "compute_service.kv.cache_manager", "compute_service.blocks.allocator_policy",
-    "compute_service.blocks.recent_commits", "compute_service.blocks.early_grants", "compute_service.engine.stats",
-    "compute_service.blocks.write_behind", "compute_service.engine.request_phases", "kvfleet.latency_histogram",
-    "compute_service.blocks.link", "compute_service.blocks.sync", "compute_service.model.sliding_window", "kvfleet.backoff",
-    "compute_service.model.config", "compute_service.model.rope_config", "compute_service.model.architectures",
-    "compute_service.model.checkpoint_layout", "compute_service.kv.cache_dtype",
-    "compute_service.kv.layout", "compute_service.engine.batch_controller", "compute_service.engine.live_cap",
-    "compute_service.kv.block_usage", "compute_service.kv.snapshot", "compute_service.blocks.tier_queue",
-    "compute_service.kv.tier_index", "compute_service.engine.swap_cost", "compute_service.kv.tier_flags",
-    "router.tenants", "router.stall_watch", "router.priority_queue", "router.routing", "router.request",
-    "router.admission", "router.resume", "router.recent_routes", "router.running_ids",
-    "router.chat_template", "router.openai_requests", "router.openai_responses",
-    "compute_service.engine.cpu_host", "compute_service.node.mem_probe",
-    "kvfleet_cli.supervisor", "kvfleet_cli.gguf_tokenizer", "kvfleet_cli.convert_gguf", "kvfleet_cli.models_pull",
-    "kvfleet_cli.cluster_state", "kvfleet.preflight",
-    "kvfleet.metric_families", "kvfleet.metrics_server", "block_service.metrics", "compute_service.node.metrics",
-    "router.metrics",
-    "kvfleet_cli.planning.shapes", "kvfleet_cli.planning.devices", "kvfleet_cli.planning.capacity",
-    "kvfleet_cli.planning.sizing", "kvfleet_cli.planning.plan", "kvfleet_cli.planning.render",
-    "kvfleet_cli.planning.model_dir", "kvfleet_cli.planning.cpu_device", "kvfleet_cli.plan_command",
-    "kvfleet_cli.loadgen.workload", "kvfleet_cli.loadgen.records", "kvfleet_cli.loadgen.analysis",
-    "kvfleet_cli.loadgen.search", "kvfleet_cli.loadgen.server_side", "kvfleet_cli.loadgen.plots",
-    "kvfleet_cli.loadgen.progress", "kvfleet_cli.config_file",
-    "kvfleet.settings", "compute_service.engine.config", "compute_service.kv.block_size",
-    "compute_service.node.settings", "router.settings", "block_service.settings", "kvfleet_cli.local_nodes",
-    "kvfleet_cli.demo_tenants",
+    "kvfleet.core.allocator", "kvfleet.core.block_hash", "kvfleet.core.errors", "kvfleet.core.sampling",
+    "kvfleet.core.tenants", "kvfleet.core.wire", "kvfleet.core.ids", "kvfleet.core.keepalive", "kvfleet.core.identity",
+    "kvfleet.core.access", "kvfleet.core.certs", "kvfleet.core.tls_settings", "kvfleet.core.kv_rates",
+    "kvfleet.core.decayed_rate", "kvfleet.compute_service.engine.prefill_rate",
+    "kvfleet.compute_service.node.fetch_policy", "kvfleet.compute_service.node.fetch_figures", "kvfleet.core.roles",
+    "kvfleet.router.disagg", "kvfleet.block_service.page_table", "kvfleet.block_service.block_pool",
+    "kvfleet.block_service.local_allocator", "kvfleet.block_service.durable", "kvfleet.block_service.checkpoint",
+    "kvfleet.block_service.trace", "kvfleet.block_service.tenants", "kvfleet.block_service.bookkeeping",
+    "kvfleet.block_service.node_sync", "kvfleet.block_service.blocks_report", "kvfleet.block_service.backup",
+    "kvfleet.block_service.restore", "kvfleet.block_service.validation", "kvfleet.block_service.node_pool",
+    "kvfleet.block_service.prefix_index", "kvfleet.block_service.eviction", "kvfleet.block_service.eviction.policy",
+    "kvfleet.block_service.eviction.lru", "kvfleet.block_service.eviction.facts", "kvfleet.block_service.fleet",
+    "kvfleet.block_service.sequence", "kvfleet.block_service.node_figures", "kvfleet.block_service.recovery",
+    "kvfleet.core.block_size", "kvfleet.block_service.pool_codec", "kvfleet.block_service.frozen_keys",
+    "kvfleet.block_service.lineage", "kvfleet.block_service.lower_tiers", "kvfleet.block_service.replication_log",
+    "kvfleet.block_service.standby_acks", "kvfleet.block_service.role", "kvfleet.compute_service.engine.scheduler",
+    "kvfleet.compute_service.kv.cache_manager", "kvfleet.compute_service.blocks.allocator_policy",
+    "kvfleet.compute_service.blocks.recent_commits", "kvfleet.compute_service.blocks.early_grants",
+    "kvfleet.compute_service.engine.stats", "kvfleet.compute_service.blocks.write_behind",
+    "kvfleet.compute_service.engine.request_phases", "kvfleet.core.latency_histogram",
+    "kvfleet.compute_service.blocks.link", "kvfleet.compute_service.blocks.sync",
+    "kvfleet.compute_service.model.sliding_window", "kvfleet.core.backoff", "kvfleet.compute_service.model.config",
+    "kvfleet.compute_service.model.rope_config", "kvfleet.compute_service.model.architectures",
+    "kvfleet.compute_service.model.checkpoint_layout", "kvfleet.compute_service.kv.cache_dtype",
+    "kvfleet.compute_service.kv.layout", "kvfleet.compute_service.engine.batch_controller",
+    "kvfleet.compute_service.engine.live_cap", "kvfleet.compute_service.kv.block_usage",
+    "kvfleet.compute_service.kv.snapshot", "kvfleet.compute_service.blocks.tier_queue",
+    "kvfleet.compute_service.kv.tier_index", "kvfleet.compute_service.engine.swap_cost",
+    "kvfleet.compute_service.kv.tier_flags", "kvfleet.router.tenants", "kvfleet.router.stall_watch",
+    "kvfleet.router.priority_queue", "kvfleet.router.routing", "kvfleet.router.request", "kvfleet.router.admission",
+    "kvfleet.router.resume", "kvfleet.router.recent_routes", "kvfleet.router.running_ids",
+    "kvfleet.router.chat_template", "kvfleet.router.openai_requests", "kvfleet.router.openai_responses",
+    "kvfleet.compute_service.engine.cpu_host", "kvfleet.compute_service.node.mem_probe", "kvfleet.cli.supervisor",
+    "kvfleet.cli.gguf_tokenizer", "kvfleet.cli.convert_gguf", "kvfleet.cli.models_pull", "kvfleet.cli.cluster_state",
+    "kvfleet.core.preflight", "kvfleet.core.metric_families", "kvfleet.core.metrics_server",
+    "kvfleet.block_service.metrics", "kvfleet.compute_service.node.metrics", "kvfleet.router.metrics",
+    "kvfleet.cli.planning.shapes", "kvfleet.cli.planning.devices", "kvfleet.cli.planning.capacity",
+    "kvfleet.cli.planning.sizing", "kvfleet.cli.planning.plan", "kvfleet.cli.planning.render",
+    "kvfleet.cli.planning.model_dir", "kvfleet.cli.planning.cpu_device", "kvfleet.cli.plan_command",
+    "kvfleet.cli.loadgen.workload", "kvfleet.cli.loadgen.records", "kvfleet.cli.loadgen.analysis",
+    "kvfleet.cli.loadgen.search", "kvfleet.cli.loadgen.server_side", "kvfleet.cli.loadgen.plots",
+    "kvfleet.cli.loadgen.progress", "kvfleet.cli.config_file", "kvfleet.core.settings",
+    "kvfleet.compute_service.engine.config", "kvfleet.compute_service.kv.block_size",
+    "kvfleet.compute_service.node.settings", "kvfleet.router.settings", "kvfleet.block_service.settings",
+    "kvfleet.cli.local_nodes", "kvfleet.cli.demo_tenants",
 ]
 HEAVY = ("torch", "grpc", "aetcd", "triton", "google")
 
@@ -92,7 +100,7 @@ def module_name(path: Path) -> str:
 
 def project_modules() -> dict[str, Path]:
     modules = {}
-    for package in FLOORS:
+    for package in ("kvfleet", "bench"):
         for path in sorted((ROOT / package).rglob("*.py")):
             name = module_name(path)
             if not name.startswith(GENERATED):
@@ -143,14 +151,31 @@ def edges() -> dict[str, set[str]]:
     return graph
 
 
+def package_of(module: str) -> str | None:
+    """The floor's package ``module`` belongs to (its longest prefix in FLOORS), or None."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in FLOORS:
+            return ".".join(parts[:i])
+    return None
+
+
 def floor_of(module: str) -> tuple[str, int]:
-    package = module.split(".")[0]
+    package = package_of(module)
     return package, FLOORS[package]
 
 
+def test_one_import_namespace():
+    """The only package at the repository root is ``kvfleet`` (``bench`` is a folder of scripts, not
+    a package: a namespace portion never shadows an installed package of the same name)."""
+    top_level = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert top_level == ["kvfleet"], f"packages at the repository root besides kvfleet: {top_level}"
+
+
 def test_every_package_has_a_floor():
-    top_level = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
-    assert top_level <= set(FLOORS), f"packages without a floor: {sorted(top_level - set(FLOORS))}"
+    parts = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "kvfleet").glob("*/__init__.py")}
+    missing = sorted(parts - set(FLOORS) - {GENERATED})
+    assert not missing, f"packages of kvfleet without a floor: {missing}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -158,8 +183,8 @@ def test_imports_point_down(module):
     package, floor = floor_of(module)
     wrong = []
     for line, imported in imports_of(MODULES[module]):
-        target_package = imported.split(".")[0]
-        if target_package not in FLOORS or target_package == package:
+        target_package = package_of(imported)
+        if target_package is None or target_package == package or imported.startswith(GENERATED):
             continue
         target_floor = FLOORS[target_package]
         if target_floor >= floor:
@@ -210,6 +235,6 @@ def test_the_graph_sees_known_arrows():
     """The reader is not blind: arrows that exist must be found (a parser that found none would pass
     every test above)."""
     graph = edges()
-    assert "kvfleet.allocator" in graph["compute_service.kv.cache_manager"]
-    assert "compute_service.engine.llm_engine" in graph["kvfleet_cli.demo"]
-    assert any(m.startswith("block_service.") for m in graph["compute_service.blocks.registration"])
+    assert "kvfleet.core.allocator" in graph["kvfleet.compute_service.kv.cache_manager"]
+    assert "kvfleet.compute_service.engine.llm_engine" in graph["kvfleet.cli.demo"]
+    assert any(m.startswith("kvfleet.block_service.") for m in graph["kvfleet.compute_service.blocks.registration"])

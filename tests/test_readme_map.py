@@ -1,5 +1,6 @@
 """The README's "What is here" table is the map a newcomer reads first: every folder it names exists,
-and every top-level folder of the repository and every room of compute_service is named there."""
+and every top-level folder of the repository and every package of kvfleet and every room of
+kvfleet.compute_service is named there."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def test_every_folder_is_named():
     named = {row.rstrip("/") for row in map_rows()}
     named_tops = {row.split("/", 1)[0] for row in named}
     assert top_level_folders() <= named_tops, f"not in the README's map: {top_level_folders() - named_tops}"
-    rooms = {f"compute_service/{p.name}" for p in (ROOT / "compute_service").iterdir()
+    parts = {f"kvfleet/{p.name}" for p in (ROOT / "kvfleet").iterdir() if (p / "__init__.py").is_file()}
+    unnamed = sorted(p for p in parts if not any(row == p or row.startswith(f"{p}/") for row in named))
+    assert not unnamed, f"packages of kvfleet not in the README's map (nor any room of theirs): {unnamed}"
+    rooms = {f"kvfleet/compute_service/{p.name}" for p in (ROOT / "kvfleet" / "compute_service").iterdir()
              if (p / "__init__.py").is_file()}
     assert rooms <= named, f"compute_service rooms not in the README's map: {rooms - named}"

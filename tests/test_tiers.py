@@ -18,7 +18,7 @@ FAST = "not process and not cluster and not chaos"
 
 # what starts a real process or server, written in a test module or its own helpers
 STARTS = re.compile(r"\bLocalCluster\(|\bEtcdServer\(|\bReplicaProcess\(|\bPopen\(|\bService\(|\bstart_cluster\(|\bEtcdCluster\("
-                    r"|[\"']-m[\"'],\s*[\"']kvfleet_cli|\[\s*sys\.executable\b")
+                    r"|[\"']-m[\"'],\s*[\"']kvfleet.cli|\[\s*sys\.executable\b")
 
 
 class _Collect:

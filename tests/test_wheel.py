@@ -1,7 +1,7 @@
 """``pip install .`` gives a kvfleet that runs from site-packages, not only from its source folder.
 
 The generated ``kvfleet.v1`` stubs are not committed (``protos/`` is their only source) and the CPU
-kernels compile from ``kernels/csrc`` where they run: the wheel must carry both (setup.py's build
+kernels compile from ``kvfleet/kernels/csrc`` where they run: the wheel must carry both (setup.py's build
 step, pyproject's package data). Built here from a copy of the sources without any generated stub,
 then installed with --no-deps in a throwaway virtualenv (its dependencies borrowed from this one's
 site-packages), and imported from outside the source tree.
@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in ("bench", "tests"))
 STUBS = [f"kvfleet/v1/{m}{suffix}" for m in ("inference", "compute", "block_manager")
          for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
-KERNEL_SOURCES = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir())
+KERNEL_SOURCES = sorted(p.name for p in (ROOT / "kvfleet" / "kernels" / "csrc").iterdir())
 
 PROBE = """
 import json, importlib.resources
 import kvfleet, kvfleet.v1.inference_pb2, kvfleet.v1.compute_pb2_grpc, kvfleet.v1.block_manager_pb2_grpc
-csrc = importlib.resources.files("kernels") / "csrc"
+csrc = importlib.resources.files("kvfleet.kernels") / "csrc"
 print(json.dumps({"kvfleet": kvfleet.__file__, "csrc": str(csrc),
                   "sources": sorted(p.name for p in csrc.iterdir())}))
 """
@@ -74,7 +74,7 @@ def test_the_wheel_carries_its_stubs_and_kernel_sources_and_runs_installed(tmp_p
     wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert not [s for s in STUBS if s not in names], "stubs missing from the wheel"
-    assert not [k for k in KERNEL_SOURCES if f"kernels/csrc/{k}" not in names], "kernel sources missing"
+    assert not [k for k in KERNEL_SOURCES if f"kvfleet/kernels/csrc/{k}" not in names], "kernel sources missing"
     assert {f"{p}/__init__.py" for p in PACKAGES} <= names
 
     python = throwaway_venv(tmp_path / "venv")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV
+from kvfleet.compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"

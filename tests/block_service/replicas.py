@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvfleet import certs
-from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
-from kvfleet.leader import read_leader
-from kvfleet.membership import etcd_client
-from kvfleet.tls import Credentials
-from kvfleet_cli.ports import free_port
+from kvfleet.cli.ports import free_port
+from kvfleet.core import certs
+from kvfleet.core.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
+from kvfleet.core.leader import read_leader
+from kvfleet.core.membership import etcd_client
+from kvfleet.core.tls import Credentials
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S = 2  # shortened: a dead leader is replaced within seconds
@@ -41,7 +41,7 @@ class ReplicaProcess:
         self.state_dir = work / f"{name}-state"
         self.log_path = work / f"{name}.log"
         self.address = f"127.0.0.1:{free_port()}"
-        self.argv = [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", self.address,
+        self.argv = [sys.executable, "-m", "kvfleet.cli.cli", "block-service", "--listen", self.address,
                      "--state-dir", str(self.state_dir), "--etcd", etcd_url, "--lease-ttl", str(TTL_S),
                      "--durability", "write", "--certs", str(certs.identity_dir(certs_dir, BLOCK_SERVICE_ID)), *extra]
         self.proc: subprocess.Popen | None = None

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from block_service.backup import MANIFEST, BackupError, read_manifest, ship
-from block_service.checkpoint import main as checkpoint_main
-from block_service.checkpoint import verify
-from block_service.durable import DurablePageTable
-from block_service.recovery import recover
-from block_service.restore import restore
-from block_service.trace import Trace, drive
-from block_service.wal import FRAME, HEADER
+from kvfleet.block_service.backup import MANIFEST, BackupError, read_manifest, ship
+from kvfleet.block_service.checkpoint import main as checkpoint_main
+from kvfleet.block_service.checkpoint import verify
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.restore import restore
+from kvfleet.block_service.trace import Trace, drive
+from kvfleet.block_service.wal import FRAME, HEADER
 
 
 class History:

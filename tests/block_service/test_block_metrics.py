@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from block_service import metrics
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation, Refusal
-from kvfleet.metric_families import registry_of
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service import metrics
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import Allocation, Refusal
+from kvfleet.core.metric_families import registry_of
+from kvfleet.core.tenants import MIB, Tenant
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB
@@ -85,7 +85,7 @@ def test_group_commits_are_observed_when_a_hook_is_set(tmp_path):
 
 
 def test_lower_tier_blocks_per_node_and_tier_and_refusals_per_tenant():
-    from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
+    from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TierChange
 
     table = _table()
     table.configure_tenants([Tenant("a", quota_mib=1, lower_tier_quota_mib=0.5), Tenant("b")])  # a: 2 blocks

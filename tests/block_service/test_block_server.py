@@ -9,16 +9,16 @@ import logging
 import grpc
 import pytest
 
-from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable
-from block_service.node_sync import LiveSequence
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from block_service.server import BlockManagerServicer
-from block_service.trace import Trace, drive, drive_async
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import NotFound
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.node_sync import LiveSequence
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.server import BlockManagerServicer
+from kvfleet.block_service.trace import Trace, drive, drive_async
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.errors import NotFound
+from kvfleet.core.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
 

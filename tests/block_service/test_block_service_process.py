@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from block_service.trace import Trace, drive, drive_async
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.tenants import parse_tenants
-from kvfleet_cli.ports import free_port
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.trace import Trace, drive, drive_async
+from kvfleet.cli.ports import free_port
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.tenants import parse_tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS_YAML = """\
@@ -42,7 +42,7 @@ class Service:
         self.log = open(self.state_dir.parent / "service.log", "ab")
         # plaintext: these tests are about the page table's durability (test_replicas runs mutual TLS)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", self.address,
+            [sys.executable, "-m", "kvfleet.cli.cli", "block-service", "--listen", self.address,
              "--state-dir", str(self.state_dir), "--tenants", str(self.tenants), "--insecure-internal"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -142,7 +142,7 @@ def test_sigkill_loses_no_acknowledged_change(service: Service) -> None:
     snaps = sorted(p.name for p in service.state_dir.glob("*.snap"))
     logs = [p.stat().st_size for p in sorted(service.state_dir.glob("*.log"))]
     assert len(snaps) == 2 and logs[-1] == 16  # clean shutdown: snapshot, empty log (the older kept)
-    out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "checkpoint", "verify", str(service.state_dir)],
+    out = subprocess.run([sys.executable, "-m", "kvfleet.cli.cli", "checkpoint", "verify", str(service.state_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all verify" in out.stdout

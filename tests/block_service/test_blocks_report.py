@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from block_service.stats import TierBlocks
-from kvfleet.allocator import AllocateRequest
+from kvfleet.block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.stats import TierBlocks
+from kvfleet.core.allocator import AllocateRequest
 
 
 def _filled() -> PageTable:
@@ -56,9 +56,9 @@ def test_the_report_renders_tiers_holders_waste_and_tenants() -> None:
 
 
 def test_the_report_shows_lower_tiers_per_node_and_their_charge_per_tenant() -> None:
-    from block_service.wire import tier_from_pb, tiers_to_pb
-    from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
-    from kvfleet.tenants import Tenant
+    from kvfleet.block_service.wire import tier_from_pb, tiers_to_pb
+    from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TierChange
+    from kvfleet.core.tenants import Tenant
 
     table = _filled()
     table.configure_tenants([Tenant("a", lower_tier_quota_mib=0.25)])  # 4 blocks of 64 KiB
@@ -78,8 +78,8 @@ def test_the_report_shows_lower_tiers_per_node_and_their_charge_per_tenant() -> 
 
 
 def test_fetches_from_peers_under_way_show_as_transfers_in_flight() -> None:
-    from block_service.wire import node_stats_from_pb, node_stats_to_pb
-    from kvfleet.ids import FETCH_SEQ_PREFIX
+    from kvfleet.block_service.wire import node_stats_from_pb, node_stats_to_pb
+    from kvfleet.core.ids import FETCH_SEQ_PREFIX
 
     table = _filled()
     assert "transfers in flight" not in render(BlocksReport([NodeBlocks(table.node_stats("n0"))], []))

@@ -3,10 +3,10 @@ log that replays to the same state."""
 
 from __future__ import annotations
 
-from block_service.bookkeeping import ItemError
-from block_service.durable import DurablePageTable
-from block_service.recovery import recover
-from kvfleet.allocator import AllocateRequest, Refusal
+from kvfleet.block_service.bookkeeping import ItemError
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import AllocateRequest, Refusal
 
 H = [bytes([i] * 16) for i in range(1, 6)]
 

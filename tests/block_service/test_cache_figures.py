@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from block_service import metrics
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation
-from kvfleet.metric_families import registry_of
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service import metrics
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import Allocation
+from kvfleet.core.metric_families import registry_of
+from kvfleet.core.tenants import MIB, Tenant
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB

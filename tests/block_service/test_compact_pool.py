@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.eviction.lru import BlockLru
-from block_service.page_table import PageTable
-from block_service.prefix_index import PrefixIndex, slots_of
-from block_service.snapshot import decode_snapshot, encode_snapshot
-from kvfleet.allocator import AllocateRequest
+from kvfleet.block_service.eviction.lru import BlockLru
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.prefix_index import PrefixIndex, slots_of
+from kvfleet.block_service.snapshot import decode_snapshot, encode_snapshot
+from kvfleet.core.allocator import AllocateRequest
 
 
 def h(i: int) -> bytes:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.durable import DurablePageTable
-from block_service.node_sync import LiveSequence
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from kvfleet.allocator import DROPPED, AllocateRequest, Allocation
-from kvfleet.errors import FailedPrecondition, InvalidArgument
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.node_sync import LiveSequence
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import DROPPED, AllocateRequest, Allocation
+from kvfleet.core.errors import FailedPrecondition, InvalidArgument
 
 BS = 16
 H = [bytes([i]) * 16 for i in range(1, 9)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from block_service.durable_mark import behind
+from kvfleet.block_service.durable_mark import behind
 
 
 def mark(lineage: str, lsn: int) -> bytes:

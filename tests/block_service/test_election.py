@@ -8,10 +8,10 @@ import signal
 
 import pytest
 
-from block_service.election import Election
-from kvfleet.leader import Leader, read_leader
-from kvfleet.membership import etcd_client
-from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet.block_service.election import Election
+from kvfleet.cli.etcd_server import EtcdServer
+from kvfleet.core.leader import Leader, read_leader
+from kvfleet.core.membership import etcd_client
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import aetcd
 
-from block_service.election import Election
-from kvfleet.leader import Leader
+from kvfleet.block_service.election import Election
+from kvfleet.core.leader import Leader
 
 ANSWER_S = 1.5
 

@@ -10,15 +10,15 @@ import hashlib
 
 import pytest
 
-from block_service import metrics
-from block_service.durable import DurablePageTable
-from block_service.eviction import NAMES, POLICIES
-from block_service.eviction.fair import furthest_over
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.metric_families import registry_of
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service import metrics
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.eviction import NAMES, POLICIES
+from kvfleet.block_service.eviction.fair import furthest_over
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.metric_families import registry_of
+from kvfleet.core.tenants import MIB, Tenant
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB
@@ -184,8 +184,8 @@ def test_evictions_are_a_metric_by_tenant_node_and_reason() -> None:
 
 
 def test_evictions_reach_kvfleet_blocks_over_the_wire() -> None:
-    from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
-    from block_service.wire import node_stats_from_pb, node_stats_to_pb, tenant_stats_from_pb, tenant_stats_to_pb
+    from kvfleet.block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+    from kvfleet.block_service.wire import node_stats_from_pb, node_stats_to_pb, tenant_stats_from_pb, tenant_stats_to_pb
 
     table = flood("fair").table
     node = node_stats_from_pb(node_stats_to_pb(table.node_stats("n")))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from block_service.client import BlockManagerClient
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet_cli.ports import free_port
-from tests.kvfleet_cli.test_first_contact import refused
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.cli.ports import free_port
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from tests.cli.test_first_contact import refused
 
 pytestmark = pytest.mark.process  # starts block_service without a tier fixture (tests/conftest.py)
 
@@ -62,7 +62,7 @@ def test_fair_from_the_command_line_and_its_state_directory_keeps_it(tmp_path: P
             "--insecure-internal", "--durability", "write"]
 
     def start(policy: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "kvfleet_cli.cli", *base, "--eviction-policy", policy],
+        return subprocess.Popen([sys.executable, "-m", "kvfleet.cli.cli", *base, "--eviction-policy", policy],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     proc = start("fair")

@@ -9,15 +9,15 @@ import argparse
 
 import pytest
 
-from block_service import main as block_service_main
-from block_service.eviction import NAMES
-from block_service.page_table import PageTable
-from block_service.settings import BlockServiceSettings, EvictionSettings
-from block_service.tenants import cache_shares, tenant_from_record, tenant_to_record
-from block_service.wire import tenant_from_pb, tenant_to_pb
-from kvfleet.settings import SettingError, build, to_argv
-from kvfleet.tenants import MIB, Tenant, TenantsFileError, parse_tenants
-from kvfleet_cli import up
+from kvfleet.block_service import main as block_service_main
+from kvfleet.block_service.eviction import NAMES
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.settings import BlockServiceSettings, EvictionSettings
+from kvfleet.block_service.tenants import cache_shares, tenant_from_record, tenant_to_record
+from kvfleet.block_service.wire import tenant_from_pb, tenant_to_pb
+from kvfleet.cli import up
+from kvfleet.core.settings import SettingError, build, to_argv
+from kvfleet.core.tenants import MIB, Tenant, TenantsFileError, parse_tenants
 
 
 def parsed(add_arguments, argv: list[str]) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def test_a_share_is_given_or_the_reserve() -> None:
     assert cache_shares([given, reserve, none], bpb) == {"t": 10, "r": 4}
     zero = Tenant("z", quota_mib=4, reserved_mib=1, cache_share_mib=0)  # an explicit 0: no share, whatever the reserve
     assert cache_shares([zero], bpb) == {}
-    big = Tenant("big", cache_share_mib=1 << 20)  # past any pool: a weight (block_service.eviction.fair)
+    big = Tenant("big", cache_share_mib=1 << 20)  # past any pool: a weight (kvfleet.block_service.eviction.fair)
     assert cache_shares([big], bpb) == {"big": 4 << 20}
 
 
@@ -91,7 +91,7 @@ def test_the_share_survives_the_wire_the_log_and_a_snapshot() -> None:
 
 
 def test_auto_takes_the_state_directorys_policy_else_fair(tmp_path) -> None:
-    from block_service.durable import DurablePageTable, RecoveryError
+    from kvfleet.block_service.durable import DurablePageTable, RecoveryError
     assert EvictionSettings().configured() is None and EvictionSettings("lru").configured() == "lru"
     store, _ = DurablePageTable.open(str(tmp_path / "old"), fsync=False, eviction="lru")  # a state written under lru
     store.close()

@@ -22,13 +22,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from block_service.durable import DurablePageTable
-from block_service.eviction import POLICIES, CachedFacts, EvictionPolicy
-from block_service.page_table import PageTable
-from block_service.recovery import RecoveryError, recover
-from block_service.snapshot import decode_snapshot, encode_snapshot
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.eviction import POLICIES, CachedFacts, EvictionPolicy
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import RecoveryError, recover
+from kvfleet.block_service.snapshot import decode_snapshot, encode_snapshot
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.tenants import Tenant
 from tests.block_service.test_page_table_stateful import BPB, NODES, TENANTS, PageTableMachine, family_hash
 from tests.examples import examples
 

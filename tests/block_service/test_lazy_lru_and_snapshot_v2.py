@@ -14,19 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_service.durable import DurablePageTable
-from block_service.eviction.lru import SLACK, BlockLru
-from block_service.page_table import PageTable
-from block_service.pool_codec import runs_stack, stack_runs
-from block_service.recovery import recover
-from block_service.snapshot import (
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.eviction.lru import SLACK, BlockLru
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.pool_codec import runs_stack, stack_runs
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.snapshot import (
     MAGIC_V1,
     SnapshotError,
     decode_snapshot,
     encode_snapshot,
     read_snapshot,
 )
-from kvfleet.allocator import AllocateRequest
+from kvfleet.core.allocator import AllocateRequest
 from tests.examples import examples
 
 N = 40
@@ -301,7 +301,7 @@ def test_prompts_read_first_after_a_recovery_match_as_before() -> None:
 def test_lower_tier_matches_read_recovered_keys_past_the_hot_run() -> None:
     """``match_tiers`` walks on past the first hash the pools miss (a lower tier may hold it): keys
     still in ``FrozenKeys`` beyond that point count as they did before the snapshot."""
-    from kvfleet.allocator import TIER_HOST, TierChange
+    from kvfleet.core.allocator import TIER_HOST, TierChange
 
     table = PageTable("lru")
     table.register_node("a", 32, 16, 1 << 18)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from block_service.local_allocator import LocalBlockAllocator
-from kvfleet.allocator import Allocation, BlockAllocator, Refusal
-from kvfleet.block_hash import block_hashes
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.core.allocator import Allocation, BlockAllocator, Refusal
+from kvfleet.core.block_hash import block_hashes
 
 
 def test_standalone_allocator_round_trip() -> None:

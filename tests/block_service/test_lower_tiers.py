@@ -14,14 +14,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from block_service.local_allocator import LocalBlockAllocator
-from block_service.lower_tiers import LowerTiers
-from block_service.page_table import PageTable
-from block_service.prefix_index import PrefixIndex
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, BlockAllocator, TierChange
-from kvfleet.block_hash import block_hashes
-from kvfleet.errors import InvalidArgument, NotFound
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.block_service.lower_tiers import LowerTiers
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.prefix_index import PrefixIndex
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TIER_NONE, BlockAllocator, TierChange
+from kvfleet.core.block_hash import block_hashes
+from kvfleet.core.errors import InvalidArgument, NotFound
+from kvfleet.core.tenants import MIB, Tenant
 from tests.examples import examples
 
 

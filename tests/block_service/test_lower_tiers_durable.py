@@ -8,13 +8,13 @@ import hashlib
 
 import pytest
 
-from block_service import wal_records as rec
-from block_service.bookkeeping import TIER, TierBatch
-from block_service.durable import DurablePageTable
-from block_service.recovery import recover
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
-from kvfleet.errors import InvalidArgument
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service import wal_records as rec
+from kvfleet.block_service.bookkeeping import TIER, TierBatch
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
+from kvfleet.core.errors import InvalidArgument
+from kvfleet.core.tenants import MIB, Tenant
 
 
 def h(i: int) -> bytes:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from block_service.client import BlockManagerClient
-from compute_service.blocks.registration import RemoteAllocatorFactory
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
-from kvfleet.block_hash import block_hashes
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.compute_service.blocks.registration import RemoteAllocatorFactory
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TierChange
+from kvfleet.core.block_hash import block_hashes
 from tests.block_service.test_block_service_process import ROOT, Service
 
 BPB = 1 << 16
@@ -62,7 +62,7 @@ def test_tier_moves_survive_a_sigkill_and_show_in_kvfleet_blocks(tmp_path: Path)
         service.start()
         client = on_loop(connect())
         assert on_loop(client.match_tiers(hs)) == ({"n0": 0}, {"n0": 2})
-        out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "blocks", "--block-service", service.address,
+        out = subprocess.run([sys.executable, "-m", "kvfleet.cli.cli", "blocks", "--block-service", service.address,
                               "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)

@@ -4,12 +4,12 @@ Stats' per-tier counts and per-tenant charges, a sync replacing a node's index, 
 
 from __future__ import annotations
 
-from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable
-from block_service.recovery import recover
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TierChange
-from kvfleet.block_hash import block_hashes
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TierChange
+from kvfleet.core.block_hash import block_hashes
+from kvfleet.core.tenants import MIB, Tenant
 from tests.block_service.test_block_server import serve_and_run
 
 

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from block_service import durable_mark
-from block_service.durable_mark import DURABLE_KEY, MarkWriter
-from block_service.standby_acks import StandbyAcks
-from kvfleet.errors import Unavailable
+from kvfleet.block_service import durable_mark
+from kvfleet.block_service.durable_mark import DURABLE_KEY, MarkWriter
+from kvfleet.block_service.standby_acks import StandbyAcks
+from kvfleet.core.errors import Unavailable
 
 
 class FakeEtcd:

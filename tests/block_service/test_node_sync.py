@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from block_service.durable import DurablePageTable
-from block_service.node_sync import LiveSequence as Live
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import InvalidArgument
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.node_sync import LiveSequence as Live
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.errors import InvalidArgument
+from kvfleet.core.tenants import Tenant
 
 BS, BPB = 16, 1 << 18  # four blocks per MiB
 H = [bytes([i] * 16) for i in range(1, 9)]
@@ -42,7 +42,7 @@ def test_reconciliation_releases_what_the_node_no_longer_holds(caplog) -> None:
     table.register_node("n0", 16, BS, BPB)
     table.register_node("n1", 16, BS, BPB)
     a, b, c = (table.allocate(n, s, "t", [], 20) for n, s in (("n0", "a"), ("n0", "b"), ("n1", "c")))
-    with caplog.at_level(logging.INFO, logger="block_service.page_table"):
+    with caplog.at_level(logging.INFO, logger="kvfleet.block_service.page_table"):
         result = table.sync_node("n0", 16, BS, BPB, [Live("a", "t", a.block_ids, 20)])
     assert not result.registered and result.released == ["b"] and not result.adopted and not result.updated
     assert "sync of node n0: released 1 sequences the node no longer holds" in caplog.text

@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from block_service.backup import read_manifest
-from block_service.client import BlockManagerClient
-from block_service.node_pool import WARN_INTERVAL_S
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from block_service.trace import Trace, drive, drive_async
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.tenants import parse_tenants
-from kvfleet_cli.cluster_state import ClusterState
-from kvfleet_cli.ports import free_port
+from kvfleet.block_service.backup import read_manifest
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.node_pool import WARN_INTERVAL_S
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.trace import Trace, drive, drive_async
+from kvfleet.cli.cluster_state import ClusterState
+from kvfleet.cli.ports import free_port
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.tenants import parse_tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = """\
@@ -43,7 +43,7 @@ EXHAUSTED = re.compile(r"block_pool exhausted \(alloc=(\d+)/(\d+)\) node=(\S+) t
 
 
 def _kvfleet(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvfleet.cli.cli", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env=None if env is None else {**os.environ, **env})
 
 
@@ -56,7 +56,7 @@ def block_service(tmp: Path, *extra: str) -> Iterator[tuple[str, subprocess.Pope
     log = tmp / "service.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", address, "--state-dir",
+            [sys.executable, "-m", "kvfleet.cli.cli", "block-service", "--listen", address, "--state-dir",
              str(tmp / "state"), "--tenants", str(tmp / "tenants.yaml"), "--insecure-internal", *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from block_service.page_table import PageTable
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.block_hash import block_hashes
-from kvfleet.errors import (
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.block_hash import block_hashes
+from kvfleet.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,

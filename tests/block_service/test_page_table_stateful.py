@@ -19,13 +19,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from block_service.durable import DurablePageTable
-from block_service.node_sync import LiveSequence
-from block_service.page_table import PageTable
-from block_service.recovery import recover
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.node_sync import LiveSequence
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvfleet.core.tenants import Tenant
 from tests.examples import examples
 
 NODES = {"n0": (12, 16), "n1": (8, 32)}  # node -> (num_blocks, block_size)

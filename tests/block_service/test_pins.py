@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from block_service import wal_records as rec
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from block_service.pins import MAX_TTL_S, check_ttl
-from block_service.recovery import recover
-from block_service.snapshot import decode_snapshot, encode_snapshot
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvfleet.tenants import Tenant
+from kvfleet.block_service import wal_records as rec
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.block_service.pins import MAX_TTL_S, check_ttl
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.snapshot import decode_snapshot, encode_snapshot
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvfleet.core.tenants import Tenant
 from tests.block_service.test_page_table_stateful import family_hash
 
 BPB = 1 << 18  # four blocks per MiB
@@ -145,8 +145,8 @@ def test_a_ttl_is_one_second_to_seven_days() -> None:
 
 
 def test_kvfleet_blocks_shows_pins_per_tenant_and_node() -> None:
-    from block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
-    from block_service.pins import TenantPins
+    from kvfleet.block_service.blocks_report import BlocksReport, NodeBlocks, render, to_json
+    from kvfleet.block_service.pins import TenantPins
 
     table = PageTable()
     table.register_node("n0", 8, BS, BPB)
@@ -161,8 +161,8 @@ def test_kvfleet_blocks_shows_pins_per_tenant_and_node() -> None:
 
 
 def test_pins_and_refusals_are_metrics(tmp_path) -> None:
-    from block_service import metrics
-    from kvfleet.metric_families import registry_of
+    from kvfleet.block_service import metrics
+    from kvfleet.core.metric_families import registry_of
 
     store = _store(tmp_path)
     store.pin_prefix("n0", "a", [family_hash(0, i) for i in range(3)], 100)

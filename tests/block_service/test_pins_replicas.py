@@ -10,10 +10,10 @@ from pathlib import Path
 
 from replicas import credentials, wait_leader
 
-from block_service.client import BlockManagerClient
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.identity import Identity
-from kvfleet.tls import Credentials
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.identity import Identity
+from kvfleet.core.tls import Credentials
 from tests.block_service.test_page_table_stateful import family_hash
 from tests.block_service.test_replicas import admin, certs_dir, etcd, replicas  # noqa: F401 (fixtures)
 

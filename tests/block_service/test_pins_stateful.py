@@ -16,11 +16,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from block_service.eviction import POLICIES
-from block_service.eviction.pinned import PinnedPolicy
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.errors import FailedPrecondition, ResourceExhausted
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.eviction import POLICIES
+from kvfleet.block_service.eviction.pinned import PinnedPolicy
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.errors import FailedPrecondition, ResourceExhausted
+from kvfleet.core.tenants import Tenant
 from tests.block_service.test_eviction_stateful import EvictionMachine, _victims
 from tests.block_service.test_page_table_stateful import BPB, NODES, TENANTS, family_hash
 from tests.examples import examples

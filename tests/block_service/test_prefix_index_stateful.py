@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from block_service.node_sync import LiveSequence
-from block_service.page_table import PageTable
-from kvfleet.allocator import DROPPED, AllocateRequest, Allocation
-from kvfleet.errors import FailedPrecondition
+from kvfleet.block_service.node_sync import LiveSequence
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import DROPPED, AllocateRequest, Allocation
+from kvfleet.core.errors import FailedPrecondition
 from tests.examples import examples
 
 NODES = {"n0": 8, "n1": 10, "n2": 12, "n3": 9}  # node -> num_blocks (small: evictions are frequent)

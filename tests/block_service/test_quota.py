@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from block_service import wal_records
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation, Refusal
-from kvfleet.block_hash import block_hashes
-from kvfleet.errors import InvalidArgument
-from kvfleet.tenants import MIB, Tenant, TenantsFileError, parse_tenants
+from kvfleet.block_service import wal_records
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import Allocation, Refusal
+from kvfleet.core.block_hash import block_hashes
+from kvfleet.core.errors import InvalidArgument
+from kvfleet.core.tenants import MIB, Tenant, TenantsFileError, parse_tenants
 
 BS = 16
 BPB = MIB // 4  # four blocks per MiB

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from block_service.checkpoint import main as checkpoint_main
-from block_service.checkpoint import verify
-from block_service.durable import DurablePageTable
-from block_service.recovery import recover
-from block_service.trace import Trace, drive
-from block_service.wal import HEADER, scan_log
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.checkpoint import main as checkpoint_main
+from kvfleet.block_service.checkpoint import verify
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import recover
+from kvfleet.block_service.trace import Trace, drive
+from kvfleet.block_service.wal import HEADER, scan_log
+from kvfleet.core.tenants import Tenant
 
 
 class _Recorder:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from block_service import replica as replica_mod
-from block_service.replica import Replica, ReplicaConfig
-from block_service.role import Role
-from kvfleet.leader import Leader
+from kvfleet.block_service import replica as replica_mod
+from kvfleet.block_service.replica import Replica, ReplicaConfig
+from kvfleet.block_service.role import Role
+from kvfleet.core.leader import Leader
 
 OLD = Leader("10.0.0.1:7100", "lineage")
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 from replicas import TTL_S, ReplicaProcess, credentials, issue_certs, leader_address, wait_leader
 
-from block_service import leader_client
-from block_service.client import BlockManagerClient
-from block_service.durable_mark import parse_mark, read_mark
-from block_service.lineage import write_lineage
-from block_service.trace import Trace, drive_async
-from kvfleet import tls
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.errors import Unavailable
-from kvfleet.identity import ADMIN_ID, Identity
-from kvfleet.leader import LEADER_KEY
-from kvfleet.membership import etcd_client
-from kvfleet.tls import Credentials
-from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet.block_service import leader_client
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.durable_mark import parse_mark, read_mark
+from kvfleet.block_service.lineage import write_lineage
+from kvfleet.block_service.trace import Trace, drive_async
+from kvfleet.cli.etcd_server import EtcdServer
+from kvfleet.core import tls
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.errors import Unavailable
+from kvfleet.core.identity import ADMIN_ID, Identity
+from kvfleet.core.leader import LEADER_KEY
+from kvfleet.core.membership import etcd_client
+from kvfleet.core.tls import Credentials
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_standby_flags_without_etcd_are_refused_in_one_line(tmp_path: Path) -> N
 
     from replicas import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "block-service", "--listen", "127.0.0.1:0",
+    out = subprocess.run([sys.executable, "-m", "kvfleet.cli.cli", "block-service", "--listen", "127.0.0.1:0",
                           "--state-dir", str(tmp_path / "s"), "--sync-standby", "--insecure-internal"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2

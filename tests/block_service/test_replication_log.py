@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from block_service.durable import DurablePageTable
-from block_service.lineage import ensure_lineage, lineage_mismatch, read_lineage
-from block_service.replication_log import ReplicationLog
-from block_service.role import Role
-from block_service.standby_acks import StandbyAcks
-from block_service.trace import Trace, drive
-from block_service.wal import FrameError, frame, read_frames
-from kvfleet.errors import Unavailable
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.lineage import ensure_lineage, lineage_mismatch, read_lineage
+from kvfleet.block_service.replication_log import ReplicationLog
+from kvfleet.block_service.role import Role
+from kvfleet.block_service.standby_acks import StandbyAcks
+from kvfleet.block_service.trace import Trace, drive
+from kvfleet.block_service.wal import FrameError, frame, read_frames
+from kvfleet.core.errors import Unavailable
 
 
 def _leader(tmp_path, steps: int = 20) -> tuple[DurablePageTable, ReplicationLog]:

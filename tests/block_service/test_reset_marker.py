@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-from block_service.durable import DurablePageTable
-from block_service.lineage import RESET_MARKER, mark_reset, reset_interrupted
-from block_service.page_table import PageTable
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.lineage import RESET_MARKER, mark_reset, reset_interrupted
+from kvfleet.block_service.page_table import PageTable
 
 
 def test_reset_clears_its_marker_and_a_leftover_marker_is_seen(tmp_path):

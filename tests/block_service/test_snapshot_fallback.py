@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from block_service.checkpoint import main as checkpoint_main
-from block_service.durable import DurablePageTable
-from block_service.recovery import RecoveryError, recover
-from block_service.trace import Trace, drive
+from kvfleet.block_service.checkpoint import main as checkpoint_main
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.recovery import RecoveryError, recover
+from kvfleet.block_service.trace import Trace, drive
 
 
 def _snapshots(d: Path) -> list[Path]:

@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from block_service.client import BlockManagerClient
-from block_service.replica import LEASE_LOST, NODES_UNREACHABLE, Replica, ReplicaConfig
-from block_service.role import Role
-from block_service.standby_acks import StandbyAcks
-from block_service.step_down import COOLING, KEEP, NO_STANDBY, STEP_DOWN, Complaints, decide
-from kvfleet.errors import Unavailable
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.replica import LEASE_LOST, NODES_UNREACHABLE, Replica, ReplicaConfig
+from kvfleet.block_service.role import Role
+from kvfleet.block_service.standby_acks import StandbyAcks
+from kvfleet.block_service.step_down import COOLING, KEEP, NO_STANDBY, STEP_DOWN, Complaints, decide
+from kvfleet.core.errors import Unavailable
 
 ME, OTHER = "10.0.0.1:7100", "10.0.0.2:7100"
 

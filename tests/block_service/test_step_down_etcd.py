@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from block_service import step_down_watch
-from block_service.replica import NODES_UNREACHABLE, Replica, ReplicaConfig
-from block_service.role import Role
-from kvfleet.leader import read_leader, unreachable_key
-from kvfleet.membership import etcd_client, node_key
-from kvfleet_cli.etcd_server import EtcdServer
+from kvfleet.block_service import step_down_watch
+from kvfleet.block_service.replica import NODES_UNREACHABLE, Replica, ReplicaConfig
+from kvfleet.block_service.role import Role
+from kvfleet.cli.etcd_server import EtcdServer
+from kvfleet.core.leader import read_leader, unreachable_key
+from kvfleet.core.membership import etcd_client, node_key
 
 ME = "127.0.0.1:7100"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from block_service.step_down_watch import StepDownWatch
-from kvfleet.leader import UNREACHABLE_PREFIX
-from kvfleet.membership import NODES_PREFIX
+from kvfleet.block_service.step_down_watch import StepDownWatch
+from kvfleet.core.leader import UNREACHABLE_PREFIX
+from kvfleet.core.membership import NODES_PREFIX
 
 ME = "10.0.0.3:7100"
 

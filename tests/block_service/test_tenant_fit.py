@@ -3,8 +3,8 @@ reservations and pin budgets that only sum past a pool are warned about, one lin
 
 from __future__ import annotations
 
-from block_service.tenants import PoolShape, configured, pool_misfits
-from kvfleet.tenants import MIB, Tenant
+from kvfleet.block_service.tenants import PoolShape, configured, pool_misfits
+from kvfleet.core.tenants import MIB, Tenant
 
 POOL = PoolShape("n0", 16, MIB // 4)  # 16 blocks of 1/4 MiB: 4 MiB
 
@@ -49,8 +49,8 @@ def test_a_configuration_replaces_all_or_updates_by_name():
 
 
 def test_the_pin_budget_reaches_block_service_over_the_wire_and_in_its_log():
-    from block_service.tenants import tenant_from_record, tenant_to_record
-    from block_service.wire import tenant_from_pb, tenant_to_pb
+    from kvfleet.block_service.tenants import tenant_from_record, tenant_to_record
+    from kvfleet.block_service.wire import tenant_from_pb, tenant_to_pb
 
     t = Tenant("t", quota_mib=4, pinned_mib=1.5)
     assert tenant_from_pb(tenant_to_pb(t)) == t == tenant_from_record(tenant_to_record(t))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from block_service.client import BlockManagerClient
-from kvfleet.allocator import Allocation
-from kvfleet.errors import InvalidArgument
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.core.allocator import Allocation
+from kvfleet.core.errors import InvalidArgument
+from kvfleet.core.tenants import Tenant
 from tests.block_service.test_operations_process import _ready, block_service
 
 BPB = 1 << 16               # 16 blocks per MiB

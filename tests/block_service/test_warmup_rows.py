@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from block_service.page_table import PageTable
-from kvfleet.allocator import Allocation
-from kvfleet.tenants import MIB, WARMUP_TENANT, Tenant
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.core.allocator import Allocation
+from kvfleet.core.tenants import MIB, WARMUP_TENANT, Tenant
 
 BS = 16
 

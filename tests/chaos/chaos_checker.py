@@ -10,7 +10,7 @@ every broken promise, one line each (a failing test shows them all, not just the
     probe        a greedy request's tokens equal its prompt's reference from before the fault
     no leak      block_service holds no sequence and no used block beyond the baseline once the
                  requests have ended; each node counts the same blocks as block_service  (polled)
-    durability   the state directory replays (``block_service.durable.recover``) to a page table
+    durability   the state directory replays (``kvfleet.block_service.durable.recover``) to a page table
                  whose invariants hold (``PageTable.check``), no shorter than the log position
                  block_service acknowledged before the fault, and equal to the one it reports now
     clients      each outcome's status allowed by its spec or excused by the fault's policy, and
@@ -37,9 +37,9 @@ from chaos_outcomes import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from block_service.durable import recover
-from kvfleet import rpc
-from kvfleet.identity import BLOCK_SERVICE_ID, Identity
+from kvfleet.block_service.durable import recover
+from kvfleet.core import rpc
+from kvfleet.core.identity import BLOCK_SERVICE_ID, Identity
 from kvfleet.v1 import (
     block_manager_pb2,
     block_manager_pb2_grpc,

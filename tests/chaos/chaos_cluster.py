@@ -13,7 +13,7 @@ import signal
 
 from chaos_outcomes import FaultPolicy
 
-from kvfleet_cli.local_cluster import DEMO_TENANTS, LocalCluster
+from kvfleet.cli.local_cluster import DEMO_TENANTS, LocalCluster
 
 BLOCK_SIZE = 16
 KV_CACHE_MEMORY = 16 << 20  # 512 blocks of 16 tokens per node (32 KiB each on the tiny model)

@@ -18,7 +18,7 @@ from chaos_load import bearer
 from chaos_outcomes import OK, RequestSpec
 from google.protobuf.message import DecodeError
 
-from kvfleet.ids import MAX_REQUEST_ID_LEN
+from kvfleet.core.ids import MAX_REQUEST_ID_LEN
 from kvfleet.v1 import inference_pb2
 
 INVALID = frozenset({"INVALID_ARGUMENT"})

@@ -17,11 +17,11 @@ from chaos_checker import ClusterChecker
 from chaos_cluster import start_cluster
 from chaos_load import PromptBook
 
-from kvfleet import rpc
-from kvfleet.identity import BLOCK_SERVICE_ID
+from kvfleet.cli.local_cluster import LocalCluster
+from kvfleet.cli.model_maker import make_model
+from kvfleet.core import rpc
+from kvfleet.core.identity import BLOCK_SERVICE_ID
 from kvfleet.v1 import block_manager_pb2, block_manager_pb2_grpc, inference_pb2_grpc
-from kvfleet_cli.local_cluster import LocalCluster
-from kvfleet_cli.model_maker import make_model
 
 REST_TIMEOUT_S = 15.0
 

@@ -24,8 +24,8 @@ from chaos_fuzz import (
 from chaos_load import LoadGenerator, send, send_raw
 from chaos_outcomes import NO_FAULT, OK, RequestSpec, Tally
 
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import ROUTER_ID, Identity
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import ROUTER_ID, Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2_grpc
 
 FLOOD_TOKENS = 200

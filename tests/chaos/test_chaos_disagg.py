@@ -13,7 +13,7 @@ from chaos_checker import report
 from chaos_cluster import NODE_DOWN, kill_and_restart, start_cluster
 from test_chaos_restarts import PROMPTS, _under_load  # noqa: F401 - PROMPTS: the book's prompts (conftest)
 
-from kvfleet_cli.local_nodes import node_roles
+from kvfleet.cli.local_nodes import node_roles
 
 
 @pytest.fixture(scope="module")

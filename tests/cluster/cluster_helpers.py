@@ -7,8 +7,8 @@ import threading
 
 import grpc
 
+from kvfleet.cli.local_cluster import DEMO_TENANTS
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
-from kvfleet_cli.local_cluster import DEMO_TENANTS
 
 BLOCK_SIZE = 16
 
@@ -89,7 +89,7 @@ def block_pools(cluster) -> dict:
     """Node id → block_service's ``NodeStats`` for that node's pool."""
     import asyncio
 
-    from block_service.client import BlockManagerClient
+    from kvfleet.block_service.client import BlockManagerClient
 
     address = cluster.block_service_address  # with a standby: read from etcd, outside the loop below
 

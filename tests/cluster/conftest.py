@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from cluster_helpers import BLOCK_SIZE, TENANTS
 
-from kvfleet import tls
-from kvfleet_cli.etcd_server import EtcdServer
-from kvfleet_cli.local_cluster import LocalCluster
-from kvfleet_cli.model_maker import make_model
+from kvfleet.cli.etcd_server import EtcdServer
+from kvfleet.cli.local_cluster import LocalCluster
+from kvfleet.cli.model_maker import make_model
+from kvfleet.core import tls
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""The tests' name for ``kvfleet_cli.node_direct``: requests written straight to one node's Serve
+"""The tests' name for ``kvfleet.cli.node_direct``: requests written straight to one node's Serve
 stream as the router writes them, and a node's metrics."""
 
-from kvfleet_cli.node_direct import NodeAnswer, generate_on, metric, node_metrics, run_on
+from kvfleet.cli.node_direct import NodeAnswer, generate_on, metric, node_metrics, run_on
 
 __all__ = ["NodeAnswer", "generate_on", "metric", "node_metrics", "run_on"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_cli.cli import parse_args
-from kvfleet_cli.ports import free_port
+from kvfleet.cli.cli import parse_args
+from kvfleet.cli.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -25,7 +25,7 @@ def kvfleet(*argv: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVFLEET_STATE_FILE": str(cwd / "cluster.json")}
     env.pop("KVFLEET_ROUTER", None)
     env.pop("KVFLEET_API_KEY", None)
-    return subprocess.run([sys.executable, "-m", "kvfleet_cli", "--log-level", "ERROR", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvfleet.cli", "--log-level", "ERROR", *argv], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=timeout)
 
 

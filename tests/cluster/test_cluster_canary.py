@@ -17,13 +17,13 @@ import pytest
 from cluster_helpers import random_prompt, request, stream
 from test_cluster_kv_fetch import published
 
-from kvfleet import certs
-from kvfleet.canary import CANARY_PREFIX, SPLIT, CanarySplit
-from kvfleet.identity import ADMIN_ID, ROUTER_ID
-from kvfleet.membership import etcd_client
-from kvfleet.tls import Credentials
-from kvfleet_cli.canary_cluster import CanaryNodes, CanaryPlan
-from kvfleet_cli.up import UpSettings
+from kvfleet.cli.canary_cluster import CanaryNodes, CanaryPlan
+from kvfleet.cli.up import UpSettings
+from kvfleet.core import certs
+from kvfleet.core.canary import CANARY_PREFIX, SPLIT, CanarySplit
+from kvfleet.core.identity import ADMIN_ID, ROUTER_ID
+from kvfleet.core.membership import etcd_client
+from kvfleet.core.tls import Credentials
 
 pytestmark = [pytest.mark.process, pytest.mark.cluster]  # a LocalCluster and its canary node
 
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.process, pytest.mark.cluster]  # a LocalCluster and it
 def canary_cli(cluster, *args: str, certs_dir=None) -> subprocess.CompletedProcess:
     certs_dir = certs_dir or certs.identity_dir(cluster.certs.root, ADMIN_ID)
     env = {**os.environ, "KVFLEET_STATE_FILE": str(cluster.work_dir / "no-state.json")}
-    return subprocess.run([sys.executable, "-m", "kvfleet_cli.cli", "canary", *args, "--etcd", cluster.etcd.url,
+    return subprocess.run([sys.executable, "-m", "kvfleet.cli.cli", "canary", *args, "--etcd", cluster.etcd.url,
                            "--router-metrics", cluster.metrics_urls["router"], "--certs", str(certs_dir)],
                           capture_output=True, text=True, env=env, timeout=120)
 

@@ -11,7 +11,7 @@ from cluster_helpers import Streams, random_prompt
 from test_cluster_canary import canary_cli
 from test_cluster_kv_fetch import published
 
-from kvfleet_cli.canary_cluster import CanaryNodes, CanaryPlan
+from kvfleet.cli.canary_cluster import CanaryNodes, CanaryPlan
 
 pytestmark = [pytest.mark.process, pytest.mark.cluster]  # a LocalCluster and its canary nodes
 

@@ -11,7 +11,7 @@ import grpc
 from cluster_helpers import random_prompt, request
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.membership import etcd_client, list_nodes
+from kvfleet.core.membership import etcd_client, list_nodes
 from kvfleet.v1 import inference_pb2_grpc
 
 TENANTS = """\

@@ -17,9 +17,9 @@ from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, released_poo
 from node_direct import metric, node_metrics, run_on
 from test_cluster_kv_fetch import published
 
-from block_service.client import BlockManagerClient
-from kvfleet.tenants import Tenant
-from kvfleet_cli.local_nodes import node_roles
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.cli.local_nodes import node_roles
+from kvfleet.core.tenants import Tenant
 
 PROMPT_BLOCKS = 6
 MAX_TOKENS = 12
@@ -72,7 +72,7 @@ def test_a_short_prompt_runs_where_it_lands(start_cluster):
     chunks = stream(cluster.router_address, request(tokens=prompt, max_tokens=6, ignore_eos=True))
     assert {c.node_id for c in chunks} == {"node-1"}  # the decode node, never the prefill node
     assert metric(node_metrics(cluster, "router"), "kvfleet:router_handovers_total") == 0
-    shown = subprocess.run([sys.executable, "-m", "kvfleet_cli", "blocks", "--json", "--block-service",
+    shown = subprocess.run([sys.executable, "-m", "kvfleet.cli", "blocks", "--json", "--block-service",
                             cluster.block_service_address, "--etcd", cluster.etcd.url,
                             "--certs", str(cluster.certs.root / "admin")], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr

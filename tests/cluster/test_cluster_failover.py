@@ -11,11 +11,11 @@ import grpc
 import pytest
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet.ids import MAX_REQUEST_ID_LEN
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core.ids import MAX_REQUEST_ID_LEN
+from kvfleet.core.sampling import SamplingParams
+from kvfleet.router.prefix_lookup import FORGET_GRACE_S
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
-from router.prefix_lookup import FORGET_GRACE_S
 from tests.compute_service.conftest import late_stop_string
 
 pytestmark = pytest.mark.chaos  # each test kills or drains a node on purpose
@@ -77,7 +77,7 @@ def test_sigkill_mid_stream_resumes_on_another_node(start_cluster, model_dir):
         assert time.monotonic() - killed_at < LEASE_TTL + 2, "killed node still listed in etcd"
         time.sleep(0.1)
     # ... and block_service drops its pool once the router's grace is over (a key gone is not yet a
-    # node gone: router.prefix_lookup.FORGET_GRACE_S): none of its blocks stay charged.
+    # node gone: kvfleet.router.prefix_lookup.FORGET_GRACE_S): none of its blocks stay charged.
     deadline = time.monotonic() + FORGET_GRACE_S + 10
     while killed in (pools := block_pools(cluster)):
         assert time.monotonic() < deadline, f"block_service still holds {killed}'s pool: {pools[killed]}"

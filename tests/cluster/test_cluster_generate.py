@@ -14,10 +14,10 @@ from cluster_helpers import (
     tokens_of,
 )
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet import rpc
-from kvfleet.identity import BLOCK_SERVICE_ID, Identity
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core import rpc
+from kvfleet.core.identity import BLOCK_SERVICE_ID, Identity
+from kvfleet.core.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([5, 16, 37, 70])]

@@ -11,9 +11,9 @@ import time
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, released_pool
 from node_direct import generate_on, metric, node_metrics, run_on
 
-from block_service.client import BlockManagerClient
-from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.membership import etcd_client, list_nodes
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.membership import etcd_client, list_nodes
 
 PROMPT_BLOCKS = 6
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, released_pool, request, stream, tokens_of
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core.sampling import SamplingParams
 from kvfleet.v1 import inference_pb2_grpc
 
 MAX_LEN = 256

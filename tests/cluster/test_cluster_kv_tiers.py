@@ -10,11 +10,11 @@ import urllib.request
 
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, request, stream, tokens_of
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.pool import bytes_per_block
-from compute_service.model.config import ModelConfig
-from kvfleet.sampling import SamplingParams
-from kvfleet_cli.local_nodes import local_node_settings
+from kvfleet.cli.local_nodes import local_node_settings
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.pool import bytes_per_block
+from kvfleet.compute_service.model.config import ModelConfig
+from kvfleet.core.sampling import SamplingParams
 
 PROMPT = random_prompt(64, 41)                         # 3 reusable blocks
 OTHERS = [random_prompt(160, 50 + i) for i in range(3)]  # each fills most of a 14-block pool

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cluster_helpers import random_prompt, request, stream, tokens_of
 
-from kvfleet_cli.model_maker import make_model
+from kvfleet.cli.model_maker import make_model
 
 PROMPT_TOKENS = 16384
 MAX_TOKENS = 8
@@ -34,8 +34,8 @@ def model_dir(long_dir):
 @pytest.fixture(scope="module")
 def in_process(long_dir) -> dict[str, list[int]]:
     """The in-process engine's greedy tokens, by KV dtype, with the node's block size and pool."""
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
 
     tokens = {}
     for dtype in ("fp8_e4m3", "float32"):

@@ -12,7 +12,7 @@ import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream
 from prometheus_client.parser import text_string_to_metric_families
 
-from block_service.client import BlockManagerClient
+from kvfleet.block_service.client import BlockManagerClient
 
 NUM_NODES = 2
 

@@ -13,10 +13,10 @@ import httpx2 as httpx
 import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, stream
 
-from block_service.client import BlockManagerClient
-from block_service.settings import EvictionSettings
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.settings import EvictionSettings
+from kvfleet.cli.demo_tenants import DEMO_TENANTS
 from kvfleet.v1 import inference_pb2
-from kvfleet_cli.demo_tenants import DEMO_TENANTS
 
 # the test model in float32: 2 x 4 layers x 2 KV heads x 32 x 16 tokens x 4 bytes = 32 KiB a block;
 # a 1 MiB pool holds 32 blocks, and 0.25 MiB of pins is 8 of them

@@ -11,9 +11,9 @@ import httpx2 as httpx
 from cluster_helpers import BLOCK_SIZE, block_pools, random_prompt, released_pool, request, stream, tokens_of
 from node_direct import generate_on, metric, node_metrics
 
-from kvfleet import certs, rpc, tls
-from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.identity import Identity
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.identity import Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 GROUPS = """\

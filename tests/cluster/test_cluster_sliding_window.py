@@ -12,8 +12,8 @@ import grpc
 import pytest
 from cluster_helpers import block_pools, random_prompt, request
 
-from block_service.durable import recover
-from compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS
+from kvfleet.block_service.durable import recover
+from kvfleet.compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS
 from kvfleet.v1 import inference_pb2_grpc
 from tests.compute_service.windowed_models import make_windowed_model, transformers_greedy
 

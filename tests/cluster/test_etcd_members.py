@@ -1,5 +1,5 @@
-"""etcd as three members (kvfleet_cli.etcd_server.EtcdCluster) and the fleet's clients over all
-three (kvfleet.etcd_failover): the member the clients talk to is killed, and the block_service
+"""etcd as three members (kvfleet.cli.etcd_server.EtcdCluster) and the fleet's clients over all
+three (kvfleet.core.etcd_failover): the member the clients talk to is killed, and the block_service
 leader keeps its lease, a node stays registered under its lease, the router's watch sees no node
 leave, and writes go on, through the other two. Real etcd processes on loopback."""
 
@@ -12,14 +12,14 @@ import signal
 import aetcd
 import pytest
 
-from block_service.election import Election
-from kvfleet import certs
-from kvfleet.identity import ADMIN_ID, ETCD_ID, ROUTER_ID, Identity
-from kvfleet.leader import Leader
-from kvfleet.membership import NodeInfo, NodeRegistration, NodeState, etcd_client, list_nodes, watch_nodes
-from kvfleet.tls import Credentials
-from kvfleet_cli.etcd_auth import enable
-from kvfleet_cli.etcd_server import EtcdCluster, EtcdServer
+from kvfleet.block_service.election import Election
+from kvfleet.cli.etcd_auth import enable
+from kvfleet.cli.etcd_server import EtcdCluster, EtcdServer
+from kvfleet.core import certs
+from kvfleet.core.identity import ADMIN_ID, ETCD_ID, ROUTER_ID, Identity
+from kvfleet.core.leader import Leader
+from kvfleet.core.membership import NodeInfo, NodeRegistration, NodeState, etcd_client, list_nodes, watch_nodes
+from kvfleet.core.tls import Credentials
 
 pytestmark = pytest.mark.process  # starts etcd processes (EtcdCluster)
 

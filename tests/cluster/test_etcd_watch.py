@@ -1,4 +1,4 @@
-"""The one list/watch/relist loop (kvfleet.etcd_watch) against a real etcd: what membership and the
+"""The one list/watch/relist loop (kvfleet.core.etcd_watch) against a real etcd: what membership and the
 block_service leader follow (the ``etcd`` fixture: conftest.py)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvfleet.etcd_watch import Change, Listed, follow_prefix
-from kvfleet.leader import Leader, watch_leader
-from kvfleet.membership import etcd_client, watch_nodes
+from kvfleet.core.etcd_watch import Change, Listed, follow_prefix
+from kvfleet.core.leader import Leader, watch_leader
+from kvfleet.core.membership import etcd_client, watch_nodes
 
 
 async def _next(events, timeout=10.0):

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from cluster_helpers import random_prompt, request, stream, tokens_of
 
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, ROUTER_ID, Identity
-from kvfleet.tenants import Tenant
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import ADMIN_ID, BLOCK_SERVICE_ID, ROUTER_ID, Identity
+from kvfleet.core.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2 as bm
 from kvfleet.v1 import block_manager_pb2_grpc as bm_grpc
 from kvfleet.v1 import compute_pb2 as cp
@@ -129,7 +129,7 @@ def test_a_node_certificate_does_not_pass_for_another_node(cluster):
 
 
 def test_admin_may_change_tenants_and_the_cluster_serves_on_untouched(cluster):
-    from block_service.client import BlockManagerClient
+    from kvfleet.block_service.client import BlockManagerClient
 
     async def as_admin():
         async with BlockManagerClient(cluster.block_service_address, timeout_s=10,
@@ -153,7 +153,7 @@ def test_etcd_takes_a_node_s_word_only_for_its_own_key(cluster):
     writes only its own membership key, and without a certificate etcd does not answer."""
     import aetcd
 
-    from kvfleet.membership import etcd_client, list_nodes
+    from kvfleet.core.membership import etcd_client, list_nodes
 
     async def attempts():
         async with etcd_client(cluster.etcd.url, credentials=_creds(cluster, NODE1)) as node1:

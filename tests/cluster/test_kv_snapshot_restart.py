@@ -13,8 +13,8 @@ import cluster_helpers
 import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
-from block_service.client import BlockManagerClient
-from kvfleet.block_hash import block_hashes
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.core.block_hash import block_hashes
 
 PREFIX = random_prompt(6 * BLOCK_SIZE + 5, seed=70)
 PROMPTS = [PREFIX + random_prompt(9, seed=71 + i) for i in range(3)]

@@ -18,9 +18,9 @@ import pytest
 from cluster_helpers import request, stream, tokens_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
-from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet.cli.local_cluster import LocalCluster
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import ADMIN_ID, BLOCK_SERVICE_ID, Identity
 
 
 def children_of(pid: int) -> list[int]:
@@ -104,7 +104,7 @@ class Up:
         self.env.pop("KVFLEET_ROUTER", None)
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvfleet_cli.cli", "up", "--nodes", str(nodes), "--model", str(model_dir),
+                [sys.executable, "-m", "kvfleet.cli.cli", "up", "--nodes", str(nodes), "--model", str(model_dir),
                  "--work-dir", str(tmp_path / "work")],
                 stdout=out, stderr=subprocess.STDOUT, text=True, env=self.env,
                 preexec_fn=_ctrl_c_as_in_a_terminal,
@@ -201,13 +201,13 @@ def test_generate_finds_the_cluster_up_started(up, tmp_path):
     address = u.address()
     state = tmp_path / "cluster.json"
     assert state.is_file()
-    done = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--max-tokens", "3", "--ignore-eos", "hi"],
+    done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "--max-tokens", "3", "--ignore-eos", "hi"],
                           capture_output=True, text=True, env=u.env, timeout=120)  # no --router, no --api-key
     assert done.returncode == 0, done.stderr
     assert "[length: node node-0" in done.stderr and "3 generated" in done.stderr
     stop_and_check_nothing_is_left(u)
     assert not state.exists()
-    done = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", address, "hi"],
+    done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "--router", address, "hi"],
                           capture_output=True, text=True, env=u.env, timeout=120)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"kvfleet generate: no router answers at {address} (start a local cluster with `kvfleet up`, "

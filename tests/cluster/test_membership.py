@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from kvfleet.kv_rates import KvRates
-from kvfleet.membership import (
+from kvfleet.core.kv_rates import KvRates
+from kvfleet.core.membership import (
     MembershipChange,
     NodeInfo,
     NodeRegistration,
@@ -108,7 +108,7 @@ def test_a_silent_node_leaves_within_its_ttl(etcd):
 def test_a_node_registers_once_etcd_comes_up(tmp_path):
     """A node started while etcd is down neither raises nor exits: its registration (and a state
     change made meanwhile) reaches etcd once etcd answers."""
-    from kvfleet_cli.etcd_server import EtcdServer
+    from kvfleet.cli.etcd_server import EtcdServer
 
     etcd = EtcdServer(data_dir=tmp_path / "etcd").start()
     prefix = "/kvfleet/test-late/"

@@ -24,11 +24,11 @@ from collections import Counter
 import grpc
 from cluster_helpers import BLOCK_SIZE
 
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import ROUTER_ID, Identity
+from kvfleet.cli.loadgen.rss_slope import rss_slope
+from kvfleet.cli.loadgen.server_side import rss_mib
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import ROUTER_ID, Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
-from kvfleet_cli.loadgen.rss_slope import rss_slope
-from kvfleet_cli.loadgen.server_side import rss_mib
 
 GOAL_MIB_H = 5.0
 THRESHOLD_MIB_H = 20 * GOAL_MIB_H

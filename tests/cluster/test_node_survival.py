@@ -13,11 +13,11 @@ import grpc
 import pytest
 from cluster_helpers import BLOCK_SIZE, random_prompt, request, tokens_of
 
-from block_service.durable import recover
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import Identity
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.durable import recover
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import Identity
+from kvfleet.core.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc
 
 pytestmark = pytest.mark.chaos  # each test kills or stops a part of the cluster on purpose
@@ -116,7 +116,7 @@ def test_etcd_down_longer_than_the_lease_then_back(start_cluster, expected):
 def _revoke_lease(cluster, node_id: str) -> bool:
     import asyncio
 
-    from kvfleet.membership import etcd_client, node_key
+    from kvfleet.core.membership import etcd_client, node_key
 
     async def revoke() -> bool:
         async with etcd_client(cluster.etcd.url) as client:
@@ -135,8 +135,8 @@ def _revoke_lease(cluster, node_id: str) -> bool:
 def _drop_pool(cluster, node_id: str) -> None:
     import asyncio
 
-    from block_service.client import BlockManagerClient
-    from kvfleet.errors import NotFound
+    from kvfleet.block_service.client import BlockManagerClient
+    from kvfleet.core.errors import NotFound
 
     async def drop() -> None:
         async with BlockManagerClient(cluster.block_service_address) as client:
@@ -165,7 +165,7 @@ def _try_generate(cluster, prompt):
 def test_a_leaked_sequence_is_released_by_the_periodic_reconciliation(start_cluster):
     import asyncio
 
-    from block_service.client import BlockManagerClient
+    from kvfleet.block_service.client import BlockManagerClient
 
     cluster = start_cluster(1, compute_args=("--reconcile-interval", "1"))
 

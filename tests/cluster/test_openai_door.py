@@ -14,11 +14,11 @@ import openai
 import pytest
 from cluster_helpers import BLOCK_SIZE, TENANTS, random_prompt, released_pool, request, stream, tokens_of
 
-from compute_service.model.tokenizer import Tokenizer
-from kvfleet.identity import Identity
+from kvfleet.cli.local_cluster import LocalCluster
+from kvfleet.cli.model_maker import make_model
+from kvfleet.compute_service.model.tokenizer import Tokenizer
+from kvfleet.core.identity import Identity
 from kvfleet.v1 import compute_pb2, compute_pb2_grpc, inference_pb2
-from kvfleet_cli.local_cluster import LocalCluster
-from kvfleet_cli.model_maker import make_model
 
 QUESTION = [{"role": "system", "content": "Answer in Chinese. 请用中文回答 🙂"},
             {"role": "user", "content": "What is a KV cache?"}]
@@ -260,7 +260,7 @@ def test_kvfleet_generate_chat(cluster):
 
     answer = client(cluster).chat.completions.create(model=model_id(cluster), messages=QUESTION, max_tokens=12,
                                                      temperature=0)
-    out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", cluster.router_address,
+    out = subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "--router", cluster.router_address,
                           "--api-key", "sk-gold", "--chat", "--system", QUESTION[0]["content"], "--max-tokens", "12",
                           QUESTION[1]["content"]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -278,7 +278,7 @@ def test_a_taken_http_port_is_one_line_and_exit_2(tmp_path):
     tenants.write_text(TENANTS)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "kvfleet_cli", "router", "--insecure-internal",
+        out = subprocess.run([sys.executable, "-m", "kvfleet.cli", "router", "--insecure-internal",
                               "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}",
                               "--etcd", "http://127.0.0.1:1", "--tenants", str(tenants)],
                              capture_output=True, text=True, timeout=120)

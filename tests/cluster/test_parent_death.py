@@ -1,4 +1,4 @@
-"""Children started through ``kvfleet.parent_death`` die with their parent, with no ``preexec_fn``."""
+"""Children started through ``kvfleet.core.parent_death`` die with their parent, with no ``preexec_fn``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet import parent_death
+from kvfleet.core import parent_death
 
 pytestmark = pytest.mark.process  # starts processes without a tier fixture (tests/conftest.py)
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # it has armed.
 PARENT = textwrap.dedent("""
     import os, subprocess, sys, time
-    from kvfleet import parent_death
+    from kvfleet.core import parent_death
     env = parent_death.child_env(os.environ)
     wrapped = subprocess.Popen(parent_death.wrap(["sleep", "600"]), env=env)
     armed = subprocess.Popen([sys.executable, "-c", "from kvfleet import parent_death; parent_death.arm(); "
@@ -98,7 +98,7 @@ def test_a_child_whose_parent_is_already_gone_exits_at_once():
 # PR_GET_PDEATHSIG = 2; 0 when none).
 ARM_AND_REPORT = textwrap.dedent("""
     import ctypes
-    from kvfleet import parent_death
+    from kvfleet.core import parent_death
     parent_death.arm()
     signal = ctypes.c_int(-1)
     ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(signal))

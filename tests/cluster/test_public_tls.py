@@ -15,10 +15,10 @@ import pytest
 from cluster_helpers import TENANTS, random_prompt, request, tokens_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet import certs
-from kvfleet.identity import ROUTER_ID
+from kvfleet.cli.ports import free_port
+from kvfleet.core import certs
+from kvfleet.core.identity import ROUTER_ID
 from kvfleet.v1 import inference_pb2_grpc
-from kvfleet_cli.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def tls_router(shared_cluster, tmp_path_factory):
     grpc_port, http_port = free_port(), free_port()
     log = open(tmp / "router.log", "wb")
     router = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet_cli", "router", "--listen", f"127.0.0.1:{grpc_port}",
+        [sys.executable, "-m", "kvfleet.cli", "router", "--listen", f"127.0.0.1:{grpc_port}",
          "--http-listen", f"127.0.0.1:{http_port}", "--etcd", cluster.etcd.url, "--tenants", str(tenants),
          "--model", cluster.model_dir, "--block-service", cluster.block_service_address, "--certs", str(own),
          "--tls-cert", str(own / certs.CERT_FILE), "--tls-key", str(own / certs.KEY_FILE)],
@@ -96,7 +96,7 @@ def test_kvfleet_generate_trusts_the_door_with_tls_ca(tls_router, tmp_path):
     address, _, _, ca_file, _ = tls_router
 
     def generate(*extra):
-        return subprocess.run([sys.executable, "-m", "kvfleet_cli", "generate", "--router", address, "--api-key",
+        return subprocess.run([sys.executable, "-m", "kvfleet.cli", "generate", "--router", address, "--api-key",
                                "sk-gold", "--max-tokens", "3", "--ignore-eos", *extra, "hi"],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
 

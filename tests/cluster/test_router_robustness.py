@@ -11,8 +11,8 @@ import grpc
 import pytest
 from cluster_helpers import random_prompt, request, stream, tokens_of
 
-from kvfleet import certs, keepalive, rpc, tls
-from kvfleet.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
+from kvfleet.core import certs, keepalive, rpc, tls
+from kvfleet.core.identity import BLOCK_SERVICE_ID, ROUTER_ID, Identity
 from kvfleet.v1 import inference_pb2_grpc
 
 GARBAGE = b"\xff\xff\xff\xff"  # not a protobuf message of any type: the varint never ends

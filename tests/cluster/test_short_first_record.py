@@ -1,5 +1,5 @@
 """A node that lets short prompts first publishes its threshold, for the routers' load model
-(router/routing.py, ``load_for``): read back from a real etcd, as a router reads it."""
+(kvfleet/router/routing.py, ``load_for``): read back from a real etcd, as a router reads it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvfleet.membership import etcd_client, list_nodes
+from kvfleet.core.membership import etcd_client, list_nodes
 
 pytestmark = pytest.mark.process
 

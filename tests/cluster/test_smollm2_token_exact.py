@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet_cli.models_pull import pull
+from kvfleet.cli.models_pull import pull
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -45,8 +45,8 @@ def reference(smollm2) -> list[list[int]]:
 
 
 def test_engine_in_process_matches_transformers(smollm2, reference):
-    from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-    from kvfleet.sampling import SamplingParams
+    from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+    from kvfleet.core.sampling import SamplingParams
 
     engine = LLMEngine(smollm2, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=32 << 20))
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
@@ -66,9 +66,9 @@ def test_engine_in_process_matches_transformers(smollm2, reference):
 
 @pytest.mark.cluster
 def test_cluster_matches_transformers(smollm2, reference, tmp_path):
-    from kvfleet import rpc
+    from kvfleet.cli.local_cluster import LocalCluster
+    from kvfleet.core import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
-    from kvfleet_cli.local_cluster import LocalCluster
 
     cluster = LocalCluster(smollm2, 1, work_dir=tmp_path / "cluster", block_size=16, kv_cache_memory=32 << 20,
                            dtype="float32")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from kvfleet.block_hash import reusable_blocks
+from kvfleet.core.block_hash import reusable_blocks
 
 NODE, NUM_BLOCKS, BS, BPB = "n0", 24, 16, 1 << 18   # four blocks per MiB
 TENANTS = {"gold": None, "small": 1.5}               # quota in MiB: "small" gets six blocks

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from compute_service.blocks.registration import RemoteAllocatorFactory
-from kvfleet_cli.model_maker import make_model
+from kvfleet.cli.model_maker import make_model
+from kvfleet.compute_service.blocks.registration import RemoteAllocatorFactory
 from tests.compute_service.served_blocks import BS, BYTES_PER_BLOCK, HeldAsks, Served
 
 VARIANTS = {

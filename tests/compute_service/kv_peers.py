@@ -12,18 +12,18 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.engine.request_output import RequestOutput
-from compute_service.kv.pool import bytes_per_block
-from compute_service.model.config import ModelConfig
-from compute_service.node.context import NodeContext, NodeStatus
-from compute_service.node.kv_fetch import fetch_blocks, fetch_over
-from compute_service.node.server import ComputeServicer, add_to_server
-from kvfleet import rpc
-from kvfleet.block_hash import block_hashes, cluster_seed, tenant_extra_key
-from kvfleet.identity import Identity
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.engine.request_output import RequestOutput
+from kvfleet.compute_service.kv.pool import bytes_per_block
+from kvfleet.compute_service.model.config import ModelConfig
+from kvfleet.compute_service.node.context import NodeContext, NodeStatus
+from kvfleet.compute_service.node.kv_fetch import fetch_blocks, fetch_over
+from kvfleet.compute_service.node.server import ComputeServicer, add_to_server
+from kvfleet.core import rpc
+from kvfleet.core.block_hash import block_hashes, cluster_seed, tenant_extra_key
+from kvfleet.core.identity import Identity
+from kvfleet.core.sampling import SamplingParams
 from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.conftest import random_prompt
 

@@ -15,12 +15,12 @@ import threading
 
 import grpc
 
-from block_service.client import BlockManagerClient
-from block_service.durable import DurablePageTable
-from block_service.page_table import PageTable, SeqState
-from block_service.server import BlockManagerServicer
-from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.block_service.durable import DurablePageTable
+from kvfleet.block_service.page_table import PageTable, SeqState
+from kvfleet.block_service.server import BlockManagerServicer
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.tenants import Tenant
 from kvfleet.v1 import block_manager_pb2_grpc
 
 BS, BYTES_PER_BLOCK = 16, 1024

@@ -22,13 +22,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from block_service.bookkeeping import apply_bookkeeping
-from block_service.page_table import PageTable
-from compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
-from kvfleet.allocator import AllocateRequest, Allocation, Refusal
-from kvfleet.allocator import LiveSequence as ListedSequence
-from kvfleet.errors import AlreadyExists
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.bookkeeping import apply_bookkeeping
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.compute_service.blocks.allocator_policy import AllocatorPolicy, Bookkeeping
+from kvfleet.core.allocator import AllocateRequest, Allocation, Refusal
+from kvfleet.core.allocator import LiveSequence as ListedSequence
+from kvfleet.core.errors import AlreadyExists
+from kvfleet.core.tenants import Tenant
 from tests.compute_service.accounting_world import BPB, BS, FATES, NODE, NUM_BLOCKS, PROMPTS, TENANTS, Lost, Request, block_hash
 from tests.examples import examples
 

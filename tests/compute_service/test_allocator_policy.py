@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.blocks.allocator_policy import (
+from kvfleet.compute_service.blocks.allocator_policy import (
     DEFER_STEPS,
     TOPUP_MARGIN,
     AllocatorPolicy,
     LiveSequence,
 )
-from kvfleet.allocator import DROPPED, AllocateRequest, Allocation, Refusal
+from kvfleet.core.allocator import DROPPED, AllocateRequest, Allocation, Refusal
 
 BS = 16
 H = [bytes([i]) * 16 for i in range(8)]  # stand-ins for block hashes

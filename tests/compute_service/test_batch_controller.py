@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from compute_service.engine.batch_controller import BatchController, ControllerConfig, grown, p99, shrunk
+from kvfleet.compute_service.engine.batch_controller import BatchController, ControllerConfig, grown, p99, shrunk
 
 MS = 1e-3
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from compute_service.blocks.link import DOWN, LOST, UP, BlockLink, trouble_of
-from kvfleet.errors import InvalidArgument, NotFound, Unavailable
+from kvfleet.compute_service.blocks.link import DOWN, LOST, UP, BlockLink, trouble_of
+from kvfleet.core.errors import InvalidArgument, NotFound, Unavailable
 
 
 class RpcError(grpc.RpcError):
@@ -52,8 +52,8 @@ def test_a_new_leader_cuts_the_resync_backoff_short() -> None:
     makes it try at once instead of at the end of a long delay."""
     import asyncio
 
-    from compute_service.blocks.sync import BlockSync, SyncOutcome
-    from kvfleet.backoff import Backoff
+    from kvfleet.compute_service.blocks.sync import BlockSync, SyncOutcome
+    from kvfleet.core.backoff import Backoff
 
     async def run() -> int:
         tries = []

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from compute_service.blocks import sender
-from kvfleet.allocator import Allocation, Refusal
-from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.compute_service.blocks import sender
+from kvfleet.core.allocator import Allocation, Refusal
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import BS, check_agrees, hashes
 
 

@@ -3,10 +3,10 @@ is forgotten (its bytes are about to change), in both KV layouts. Pure: an in-pr
 
 from __future__ import annotations
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.engine.sequence import Sequence
-from compute_service.kv.cache_manager import KVCacheManager
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.core.sampling import SamplingParams
 
 BS = 16
 

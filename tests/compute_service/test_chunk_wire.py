@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from compute_service.node import chunk_wire
-from compute_service.node.kv_fetch import _feed
-from compute_service.node.kv_holder import _made_ahead
+from kvfleet.compute_service.node import chunk_wire
+from kvfleet.compute_service.node.kv_fetch import _feed
+from kvfleet.compute_service.node.kv_holder import _made_ahead
 from kvfleet.v1 import compute_pb2 as pb
 
 HEADER = pb.BlockRunHeader(kv_cache_dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=1, head_dim=8,

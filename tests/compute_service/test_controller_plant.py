@@ -9,14 +9,14 @@ host). Nothing sleeps and nothing is timed: time is the plant's.
 
 from __future__ import annotations
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.engine.batch_controller import BatchController, ControllerConfig, p99
-from compute_service.engine.live_cap import LiveCap
-from compute_service.engine.request_output import RequestOutput
-from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import Sequence
-from compute_service.kv.cache_manager import KVCacheManager
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.engine.batch_controller import BatchController, ControllerConfig, p99
+from kvfleet.compute_service.engine.live_cap import LiveCap
+from kvfleet.compute_service.engine.request_output import RequestOutput
+from kvfleet.compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.core.sampling import SamplingParams
 
 BASE_S, PER_TOKEN_S = 0.004, 0.002
 PROMPT, OUTPUT, MAX_NUM_SEQS = 32, 32, 64

@@ -3,7 +3,7 @@ and the ``auto`` dtype (bfloat16 where the CPU runs it natively)."""
 
 import pytest
 
-from compute_service.engine.cpu_host import cpu_flags, intra_op_threads, resolve_dtype
+from kvfleet.compute_service.engine.cpu_host import cpu_flags, intra_op_threads, resolve_dtype
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD

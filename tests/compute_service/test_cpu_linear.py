@@ -5,7 +5,7 @@ because oneDNN keeps a primitive of ~0.5 MiB for every input shape it meets)."""
 import pytest
 import torch
 
-from compute_service.model.cpu_linear import (
+from kvfleet.compute_service.model.cpu_linear import (
     TILE_ROWS,
     PackedLinear,
     pack_linears,
@@ -15,7 +15,7 @@ from compute_service.model.cpu_linear import (
     step_rows,
     whole_sizes,
 )
-from compute_service.node.mem_probe import malloc_info
+from kvfleet.compute_service.node.mem_probe import malloc_info
 
 
 def test_padded_rows_are_few_and_waste_little():
@@ -111,7 +111,7 @@ def test_packed_model_meets_every_row_count_at_load():
 def test_an_mlp_in_passes_gives_what_one_pass_gives():
     from types import SimpleNamespace
 
-    from compute_service.model.causal_lm import MLP
+    from kvfleet.compute_service.model.causal_lm import MLP
 
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=64, intermediate_size=8192, mlp_bias=False, hidden_act="silu")
@@ -125,7 +125,7 @@ def test_an_mlp_in_passes_gives_what_one_pass_gives():
 def test_only_an_mlp_that_takes_passes_gets_their_shape():
     from types import SimpleNamespace
 
-    from compute_service.model.causal_lm import MLP
+    from kvfleet.compute_service.model.causal_lm import MLP
 
     config = SimpleNamespace(hidden_size=64, intermediate_size=2048, mlp_bias=False, hidden_act="silu")  # bench-small's
     model = torch.nn.ModuleDict({"mlp": MLP(config), "head": torch.nn.Linear(64, 4096, bias=False)})

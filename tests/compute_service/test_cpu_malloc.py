@@ -1,4 +1,4 @@
-"""glibc's heap kept for the engine (compute_service/engine/cpu_malloc.py): the limits are set, and a
+"""glibc's heap kept for the engine (kvfleet/compute_service/engine/cpu_malloc.py): the limits are set, and a
 step-sized tensor allocated again and again stops faulting its pages in afresh."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from compute_service.engine.cpu_malloc import keep_heap
+from kvfleet.compute_service.engine.cpu_malloc import keep_heap
 
 CHILD = """
 import resource, sys, torch
 import pytest
 
-from compute_service.engine.cpu_malloc import keep_heap
+from kvfleet.compute_service.engine.cpu_malloc import keep_heap
 kept = sys.argv[1] == "kept" and keep_heap({})
 torch.set_num_threads(1)
 def step():  # a prefill step's tensors, five of 8 MiB live at once, freed at its end

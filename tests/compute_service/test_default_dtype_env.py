@@ -3,8 +3,8 @@ benchmark under both defaults), and nothing else."""
 
 import pytest
 
-from compute_service.engine.config import EngineConfig
-from compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV, resolve_dtype
+from kvfleet.compute_service.engine.config import EngineConfig
+from kvfleet.compute_service.engine.cpu_host import DEFAULT_DTYPE_ENV, resolve_dtype
 
 NATIVE = frozenset({"amx_bf16"})
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfleet.core.sampling import SamplingParams
 
 TEXT = "你好，世界！🙂🎉 KV 缓存 — naïve ok 👩‍👩‍👧"
 

@@ -11,10 +11,10 @@ nothing running. The head's ask takes those grants back instead.
 
 from __future__ import annotations
 
-from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import Sequence
-from compute_service.kv.cache_manager import KVCacheManager
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.served_blocks import BS, check_agrees, num_sequences
 
 

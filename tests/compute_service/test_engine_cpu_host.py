@@ -1,4 +1,4 @@
-"""The engine on a CPU host: it sizes torch's intra-op threads (compute_service/engine/thread_governor.py)
+"""The engine on a CPU host: it sizes torch's intra-op threads (kvfleet/compute_service/engine/thread_governor.py)
 and resolves ``dtype="auto"`` to what this CPU runs natively."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from compute_service.engine.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.engine.thread_governor import thread_candidates
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.cpu_host import host_cpu_flags, resolve_dtype, usable_cpus
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.engine.thread_governor import thread_candidates
+from kvfleet.core.sampling import SamplingParams
 
 
 def test_engine_sets_the_threads_it_is_asked_for(llama_dir, monkeypatch):

@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

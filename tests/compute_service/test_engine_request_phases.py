@@ -1,11 +1,11 @@
-"""The engine times each request's queue and prefill (compute_service/engine/request_phases.py)."""
+"""The engine times each request's queue and prefill (kvfleet/compute_service/engine/request_phases.py)."""
 
 from __future__ import annotations
 
 import time
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core.sampling import SamplingParams
 
 
 def test_each_request_is_timed_once_from_its_arrival_at_the_node(llama_dir):

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.pool import parse_block_size
-from compute_service.model.config import ModelLoadError
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.pool import parse_block_size
+from kvfleet.compute_service.model.config import ModelLoadError
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 

@@ -9,11 +9,11 @@ import asyncio
 
 import grpc
 
-from compute_service.node.kv_fetch import fetch_blocks
-from compute_service.node.peer_directory import PeerDirectory
-from kvfleet import certs, tls
-from kvfleet.identity import Identity
-from kvfleet.membership import NodeInfo, NodeState
+from kvfleet.compute_service.node.kv_fetch import fetch_blocks
+from kvfleet.compute_service.node.peer_directory import PeerDirectory
+from kvfleet.core import certs, tls
+from kvfleet.core.identity import Identity
+from kvfleet.core.membership import NodeInfo, NodeState
 from tests.compute_service.kv_peers import BS, HOLDER, PROMPT, counts, hashes_of, make_engine, peers, serve
 
 HASHES = hashes_of(PROMPT, "default", 4)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.prefill_rate import PrefillRate
-from compute_service.node.fetch_policy import FetchCost, FetchPlan, KvFetchSettings
-from kvfleet.decayed_rate import DecayedRate
-from kvfleet.settings import SettingError
+from kvfleet.compute_service.engine.prefill_rate import PrefillRate
+from kvfleet.compute_service.node.fetch_policy import FetchCost, FetchPlan, KvFetchSettings
+from kvfleet.core.decayed_rate import DecayedRate
+from kvfleet.core.settings import SettingError
 
 BLOCK, BYTES = 16, 16 * 23_040  # SmolLM2-135M in bfloat16: 23,040 bytes a token
 

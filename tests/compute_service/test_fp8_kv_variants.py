@@ -7,8 +7,8 @@ import torch
 
 from bench.fp8_accuracy import forward_all_positions
 from bench.fp8_kv_variants import build, fp8_rows, int8_rows
-from compute_service.kv.pool import allocate_kv_cache
-from kernels.reference import quantize_kv
+from kvfleet.compute_service.kv.pool import allocate_kv_cache
+from kvfleet.kernels.reference import quantize_kv
 from tests.compute_service.conftest import random_prompt
 
 

@@ -9,16 +9,16 @@ import logging
 import pytest
 import torch
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.cache_dtype import (
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.cache_dtype import (
     KV_CACHE_DTYPES,
     fp8_unsupported_reason,
     kv_bytes_per_token,
     resolve_kv_cache_dtype,
 )
-from compute_service.kv.pool import allocate_kv_cache, bytes_per_block, kv_cache_dtype
-from compute_service.model.config import ModelConfig
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.kv.pool import allocate_kv_cache, bytes_per_block, kv_cache_dtype
+from kvfleet.compute_service.model.config import ModelConfig
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 
@@ -68,7 +68,7 @@ def test_fp8_engine_serves_and_fits_more_blocks(llama_dir, caplog):
     blocks = {}
     tokens = {}
     for name in ("float32", "fp8_e4m3"):
-        with caplog.at_level(logging.INFO, logger="compute_service.engine.llm_engine"):
+        with caplog.at_level(logging.INFO, logger="kvfleet.compute_service.engine.llm_engine"):
             engine = LLMEngine(llama_dir, EngineConfig(dtype="float32", block_size=16, kv_cache_memory=memory,
                                                         kv_cache_dtype=name))
         ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")][-1]

@@ -12,10 +12,10 @@ import logging
 
 import pytest
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.node.kv_fetch import fetch_over
-from kvfleet import rpc
-from kvfleet.identity import Identity
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.node.kv_fetch import fetch_over
+from kvfleet.core import rpc
+from kvfleet.core.identity import Identity
 from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.conftest import random_prompt
 from tests.compute_service.kv_peers import (
@@ -170,7 +170,7 @@ def test_a_bad_stream_imports_only_the_verified_blocks_before_the_fault(llama_di
     holder, _, written = holder_with_prompt(llama_dir, tmp_path)
     receiver = make_engine(llama_dir, 64)
     holder_counts = counts(holder)
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_fetch"):
         assert fetch(holder, receiver, "default", HASHES, wrap=altered(change, chunk_bytes)) == imported
     assert counts(receiver) == (64 - imported, imported, 0)
     assert counts(holder) == holder_counts
@@ -193,7 +193,7 @@ def test_a_pool_that_cannot_take_the_run_refuses_before_any_transfer(llama_dir, 
             return call(request, timeout=timeout)
         return stream
 
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_fetch"):
         assert fetch(holder, receiver, "default", HASHES, wrap=record) == 0
     assert asked == []
     assert counts(receiver) == (3, 0, 0)
@@ -203,7 +203,7 @@ def test_a_pool_that_cannot_take_the_run_refuses_before_any_transfer(llama_dir, 
 def test_an_unreachable_or_stalled_peer_imports_nothing_and_leaks_nothing(llama_dir, tmp_path, caplog):
     holder, _, _ = holder_with_prompt(llama_dir, tmp_path)
     receiver = make_engine(llama_dir, 64)
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_fetch"):
         assert fetch(holder, receiver, "default", HASHES, address="127.0.0.1:1", deadline_s=10) == 0
     assert "UNAVAILABLE" in caplog.text
     assert counts(receiver) == (64, 0, 0)
@@ -215,7 +215,7 @@ def test_an_unreachable_or_stalled_peer_imports_nothing_and_leaks_nothing(llama_
         return stream
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_fetch"):
         assert fetch(holder, receiver, "default", HASHES, wrap=stall, deadline_s=0.5) == 0
     assert "deadline" in caplog.text
     assert counts(receiver) == (64, 0, 0)
@@ -236,7 +236,7 @@ def test_a_fetch_asking_on_a_channel_closed_under_it_imports_nothing_and_leaks_n
             return await fetch_over(compute_pb2_grpc.ComputeStub(channel).FetchBlocks, "a closed channel", "default",
                                     HASHES, r, 10)
 
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_fetch"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_fetch"):
         got = asyncio.run(main())
     assert (got.blocks, got.reason) == (0, "peer")
     assert "closed" in caplog.text

@@ -10,9 +10,9 @@ import logging
 import grpc
 import pytest
 
-from compute_service.node.kv_fetch import fetch_blocks
-from kvfleet import certs, rpc, tls
-from kvfleet.identity import ROUTER_ID, Identity
+from kvfleet.compute_service.node.kv_fetch import fetch_blocks
+from kvfleet.core import certs, rpc, tls
+from kvfleet.core.identity import ROUTER_ID, Identity
 from kvfleet.v1 import compute_pb2 as pb
 from kvfleet.v1 import compute_pb2_grpc
 from tests.compute_service.kv_peers import HOLDER, PROMPT, counts, hashes_of, make_engine, peers, serve
@@ -68,7 +68,7 @@ def test_a_node_fetches_but_the_router_is_refused_by_the_access_table(certs_dir,
         assert "router may not call /kvfleet.v1.Compute/FetchBlocks (only node:<id>)" in err.value.details()
         return (await fetch_blocks(address, HOLDER, "a", hashes, engine, 10)).blocks
 
-    with caplog.at_level(logging.WARNING, logger="kvfleet.access_guard"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.core.access_guard"):
         assert under_tls(certs_dir, holder, receiver, body) == 4
     assert counts(receiver) == (60, 4, 0)
     assert any(r.getMessage().startswith("PERMISSION_DENIED router calling /kvfleet.v1.Compute/FetchBlocks")
@@ -82,10 +82,10 @@ def test_another_tenants_blocks_are_not_served_and_the_attempt_is_logged(certs_d
     async def body(address, engine):
         return (await fetch_blocks(address, HOLDER, "b", theirs, engine, 10)).blocks
 
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.kv_holder"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.kv_holder"):
         assert under_tls(certs_dir, holder, receiver, body) == 0
     assert counts(receiver) == (64, 0, 0)
-    [line] = [r.getMessage() for r in caplog.records if r.name == "compute_service.node.kv_holder"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "kvfleet.compute_service.node.kv_holder"]
     assert line.startswith("FetchBlocks by node:n1 for tenant 'b': block 0 of the 4 asked for is held under another "
                            "salt")
     assert "'a'" not in line  # whose the blocks are is not said

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.kv.block_rows import BlockRows, RowLayout, empty_rows
-from compute_service.kv.block_usage import BlockUsage, CommittedBlock
-from compute_service.kv.held_run import HeldBlock, leading_run
-from compute_service.kv.tier_index import POOL, TierHeld
-from compute_service.node.block_chunks import RunReader, TransferRefused, encode, split_hashes
-from kvfleet.allocator import TIER_DISK, TIER_HOST
-from kvfleet.block_hash import block_hashes
+from kvfleet.compute_service.kv.block_rows import BlockRows, RowLayout, empty_rows
+from kvfleet.compute_service.kv.block_usage import BlockUsage, CommittedBlock
+from kvfleet.compute_service.kv.held_run import HeldBlock, leading_run
+from kvfleet.compute_service.kv.tier_index import POOL, TierHeld
+from kvfleet.compute_service.node.block_chunks import RunReader, TransferRefused, encode, split_hashes
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST
+from kvfleet.core.block_hash import block_hashes
 
 SEED = b"wire-seed"
 LAYOUT = RowLayout("fp8_e4m3", 16, 2, 2, 8)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.local_allocator import LocalBlockAllocator
-from block_service.page_table import PageTable
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.layout import parse_kv_layout, reserved_tokens
-from kvfleet.sampling import SamplingParams
-from kvfleet.tenants import Tenant
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.block_service.page_table import PageTable
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.layout import parse_kv_layout, reserved_tokens
+from kvfleet.core.sampling import SamplingParams
+from kvfleet.core.tenants import Tenant
 from tests.compute_service.conftest import random_prompt
 
 BS, MAX_LEN = 16, 256

@@ -4,7 +4,7 @@ no reserve block past ``max_model_len``, nothing committed, all given back at th
 
 from __future__ import annotations
 
-from kvfleet.allocator import Allocation
+from kvfleet.core.allocator import Allocation
 from tests.compute_service.served_blocks import check_agrees, held
 
 MAX_LEN = 160  # 10 blocks of 16

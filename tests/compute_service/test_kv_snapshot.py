@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.snapshot_io import snapshot_path
-from compute_service.node.settings import WarmStartSettings
-from compute_service.node.warm_start import WarmStart
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.snapshot_io import snapshot_path
+from kvfleet.compute_service.node.settings import WarmStartSettings
+from kvfleet.compute_service.node.warm_start import WarmStart
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 BS = 16
@@ -89,7 +89,7 @@ def test_restored_blocks_hold_the_same_bytes_and_serve_the_same_tokens(original,
 def test_a_snapshot_of_another_block_size_is_refused_and_the_node_starts_cold(original, model_dirs, caplog):
     _, _, directory = original
     other = make_engine(model_dirs["llama"], block_size=2 * BS)
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.warm_start"):
         assert on_engine(other, args_for(model_dirs["llama"], directory), "restore") == 0
     assert ("KV snapshot" in caplog.text and "refused: it was taken with another configuration: "
             f"block_size {2 * BS} here, {BS} in the snapshot; starting cold" in caplog.text)
@@ -100,7 +100,7 @@ def test_a_snapshot_of_another_block_size_is_refused_and_the_node_starts_cold(or
 def test_a_snapshot_of_another_model_is_refused(original, model_dirs, caplog):
     _, _, directory = original
     other = make_engine(model_dirs["mistral"])  # same shapes as the llama variant, other weights
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.warm_start"):
         assert on_engine(other, args_for(model_dirs["mistral"], directory), "restore") == 0
     assert "refused: it was taken with another configuration: model " in caplog.text
     assert other.stats().blocks.num_cached == 0
@@ -117,7 +117,7 @@ def test_a_damaged_snapshot_is_refused(original, model_dirs, tmp_path, caplog, d
     target = tmp_path / source.name
     target.write_bytes(damage(source.read_bytes()))
     fresh = make_engine(model_dirs["llama"])
-    with caplog.at_level(logging.WARNING, logger="compute_service.node.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.compute_service.node.warm_start"):
         assert on_engine(fresh, args_for(model_dirs["llama"], tmp_path), "restore") == 0
     assert why in caplog.text and "starting cold" in caplog.text
     assert "Traceback" not in caplog.text and len(caplog.text.strip().splitlines()) == 1

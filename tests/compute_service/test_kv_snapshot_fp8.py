@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.kv import snapshot_io as kv_snapshot_io
-from compute_service.kv.block_usage import BlockUsage
-from compute_service.kv.snapshot import Fingerprint, SnapshotRefused
-from kvfleet.block_hash import next_block_hash
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.kv import snapshot_io as kv_snapshot_io
+from kvfleet.compute_service.kv.block_usage import BlockUsage
+from kvfleet.compute_service.kv.snapshot import Fingerprint, SnapshotRefused
+from kvfleet.core.block_hash import next_block_hash
 
 SEED = b"fp8-seed"
 LAYERS, HEADS, BS, DIM, NUM_BLOCKS = 2, 2, 16, 8, 12

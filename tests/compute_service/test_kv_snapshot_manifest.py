@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-import compute_service.kv.snapshot as ks
-from compute_service.kv.block_usage import BlockUsage
-from kvfleet.block_hash import next_block_hash
+import kvfleet.compute_service.kv.snapshot as ks
+from kvfleet.compute_service.kv.block_usage import BlockUsage
+from kvfleet.core.block_hash import next_block_hash
 
 SEED = b"test-seed"
 BS = 4

@@ -7,9 +7,9 @@ import shutil
 
 import torch
 
-from compute_service.kv.block_usage import CommittedBlock
-from compute_service.kv.tier_store import KVTierStore
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE
+from kvfleet.compute_service.kv.block_usage import CommittedBlock
+from kvfleet.compute_service.kv.tier_store import KVTierStore
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TIER_NONE
 
 LAYERS, HEADS, BS, DIM, NUM_BLOCKS = 2, 2, 16, 8, 6
 

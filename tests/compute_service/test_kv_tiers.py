@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.kv.tier_index import POOL, Move, PrefixLookups, TierIndex
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
+from kvfleet.compute_service.kv.tier_index import POOL, Move, PrefixLookups, TierIndex
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
 
 
 def h(i: int) -> bytes:

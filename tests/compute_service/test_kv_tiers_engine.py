@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.kv.disk_pool import PREFIX
-from compute_service.kv.pool import bytes_per_block
-from compute_service.model.config import ModelConfig
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.kv.disk_pool import PREFIX
+from kvfleet.compute_service.kv.pool import bytes_per_block
+from kvfleet.compute_service.model.config import ModelConfig
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 
 BS = 16

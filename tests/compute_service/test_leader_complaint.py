@@ -9,9 +9,9 @@ import asyncio
 import grpc
 import pytest
 
-from compute_service.blocks.complaint import LeaderComplaint
-from compute_service.blocks.leader_reach import MIN_THRESHOLD_S, LeaderReach, threshold_for
-from kvfleet.leader import Leader, unreachable_key
+from kvfleet.compute_service.blocks.complaint import LeaderComplaint
+from kvfleet.compute_service.blocks.leader_reach import MIN_THRESHOLD_S, LeaderReach, threshold_for
+from kvfleet.core.leader import Leader, unreachable_key
 
 
 def test_the_threshold_is_half_the_leaders_ttl_and_at_least_one_second():

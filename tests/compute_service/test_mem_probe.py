@@ -5,8 +5,8 @@ import json
 import time
 import tracemalloc
 
-from compute_service.node import mem_probe
-from compute_service.node.mem_probe import MemProbe
+from kvfleet.compute_service.node import mem_probe
+from kvfleet.compute_service.node.mem_probe import MemProbe
 
 
 class Held:

@@ -8,8 +8,8 @@ import asyncio
 import os
 import signal
 
-from compute_service.node import lifecycle as node_lifecycle
-from compute_service.node.settings import NodeCommand
+from kvfleet.compute_service.node import lifecycle as node_lifecycle
+from kvfleet.compute_service.node.settings import NodeCommand
 
 
 def test_sigterm_while_the_start_waits_forever_stops_the_node(monkeypatch, caplog):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from compute_service.engine.stats import EngineStats
-from compute_service.node import metrics
-from kvfleet.allocator import AllocatorStats
-from kvfleet.metric_families import registry_of
+from kvfleet.compute_service.engine.stats import EngineStats
+from kvfleet.compute_service.node import metrics
+from kvfleet.core.allocator import AllocatorStats
+from kvfleet.core.metric_families import registry_of
 
 
 def _sample(block_size: int = 16, **engine) -> metrics.NodeSample:
@@ -31,8 +31,8 @@ def test_vllm_names_carry_the_engine_figures():
 
 
 def test_prefix_cache_counts_tokens_of_whole_blocks_per_tenant_and_tier():
-    from compute_service.kv.tenant_lookups import TenantLookups
-    from compute_service.kv.tier_index import PrefixLookups
+    from kvfleet.compute_service.kv.tenant_lookups import TenantLookups
+    from kvfleet.compute_service.kv.tier_index import PrefixLookups
 
     lookups = PrefixLookups(by_tenant={"a": TenantLookups(queries=10, device=4, host=1, disk=0, peer=1),
                                        "b": TenantLookups(queries=3)})
@@ -67,7 +67,7 @@ def test_the_cpu_thread_count_is_a_gauge_only_on_cpu():
 
 
 def test_lower_tier_lookups_and_blocks_are_exported():
-    from compute_service.kv.tier_index import PrefixLookups, TierCounts
+    from kvfleet.compute_service.kv.tier_index import PrefixLookups, TierCounts
 
     r = registry_of(metrics.families(_sample(lookups=PrefixLookups(hot=5, host=3, disk=2, miss=7),
                                              tiers=TierCounts(100, 400, 30, 90, 4), num_swapped=2)))
@@ -81,7 +81,7 @@ def test_lower_tier_lookups_and_blocks_are_exported():
 
 
 def test_queue_and_prefill_times_are_histograms():
-    from kvfleet.latency_histogram import LatencyHistogram
+    from kvfleet.core.latency_histogram import LatencyHistogram
 
     queue, prefill = LatencyHistogram(), LatencyHistogram()
     queue.observe(0.3)

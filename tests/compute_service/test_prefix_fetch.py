@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from compute_service.engine.prefill_rate import PrefillRate
-from compute_service.node.fetch_policy import FetchCost, KvFetchSettings
-from compute_service.node.kv_fetch import Fetched
-from compute_service.node.peer_directory import PeerDirectory
-from compute_service.node.prefix_fetch import PrefixFetcher
-from kvfleet.membership import NodeInfo, NodeState
+from kvfleet.compute_service.engine.prefill_rate import PrefillRate
+from kvfleet.compute_service.node.fetch_policy import FetchCost, KvFetchSettings
+from kvfleet.compute_service.node.kv_fetch import Fetched
+from kvfleet.compute_service.node.peer_directory import PeerDirectory
+from kvfleet.compute_service.node.prefix_fetch import PrefixFetcher
+from kvfleet.core.membership import NodeInfo, NodeState
 
 BS = 16
 PROMPT = list(range(10 * BS + 3))  # 10 full blocks

@@ -5,13 +5,13 @@ charges a shared block once, to the tenant that made it. No processes."""
 
 from __future__ import annotations
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.engine.sequence import Sequence
-from compute_service.kv.cache_manager import KVCacheManager
-from compute_service.kv.held_run import leading_run
-from compute_service.node.kv_holder import same_salt
-from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.compute_service.kv.held_run import leading_run
+from kvfleet.compute_service.node.kv_holder import same_salt
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.sampling import SamplingParams
 
 BS = 16
 PROMPT = list(range(1, 3 * BS + 2))  # 3 full blocks and a token

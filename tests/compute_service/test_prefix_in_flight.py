@@ -8,14 +8,14 @@ the second until the first has committed the shared blocks, and the remote alloc
 
 from __future__ import annotations
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.blocks.allocator_policy import AllocatorPolicy
-from compute_service.blocks.recent_commits import RecentCommits
-from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import Sequence
-from compute_service.kv.cache_manager import KVCacheManager
-from kvfleet.allocator import AllocateRequest, Allocation
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.blocks.allocator_policy import AllocatorPolicy
+from kvfleet.compute_service.blocks.recent_commits import RecentCommits
+from kvfleet.compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.core.allocator import AllocateRequest, Allocation
+from kvfleet.core.sampling import SamplingParams
 
 BS = 16
 SYSTEM = list(range(1000, 1000 + 4 * BS))  # a shared prefix of four blocks

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from compute_service.blocks.allocator_policy import DEFER_STEPS
-from kvfleet.allocator import Allocation, Refusal
-from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.compute_service.blocks.allocator_policy import DEFER_STEPS
+from kvfleet.core.allocator import Allocation, Refusal
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import (
     BS,
     check_agrees,
@@ -155,7 +155,7 @@ def decode_step(allocator, on_loop, seq_id: str, num_tokens: int, commits=()) ->
 
 def test_decode_bookkeeping_waits_for_company_yet_the_reserve_never_runs_dry(node, monkeypatch):
     allocator, on_loop, client = node
-    for module in ("compute_service.blocks.sender", "compute_service.blocks.remote_allocator"):
+    for module in ("kvfleet.compute_service.blocks.sender", "kvfleet.compute_service.blocks.remote_allocator"):
         # the bridge's clock stands still: no pace measured, top-ups go TOPUP_MARGIN steps ahead
         monkeypatch.setattr(f"{module}.time", types.SimpleNamespace(monotonic=lambda: 0.0))
     ids = list(range(20))  # one full prompt block, four tokens into the second

@@ -7,8 +7,8 @@ The server and the node's two threads are set up in served_blocks.py.
 
 from __future__ import annotations
 
-from kvfleet.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
-from kvfleet.tenants import Tenant
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST, TIER_NONE, TierChange
+from kvfleet.core.tenants import Tenant
 from tests.compute_service.served_blocks import BYTES_PER_BLOCK, hashes
 from tests.compute_service.test_block_outage import wait_up
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.request_phases import RequestPhases
-from compute_service.engine.sequence import Sequence
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.request_phases import RequestPhases
+from kvfleet.compute_service.engine.sequence import Sequence
+from kvfleet.core.sampling import SamplingParams
 
 
 def test_queue_is_arrival_to_first_step_and_prefill_is_first_step_to_first_token():

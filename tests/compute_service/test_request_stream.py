@@ -12,11 +12,11 @@ import asyncio
 import grpc
 import pytest
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.node.context import NodeContext, NodeStatus
-from compute_service.node.request_stream import RequestStream
-from kvfleet.membership import NodeState
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.node.context import NodeContext, NodeStatus
+from kvfleet.compute_service.node.request_stream import RequestStream
+from kvfleet.core.membership import NodeState
 from kvfleet.v1 import compute_pb2, inference_pb2
 from tests.compute_service.conftest import late_stop_string, random_prompt
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from block_service.local_allocator import LocalBlockAllocator
-from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import Sequence, Status
-from compute_service.kv.cache_manager import KVCacheManager
-from kvfleet.allocator import Refusal
-from kvfleet.sampling import SamplingParams
+from kvfleet.block_service.local_allocator import LocalBlockAllocator
+from kvfleet.compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.compute_service.engine.sequence import Sequence, Status
+from kvfleet.compute_service.kv.cache_manager import KVCacheManager
+from kvfleet.core.allocator import Refusal
+from kvfleet.core.sampling import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, long_prefill=0, step_rows=None):
@@ -96,7 +96,7 @@ def test_a_sequence_too_big_for_the_pool_is_refused_not_looped():
 
 
 def test_a_tenant_over_quota_does_not_hold_back_others():
-    from kvfleet.tenants import Tenant
+    from kvfleet.core.tenants import Tenant
 
     sched, allocator = make_scheduler(num_blocks=64, budget=512)
     # bytes_per_block is 1024: a 4 KiB quota is 4 blocks
@@ -194,7 +194,7 @@ def test_a_quota_held_by_sequences_the_scheduler_does_not_run_makes_a_request_wa
     """Seen in the chaos suite: a small tenant's request that fits its quota alone was refused
     ("asked 21 blocks, 15 charged of 32 allowed") because the blocks were held by early
     allocations of the same tenant's requests still arriving."""
-    from kvfleet.tenants import Tenant
+    from kvfleet.core.tenants import Tenant
 
     sched, allocator = make_scheduler(num_blocks=64, budget=512)
     allocator.page_table.configure_tenants([Tenant("small", quota_mib=4 / 1024)])  # 4 blocks
@@ -210,7 +210,7 @@ def test_a_quota_held_by_sequences_the_scheduler_does_not_run_makes_a_request_wa
 
 
 def test_a_running_sequence_alone_steps_back_for_blocks_held_elsewhere():
-    from kvfleet.tenants import Tenant
+    from kvfleet.core.tenants import Tenant
 
     sched, allocator = make_scheduler(num_blocks=64, budget=512)
     allocator.page_table.configure_tenants([Tenant("small", quota_mib=4 / 1024)])  # 4 blocks
@@ -227,7 +227,7 @@ def test_a_running_sequence_alone_steps_back_for_blocks_held_elsewhere():
 
 
 def test_a_request_over_its_quota_on_its_own_is_still_refused_next_to_blocks_held_elsewhere():
-    from kvfleet.tenants import Tenant
+    from kvfleet.core.tenants import Tenant
 
     sched, allocator = make_scheduler(num_blocks=64, budget=512)
     allocator.page_table.configure_tenants([Tenant("small", quota_mib=4 / 1024)])

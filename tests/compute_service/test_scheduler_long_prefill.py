@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.scheduler import SchedulerConfig
-from compute_service.engine.sequence import Sequence, Status
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.scheduler import SchedulerConfig
+from kvfleet.compute_service.engine.sequence import Sequence, Status
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.test_scheduler import advance, make_scheduler, seq
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from compute_service.node.request_stream import error_event
-from compute_service.node.serve_session import ServeSession
+from kvfleet.compute_service.node.request_stream import error_event
+from kvfleet.compute_service.node.serve_session import ServeSession
 from kvfleet.v1 import compute_pb2, inference_pb2
 
 

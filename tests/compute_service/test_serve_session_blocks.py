@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from compute_service.engine.async_engine import AsyncEngine
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.node.context import EarlyBlocks, NodeContext, NodeStatus
-from compute_service.node.serve_session import ServeSession
-from kvfleet.membership import NodeState
+from kvfleet.compute_service.engine.async_engine import AsyncEngine
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.node.context import EarlyBlocks, NodeContext, NodeStatus
+from kvfleet.compute_service.node.serve_session import ServeSession
+from kvfleet.core.membership import NodeState
 from kvfleet.v1 import compute_pb2
 from tests.compute_service.served_blocks import BS, num_sequences
 

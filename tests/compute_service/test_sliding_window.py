@@ -6,8 +6,8 @@ import json
 import pytest
 import transformers
 
-from compute_service.model.config import ModelConfig, ModelLoadError
-from compute_service.model.sliding_window import WindowConfigError, droppable_window, layer_windows
+from kvfleet.compute_service.model.config import ModelConfig, ModelLoadError
+from kvfleet.compute_service.model.sliding_window import WindowConfigError, droppable_window, layer_windows
 
 
 def _saved(config) -> dict:

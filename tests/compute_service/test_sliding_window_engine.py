@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from kvfleet.sampling import SamplingParams
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.conftest import random_prompt
 from tests.compute_service.windowed_models import WINDOWED, make_windowed_model, transformers_greedy
 

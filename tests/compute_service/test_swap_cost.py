@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.swap_cost import SwapCost, parse_preemption_mode, should_swap
-from compute_service.kv.tier_flags import check_tier_flags
+from kvfleet.compute_service.engine.swap_cost import SwapCost, parse_preemption_mode, should_swap
+from kvfleet.compute_service.kv.tier_flags import check_tier_flags
 
 FAST_COPIES = SwapCost(out_bytes_per_s=1e9, in_bytes_per_s=1e9, prefill_tokens_per_s=1000)
 

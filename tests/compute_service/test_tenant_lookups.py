@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from compute_service.kv.tenant_lookups import FetchedBlocks, TenantLookups, counted
-from compute_service.kv.tier_index import PrefixLookups
-from kvfleet.allocator import TIER_DISK, TIER_HOST
-from kvfleet.tenants import WARMUP_TENANT
+from kvfleet.compute_service.kv.tenant_lookups import FetchedBlocks, TenantLookups, counted
+from kvfleet.compute_service.kv.tier_index import PrefixLookups
+from kvfleet.core.allocator import TIER_DISK, TIER_HOST
+from kvfleet.core.tenants import WARMUP_TENANT
 
 H = [bytes([i]) * 16 for i in range(8)]
 

@@ -4,7 +4,7 @@ tenant's same prompt hits nothing (two real engines and a real gRPC holder on lo
 
 from __future__ import annotations
 
-from compute_service.kv.tenant_lookups import TenantLookups
+from kvfleet.compute_service.kv.tenant_lookups import TenantLookups
 from tests.compute_service.kv_peers import OTHERS, PROMPT, fetch, hashes_of, make_engine, per_block, serve
 
 HASHES = hashes_of(PROMPT, "default", 4)

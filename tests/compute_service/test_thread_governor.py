@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.engine.thread_governor import ThreadGovernor, thread_candidates
+from kvfleet.compute_service.engine.thread_governor import ThreadGovernor, thread_candidates
 
 
 def test_candidates_are_all_cpus_but_one_and_all_of_them():

@@ -8,8 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from compute_service.engine.thread_governor import ThreadGovernor
-from compute_service.engine.thread_probe import CALLS, MAX_CALLS, ThreadProbe, calls_for
+from kvfleet.compute_service.engine.thread_governor import ThreadGovernor
+from kvfleet.compute_service.engine.thread_probe import CALLS, MAX_CALLS, ThreadProbe, calls_for
 
 
 class _Refusing(nn.Linear):

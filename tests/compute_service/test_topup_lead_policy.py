@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.blocks.allocator_policy import TOPUP_MARGIN, AllocatorPolicy
-from compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS, Pace, lead_steps, reserve_blocks
-from kvfleet.allocator import Allocation
+from kvfleet.compute_service.blocks.allocator_policy import TOPUP_MARGIN, AllocatorPolicy
+from kvfleet.compute_service.blocks.topup_lead import MAX_RESERVE_BLOCKS, Pace, lead_steps, reserve_blocks
+from kvfleet.core.allocator import Allocation
 from tests.compute_service.test_allocator_policy import BS, refusal, steps_until_sent
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 
-from kvfleet.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
 from tests.compute_service.served_blocks import BS, check_agrees, hashes
 
 ROUND_TRIP_S, STEP_S = 0.5, 0.03
@@ -18,7 +18,7 @@ def slow_clock(monkeypatch, client) -> types.SimpleNamespace:
     """The bridge's clock, advanced by hand: each ``ApplyMany`` takes ``ROUND_TRIP_S`` on it."""
     clock = types.SimpleNamespace(now=0.0)
     clock.monotonic = lambda: clock.now
-    for module in ("compute_service.blocks.sender", "compute_service.blocks.remote_allocator"):
+    for module in ("kvfleet.compute_service.blocks.sender", "kvfleet.compute_service.blocks.remote_allocator"):
         monkeypatch.setattr(f"{module}.time", clock, raising=False)
     apply = client.apply
 

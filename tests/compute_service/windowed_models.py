@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from compute_service.model.architectures import ARCHITECTURES
-from compute_service.model.sliding_window import RULE_OFF
-from kvfleet_cli.model_maker import EOS_ID, PAD_ID, make_model
+from kvfleet.cli.model_maker import EOS_ID, PAD_ID, make_model
+from kvfleet.compute_service.model.architectures import ARCHITECTURES
+from kvfleet.compute_service.model.sliding_window import RULE_OFF
 
 SMALL = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=0.2,

@@ -1,12 +1,12 @@
-"""The fused per-layer CPU ops (``kernels/csrc/fused_cpu.cpp``) against the torch ops they replace."""
+"""The fused per-layer CPU ops (``kvfleet/kernels/csrc/fused_cpu.cpp``) against the torch ops they replace."""
 
 import pytest
 import torch
 
-from compute_service.model.causal_lm import RMSNorm
-from compute_service.model.rope import apply_rope
-from kernels import cpu_kernels, reference
-from kernels.metadata import LayerCache
+from kvfleet.compute_service.model.causal_lm import RMSNorm
+from kvfleet.compute_service.model.rope import apply_rope
+from kvfleet.kernels import cpu_kernels, reference
+from kvfleet.kernels.metadata import LayerCache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load_extension(), reason="native CPU kernel did not build")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kernels import cpu_kernels
+from kvfleet.kernels import cpu_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +23,7 @@ def test_a_cached_library_loads_past_a_dead_builders_lock(tmp_path):
     built = cpu_kernels.library_path(name, flags)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     # the cache as another process finds it: the library, and a build lock whose holder was killed
-    code = ("import os, sys; from kernels import cpu_kernels as k; n, f = k.build_variants()[0]; "
+    code = ("import os, sys; from kvfleet.kernels import cpu_kernels as k; n, f = k.build_variants()[0]; "
             "print(k.library_path(n, f))")
     cached = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
@@ -32,7 +32,7 @@ def test_a_cached_library_loads_past_a_dead_builders_lock(tmp_path):
     for leftover in (os.path.join(os.path.dirname(cached), "lock"), str(tmp_path / ".building-dead" / "lock")):
         os.makedirs(os.path.dirname(leftover), exist_ok=True)
         open(leftover, "w").close()
-    load = "import sys; from kernels import cpu_kernels as k; sys.exit(0 if k.load_extension() else 1)"
+    load = "import sys; from kvfleet.kernels import cpu_kernels as k; sys.exit(0 if k.load_extension() else 1)"
     done = subprocess.run([sys.executable, "-c", load], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -43,7 +43,7 @@ def test_processes_starting_together_on_a_new_machine_build_once(tmp_path):
     that library (before, both compiled on the same cores and the start took twice as long); the
     first is SIGKILLed while it builds, and the lock dies with it: the second then builds."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    load = "import sys; from kernels import cpu_kernels as k; sys.exit(0 if k.load_extension() else 1)"
+    load = "import sys; from kvfleet.kernels import cpu_kernels as k; sys.exit(0 if k.load_extension() else 1)"
 
     def start():
         return subprocess.Popen([sys.executable, "-c", load], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_kernels, cpu_prefill, reference
-from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
-from kernels.testing import assert_close, dense_attention, make_case
+from kvfleet import kernels
+from kvfleet.kernels import cpu_kernels, cpu_prefill, reference
+from kvfleet.kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
+from kvfleet.kernels.testing import assert_close, dense_attention, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load_extension(), reason="native CPU kernel did not build")
 

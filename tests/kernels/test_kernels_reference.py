@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.metadata import LayerCache
-from kernels.testing import assert_close, dense_attention, make_case
+from kvfleet import kernels
+from kvfleet.kernels import reference
+from kvfleet.kernels.metadata import LayerCache
+from kvfleet.kernels.testing import assert_close, dense_attention, make_case
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -4,9 +4,9 @@ built, with one line that names the field; the kernels take it as checked."""
 import pytest
 import torch
 
-import kernels
-from kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
-from kernels.testing import assert_close, dense_attention, make_case
+from kvfleet import kernels
+from kvfleet.kernels.metadata import AttentionMetadata, AttentionParams, LayerCache
+from kvfleet.kernels.testing import assert_close, dense_attention, make_case
 
 
 def engine_step(**change) -> AttentionMetadata:

@@ -11,18 +11,18 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import LayerCache
-from kernels.testing import assert_close, dense_attention, make_case
+from kvfleet.kernels import reference
+from kvfleet.kernels.metadata import LayerCache
+from kvfleet.kernels.testing import assert_close, dense_attention, make_case
 
 DEVICE = os.environ.get("KVFLEET_TRITON_DEVICE", "cpu")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_kernels_triton.py (needs TRITON_INTERPRET=1 from the start)",
                 allow_module_level=True)
 
-from kernels.triton_decode import triton_paged_decode  # noqa: E402
-from kernels.triton_prefill import triton_paged_prefill  # noqa: E402
-from kernels.triton_store import triton_store_kv  # noqa: E402
+from kvfleet.kernels.triton_decode import triton_paged_decode  # noqa: E402
+from kvfleet.kernels.triton_prefill import triton_paged_prefill  # noqa: E402
+from kvfleet.kernels.triton_store import triton_store_kv  # noqa: E402
 
 ODD_LENGTHS = [1, 17, 255, 1030]
 

@@ -1,5 +1,5 @@
 """Tiny random models built and saved by transformers itself, one per config feature and at least one
-per architecture of ``compute_service.model.architectures`` (its test row), and its greedy tokens as
+per architecture of ``kvfleet.compute_service.model.architectures`` (its test row), and its greedy tokens as
 the reference.
 
 Weights are made strong (std 0.25 instead of 0.02, random biases and norm weights instead of
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from compute_service.model.architectures import ARCHITECTURES
-from kvfleet_cli.model_maker import build_tokenizer
+from kvfleet.cli.model_maker import build_tokenizer
+from kvfleet.compute_service.model.architectures import ARCHITECTURES
 
 BASE = dict(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,

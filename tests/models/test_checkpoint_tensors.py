@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compute_service.model.config import ModelConfig, ModelLoadError
-from compute_service.model.weights import load_model
+from kvfleet.compute_service.model.config import ModelConfig, ModelLoadError
+from kvfleet.compute_service.model.weights import load_model
 from tests.models.hf_models import build
 
 

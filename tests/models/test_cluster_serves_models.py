@@ -7,9 +7,9 @@ import grpc
 import pytest
 import torch
 
-from compute_service.kv.pool import bytes_per_block
-from compute_service.model.config import ModelConfig
-from kvfleet_cli.local_cluster import LocalCluster
+from kvfleet.cli.local_cluster import LocalCluster
+from kvfleet.compute_service.kv.pool import bytes_per_block
+from kvfleet.compute_service.model.config import ModelConfig
 from tests.cluster.cluster_helpers import released_pool, request, stream, tokens_of
 from tests.models.hf_models import build, prompt, reference_tokens
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.model.architectures import ARCHITECTURES
-from compute_service.model.config import ModelConfig, ModelLoadError
-from compute_service.model.rope_config import RopeConfig, read_rope
+from kvfleet.compute_service.model.architectures import ARCHITECTURES
+from kvfleet.compute_service.model.config import ModelConfig, ModelLoadError
+from kvfleet.compute_service.model.rope_config import RopeConfig, read_rope
 
 LLAMA = dict(model_type="llama", vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine.llm_engine import EngineConfig, LLMEngine
-from compute_service.model.architectures import ARCHITECTURES
-from kvfleet.sampling import SamplingParams
-from kvfleet_cli.model_maker import make_model
+from kvfleet.cli.model_maker import make_model
+from kvfleet.compute_service.engine.llm_engine import EngineConfig, LLMEngine
+from kvfleet.compute_service.model.architectures import ARCHITECTURES
+from kvfleet.core.sampling import SamplingParams
 from tests.compute_service.test_engine_matches_transformers import capture_first_logits
 from tests.models.hf_models import CASES, ROPES, build, prompt, reference_tokens
 

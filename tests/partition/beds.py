@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_cli.model_maker import make_model
-from kvfleet_cli.partition import scenarios
-from kvfleet_cli.partition.bed_cluster import BED_TENANTS
-from kvfleet_cli.partition.netns import why_unavailable
-from kvfleet_cli.partition.scenarios import MAX_TOKENS
+from kvfleet.cli.model_maker import make_model
+from kvfleet.cli.partition import scenarios
+from kvfleet.cli.partition.bed_cluster import BED_TENANTS
+from kvfleet.cli.partition.netns import why_unavailable
+from kvfleet.cli.partition.scenarios import MAX_TOKENS
 
 
 def started_bed(tmp_path_factory, name: str, etcd_members: int = 1):
@@ -18,8 +18,8 @@ def started_bed(tmp_path_factory, name: str, etcd_members: int = 1):
     reason = why_unavailable()
     if reason:
         pytest.skip(f"no partition bed here: {reason}")
-    from kvfleet_cli.partition.bed_cluster import BedCluster
-    from kvfleet_cli.partition.history import StreamClients
+    from kvfleet.cli.partition.bed_cluster import BedCluster
+    from kvfleet.cli.partition.history import StreamClients
 
     work = tmp_path_factory.mktemp(name)
     (work / "tenants.yaml").write_text(BED_TENANTS)

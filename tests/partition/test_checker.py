@@ -3,7 +3,7 @@ in a clean history."""
 
 from __future__ import annotations
 
-from kvfleet_cli.partition.checker import (
+from kvfleet.cli.partition.checker import (
     QuotaSample,
     Stream,
     Write,

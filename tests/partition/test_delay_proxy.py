@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvfleet_cli.partition.delay_proxy import DelayProxy
+from kvfleet.cli.partition.delay_proxy import DelayProxy
 
 DELAY_S, JITTER_S = 0.2, 0.1
 

@@ -9,7 +9,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet_cli.partition.delay_schedule import DelaySchedule, delivery_times, next_delivery
+from kvfleet.cli.partition.delay_schedule import DelaySchedule, delivery_times, next_delivery
 
 gaps = st.lists(st.floats(0, 5, allow_nan=False), min_size=1, max_size=40)
 waits = st.lists(st.floats(0, 5, allow_nan=False), min_size=40, max_size=40)

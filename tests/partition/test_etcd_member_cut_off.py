@@ -1,6 +1,6 @@
 """etcd as three members in the partition bed (``BedCluster(..., etcd_members=3)``): the member every
 service and client starts on is cut off from everyone for three lease TTLs. The fleet moves to the
-other two (kvfleet.etcd_failover); nothing acknowledged is lost, nothing granted twice, no split
+other two (kvfleet.core.etcd_failover); nothing acknowledged is lost, nothing granted twice, no split
 brain, no wrong token, no tenant over quota, and no process dies of it. A bed of its own (this
 module's ``bed_cluster``, over the one-member one of conftest.py), so it costs its own start."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_cli.partition.scenarios import ETCD_MEMBER_SCENARIOS, MAX_TOKENS, run_scenario
+from kvfleet.cli.partition.scenarios import ETCD_MEMBER_SCENARIOS, MAX_TOKENS, run_scenario
 from tests.partition.beds import started_bed
 from tests.partition.test_partitions import CLEAN, _evidence
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvfleet_cli.partition import netns
+from kvfleet.cli.partition import netns
 
 pytestmark = pytest.mark.process  # processes run inside the namespaces
 

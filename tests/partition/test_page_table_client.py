@@ -2,7 +2,7 @@
 allocation whose call timed out or broke may be held at the leader, and kept it would fill the
 tenant's quota over a long lossy soak (every allocation refused after ~150 s of 300)."""
 
-from kvfleet_cli.partition.history import maybe_held, release_unsettled
+from kvfleet.cli.partition.history import maybe_held, release_unsettled
 
 
 def test_an_allocation_without_an_answer_may_be_held():

@@ -1,5 +1,5 @@
 """Short partition scenarios against a real cluster whose services each live in a network namespace
-(``kvfleet_cli.partition``): the fault, the heal, and the checker over what the clients recorded.
+(``kvfleet.cli.partition``): the fault, the heal, and the checker over what the clients recorded.
 Nothing acknowledged may be lost, no block granted twice, no two replicas accepting writes at once,
 no token wrong, no tenant over quota, and no process may die of it. The full set with its figures is
 ``bench/partitions.py``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from kvfleet_cli.partition.scenarios import MAX_TOKENS, SCENARIOS, run_scenario
+from kvfleet.cli.partition.scenarios import MAX_TOKENS, SCENARIOS, run_scenario
 
 CLEAN = ("lost_acknowledged", "double_grants", "split_brain_writes", "wrong_tokens", "over_quota")
 
@@ -52,7 +52,7 @@ def test_a_one_way_cut_while_the_standby_lags_loses_nothing_the_old_leader_ackno
 
 def test_the_leader_cut_off_from_the_nodes_only_steps_down(bed_cluster, tmp_path):
     """It keeps its lease (etcd and the standby still reach it), but every node says in etcd that it
-    cannot reach it: it resigns and the standby leads (block_service/step_down.py)."""
+    cannot reach it: it resigns and the standby leads (kvfleet/block_service/step_down.py)."""
     result = _run(bed_cluster, "leader_cut_from_nodes", tmp_path)
     assert result["leader_after"] != result["leader_before"], result
 

@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission, Shed
-from router.priority_queue import PriorityQueue
+from kvfleet.router.admission import Admission, Shed
+from kvfleet.router.priority_queue import PriorityQueue
 
 
 def test_waiters_run_by_score_and_shed_when_full():

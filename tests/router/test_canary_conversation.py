@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.canary_split import conversation_key
-from router.openai_requests import ApiError, parse_call
+from kvfleet.router.canary_split import conversation_key
+from kvfleet.router.openai_requests import ApiError, parse_call
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.canary import SPLIT, CanarySplit
-from router.canary_samples import MAX_GAPS, GroupSamples, Outcome, OutcomeTimer
-from router.canary_watch import CanaryRouting
+from kvfleet.core.canary import SPLIT, CanarySplit
+from kvfleet.router.canary_samples import MAX_GAPS, GroupSamples, Outcome, OutcomeTimer
+from kvfleet.router.canary_watch import CanaryRouting
 
 
 class Clock:

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfleet.canary import CanarySplit, check_share
-from kvfleet.groups import CANARY, STABLE
-from router.canary_split import KEY_TOKENS, assign, conversation_key, in_group
+from kvfleet.core.canary import CanarySplit, check_share
+from kvfleet.core.groups import CANARY, STABLE
+from kvfleet.router.canary_split import KEY_TOKENS, assign, conversation_key, in_group
 
 N = 20000
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvfleet.wire import InvalidRequest
-from kvfleet_cli.model_maker import CHAT_TEMPLATE, build_tokenizer
-from router.chat_template import ChatMessage, ChatTemplate, NoChatTemplate, end_of_turn_ids
+from kvfleet.cli.model_maker import CHAT_TEMPLATE, build_tokenizer
+from kvfleet.core.wire import InvalidRequest
+from kvfleet.router.chat_template import ChatMessage, ChatTemplate, NoChatTemplate, end_of_turn_ids
 
 SMOLLM2 = (  # SmolLM2-Instruct's template: ChatML with a default system prompt
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -7,8 +7,8 @@ import dataclasses
 import grpc
 from test_relay import LENGTH, failure, run, stub, table
 
-from kvfleet.roles import DECODE, MIXED, PREFILL
-from router.disagg import DisaggConfig, hand_over
+from kvfleet.core.roles import DECODE, MIXED, PREFILL
+from kvfleet.router.disagg import DisaggConfig, hand_over
 
 STOP = 1  # inference_pb2.FINISH_REASON_STOP
 

@@ -11,14 +11,14 @@ import gc
 import grpc
 import pytest
 
-from block_service.client import BlockManagerClient
-from compute_service.node.mem_probe import malloc_info
-from kvfleet import run_to_end
-from kvfleet.membership import NodeInfo, NodeState
+from kvfleet.block_service.client import BlockManagerClient
+from kvfleet.compute_service.node.mem_probe import malloc_info
+from kvfleet.core import run_to_end
+from kvfleet.core.membership import NodeInfo, NodeState
+from kvfleet.router.nodes import RouterNode
+from kvfleet.router.prefix_lookup import BlockServicePrefixLookup
 from kvfleet.v1 import block_manager_pb2 as pb
 from kvfleet.v1 import block_manager_pb2_grpc as pb_grpc
-from router.nodes import RouterNode
-from router.prefix_lookup import BlockServicePrefixLookup
 
 PROMPT = list(range(64))  # four blocks of 16
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from kvfleet.membership import MembershipChange, NodeInfo, NodeState
+from kvfleet.core.membership import MembershipChange, NodeInfo, NodeState
+from kvfleet.router.nodes import NodeTable
 from kvfleet.v1 import compute_pb2
-from router.nodes import NodeTable
 
 
 class Line:

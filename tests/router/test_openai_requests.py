@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.sampling import SamplingParams
-from router.chat_template import ChatMessage
-from router.openai_requests import MAX_MAX_TOKENS, ApiError, parse_call
-from router.openai_responses import Answer, Usage
+from kvfleet.core.sampling import SamplingParams
+from kvfleet.router.chat_template import ChatMessage
+from kvfleet.router.openai_requests import MAX_MAX_TOKENS, ApiError, parse_call
+from kvfleet.router.openai_responses import Answer, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

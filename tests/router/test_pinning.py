@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfleet.block_hash import block_hashes, tenant_extra_key
-from kvfleet.errors import ResourceExhausted, Unavailable
-from kvfleet.tenants import Tenant
+from kvfleet.core.block_hash import block_hashes, tenant_extra_key
+from kvfleet.core.errors import ResourceExhausted, Unavailable
+from kvfleet.core.tenants import Tenant
+from kvfleet.core.wire import InvalidRequest
+from kvfleet.router.http_door import generate_request
+from kvfleet.router.openai_requests import ApiError, parse_call
+from kvfleet.router.openai_responses import Usage
+from kvfleet.router.pinning import DEFAULT_TTL_S, MAX_TTL_S, PinAsk, PinRefused, pin_from_proto, pin_prompt
+from kvfleet.router.prefix_lookup import BlockServicePrefixLookup
 from kvfleet.v1 import inference_pb2
-from kvfleet.wire import InvalidRequest
-from router.http_door import generate_request
-from router.openai_requests import ApiError, parse_call
-from router.openai_responses import Usage
-from router.pinning import DEFAULT_TTL_S, MAX_TTL_S, PinAsk, PinRefused, pin_from_proto, pin_prompt
-from router.prefix_lookup import BlockServicePrefixLookup
 
 COMPLETION = {"model": "m", "prompt": "hi"}
 
@@ -100,6 +100,6 @@ def test_a_refusal_is_the_answer_and_an_unreachable_block_service_a_warning(capl
         asyncio.run(pin_prompt(lookup, PinAsk(0, 60), tenant, PROMPT, NODE))
     assert err.value.code == "RESOURCE_EXHAUSTED" and "may pin 1 blocks" in str(err.value)
     lookup = BlockServicePrefixLookup(FakeClient(Unavailable("block_service is down")))
-    with caplog.at_level(logging.WARNING, logger="router.pinning"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.router.pinning"):
         assert asyncio.run(pin_prompt(lookup, PinAsk(0, 60), tenant, PROMPT, NODE)) == 0
     assert "pin of 2 blocks on node n0 not made" in caplog.text and "served unpinned" in caplog.text

@@ -12,16 +12,16 @@ import pytest
 from test_disagg import LONG, with_roles
 from test_relay import LENGTH, failure, relay, stub, table
 
-from kvfleet.membership import NodeInfo, NodeState
-from kvfleet.roles import DECODE, PREFILL
-from kvfleet.sampling import SamplingParams
-from kvfleet.tenants import parse_tenants
+from kvfleet.core.membership import NodeInfo, NodeState
+from kvfleet.core.roles import DECODE, PREFILL
+from kvfleet.core.sampling import SamplingParams
+from kvfleet.core.tenants import parse_tenants
+from kvfleet.router.nodes import RouterNode
+from kvfleet.router.openai_requests import ApiError, parse_call
+from kvfleet.router.prefix_lookup import BlockServicePrefixLookup
+from kvfleet.router.request import ParsedRequest
+from kvfleet.router.tenants import TenantDirectory
 from kvfleet.v1 import inference_pb2
-from router.nodes import RouterNode
-from router.openai_requests import ApiError, parse_call
-from router.prefix_lookup import BlockServicePrefixLookup
-from router.request import ParsedRequest
-from router.tenants import TenantDirectory
 
 DIRECTORY = TenantDirectory(parse_tenants({"prefix_groups": ["org"], "tenants": [
     dict(name="a", api_key="ka", quota_mib=4, paid_level=0, max_concurrent=0, prefix_group="org"),

@@ -9,12 +9,12 @@ import logging
 
 import pytest
 
-from kvfleet.errors import NotFound
-from kvfleet.kv_rates import KvRates
-from kvfleet.membership import NodeInfo, NodeState
-from router.nodes import RouterNode
-from router.prefix_lookup import BlockServicePrefixLookup
-from router.routing import PrefixHit
+from kvfleet.core.errors import NotFound
+from kvfleet.core.kv_rates import KvRates
+from kvfleet.core.membership import NodeInfo, NodeState
+from kvfleet.router.nodes import RouterNode
+from kvfleet.router.prefix_lookup import BlockServicePrefixLookup
+from kvfleet.router.routing import PrefixHit
 
 
 class Switchable:

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.priority_queue import PriorityQueue, QueuedRequest, QueueWeights
+from kvfleet.router.priority_queue import PriorityQueue, QueuedRequest, QueueWeights
 
 
 def req(rid, tenant="a", paid=0.0, at=0.0):

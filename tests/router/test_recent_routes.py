@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.recent_routes import RecentRoutes
+from kvfleet.router.recent_routes import RecentRoutes
 
 
 class Clock:

@@ -8,16 +8,16 @@ import random
 import grpc
 import pytest
 
-from kvfleet.membership import NodeInfo, NodeState
-from kvfleet.sampling import SamplingParams
-from kvfleet.tenants import Tenant
+from kvfleet.core.membership import NodeInfo, NodeState
+from kvfleet.core.sampling import SamplingParams
+from kvfleet.core.tenants import Tenant
+from kvfleet.router.node_stream import NodeFailure, NodeStream
+from kvfleet.router.nodes import NodeTable, RouterNode
+from kvfleet.router.prefix_lookup import BlockServicePrefixLookup
+from kvfleet.router.relay import Relay, RelayError
+from kvfleet.router.request import ParsedRequest
+from kvfleet.router.routing import NodePicker, PrefixHit, RoutingConfig
 from kvfleet.v1 import compute_pb2, inference_pb2
-from router.node_stream import NodeFailure, NodeStream
-from router.nodes import NodeTable, RouterNode
-from router.prefix_lookup import BlockServicePrefixLookup
-from router.relay import Relay, RelayError
-from router.request import ParsedRequest
-from router.routing import NodePicker, PrefixHit, RoutingConfig
 
 TENANT = Tenant("acme", "k", 10, 1, 4)
 

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from kvfleet.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_LEN, check_id
+from kvfleet.core.ids import MAX_REQUEST_ID_LEN, SEQ_SUFFIX_LEN, check_id
+from kvfleet.core.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
+from kvfleet.router.request import ModelVocabulary, parse_request
 from kvfleet.v1 import inference_pb2
-from kvfleet.wire import InvalidRequest, sampling_from_proto, sampling_to_proto
-from router.request import ModelVocabulary, parse_request
 
 
 class ByteTokenizer:
@@ -84,8 +84,8 @@ def test_negative_top_p_is_refused_not_disabled():
 
 
 def test_chat_is_rendered_by_the_models_template_and_stops_at_its_end_of_turn():
-    from kvfleet_cli.model_maker import CHAT_TEMPLATE
-    from router.chat_template import ChatTemplate
+    from kvfleet.cli.model_maker import CHAT_TEMPLATE
+    from kvfleet.router.chat_template import ChatTemplate
 
     template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
     chat = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content="你好")])

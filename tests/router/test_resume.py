@@ -1,6 +1,6 @@
 """Resume bookkeeping (pure): what the next node is asked for after a failure."""
 
-from router.resume import Progress
+from kvfleet.router.resume import Progress
 
 
 def test_resume_asks_for_what_is_still_owed_with_a_fresh_id():
@@ -15,7 +15,7 @@ def test_resume_asks_for_what_is_still_owed_with_a_fresh_id():
 
 
 def test_which_node_errors_are_the_clients_answer():
-    from router.resume import is_client_answer
+    from kvfleet.router.resume import is_client_answer
 
     assert is_client_answer("INVALID_ARGUMENT") and is_client_answer("UNAUTHENTICATED")
     assert is_client_answer("RESOURCE_EXHAUSTED", "quota")   # the tenant's quota: every node says so
@@ -27,8 +27,8 @@ def test_the_longest_request_id_fits_a_node_on_every_attempt():
     """A 119-character request id (the old public limit) became a 130-character attempt id on its
     first resume; the node refused it with INVALID_ARGUMENT, which the router passed on to the
     client as the request's own answer instead of resuming it."""
-    from kvfleet.ids import MAX_ATTEMPTS, MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
-    from router.request import parse_request
+    from kvfleet.core.ids import MAX_ATTEMPTS, MAX_ID_LEN, MAX_REQUEST_ID_LEN, check_id
+    from kvfleet.router.request import parse_request
     from tests.router.test_request_parsing import ByteTokenizer, req
 
     parsed = parse_request(req(text="x", request_id="r" * MAX_REQUEST_ID_LEN), ByteTokenizer())
@@ -43,8 +43,8 @@ def test_the_longest_request_id_fits_a_node_on_every_attempt():
 def test_a_relay_allows_no_more_attempts_than_the_id_budget():
     import pytest
 
-    from kvfleet.ids import MAX_ATTEMPTS
-    from router.relay import Relay
+    from kvfleet.core.ids import MAX_ATTEMPTS
+    from kvfleet.router.relay import Relay
 
     with pytest.raises(ValueError, match="max_attempts"):
         Relay(None, None, None, max_attempts=MAX_ATTEMPTS + 1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.metric_families import registry_of
-from router import metrics
-from router.priority_queue import PriorityQueue, QueuedRequest
+from kvfleet.core.metric_families import registry_of
+from kvfleet.router import metrics
+from kvfleet.router.priority_queue import PriorityQueue, QueuedRequest
 
 
 def test_queue_depth_oldest_wait_and_running_per_tenant():
@@ -61,7 +61,7 @@ def test_a_chunk_of_several_tokens_spreads_its_interval_over_them():
 
 
 def test_latency_buckets_span_a_millisecond_to_a_minute():
-    from kvfleet.metrics_server import LATENCY_BUCKETS
+    from kvfleet.core.metrics_server import LATENCY_BUCKETS
 
     assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] >= 60
     assert list(LATENCY_BUCKETS) == sorted(set(LATENCY_BUCKETS))

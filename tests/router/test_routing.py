@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from kvfleet.kv_rates import KvRates, lower_tier_weight, peer_weight
-from router.routing import NodeLoad, NodePicker, RoutingConfig
+from kvfleet.core.kv_rates import KvRates, lower_tier_weight, peer_weight
+from kvfleet.router.routing import NodeLoad, NodePicker, RoutingConfig
 
 OLD = -1e6  # READY long ago: fully warmed
 
@@ -129,9 +129,9 @@ def test_the_lower_tier_weight_and_its_bounds():
 def test_the_router_flag_takes_a_share_and_says_so_in_one_line_otherwise():
     import argparse
 
-    from kvfleet.settings import SettingError, build
-    from router.main import add_arguments
-    from router.settings import RouterSettings
+    from kvfleet.core.settings import SettingError, build
+    from kvfleet.router.main import add_arguments
+    from kvfleet.router.settings import RouterSettings
 
     parser = argparse.ArgumentParser(prog="kvfleet router")
     add_arguments(parser)
@@ -229,9 +229,9 @@ def test_a_node_s_own_weights_override_the_configured_ones_and_none_falls_back()
 def test_the_peer_weight_flag():
     import argparse
 
-    from kvfleet.settings import SettingError, build
-    from router.main import add_arguments
-    from router.settings import RouterSettings
+    from kvfleet.core.settings import SettingError, build
+    from kvfleet.router.main import add_arguments
+    from kvfleet.router.settings import RouterSettings
 
     parser = argparse.ArgumentParser(prog="kvfleet router")
     add_arguments(parser)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from router.routing import NodeLoad, NodePicker, RoutingConfig
+from kvfleet.router.routing import NodeLoad, NodePicker, RoutingConfig
 
 OLD = -1e6  # READY long ago
 

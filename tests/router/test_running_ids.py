@@ -1,6 +1,6 @@
 import pytest
 
-from router.running_ids import AlreadyRunning, RunningIds
+from kvfleet.router.running_ids import AlreadyRunning, RunningIds
 
 
 def test_an_id_runs_once_at_a_time_per_tenant():

@@ -1,9 +1,9 @@
-"""The tenants file parser (kvfleet.tenants) and the router's key lookup (router.tenants)."""
+"""The tenants file parser (kvfleet.core.tenants) and the router's key lookup (kvfleet.router.tenants)."""
 
 import pytest
 
-from kvfleet.tenants import Tenant, TenantsFileError, load_tenants, parse_tenants
-from router.tenants import AuthError, TenantDirectory
+from kvfleet.core.tenants import Tenant, TenantsFileError, load_tenants, parse_tenants
+from kvfleet.router.tenants import AuthError, TenantDirectory
 
 GOOD = """
 tenants:

@@ -1,0 +1,3 @@
+from kvfleet.cli.cli import main
+
+raise SystemExit(main())

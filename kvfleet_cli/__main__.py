@@ -1,3 +1,0 @@
-from kvfleet_cli.cli import main
-
-raise SystemExit(main())
