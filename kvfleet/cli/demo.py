@@ -51,7 +51,7 @@ def run_cluster(args: argparse.Namespace) -> int:
               f"logs in {cluster.work_dir}", flush=True)
         print("tenants: gold (paid level 2) and free (paid level 0); most questions share a long system prompt\n")
         started = time.perf_counter()
-        finished = asyncio.run(demo_requests(cluster.router_address, args.max_tokens))
+        finished, errors = asyncio.run(demo_requests(cluster.router_address, args.max_tokens))
         elapsed = time.perf_counter() - started
         tokens = sum(r["completion_tokens"] for r in finished)
         cached = sum(r["cached_tokens"] for r in finished)
@@ -62,7 +62,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(cluster.summary())
         print("\nstopping the cluster ...", flush=True)
     print("stopped; no process left behind")
-    return 0
+    return failed_line(errors, len(finished) + len(errors))
 
 
 def run_in_process(args: argparse.Namespace) -> int:
@@ -78,13 +78,18 @@ def run_in_process(args: argparse.Namespace) -> int:
              for rid, q in questions.items()}
 
     printers = {rid: LinePrinter(rid) for rid in names}
+    errors: dict[str, str] = {}
 
     def show(out) -> None:
         printers[out.request_id].push(out.new_text)
         if out.finished:
             printers[out.request_id].flush()
-            sys.stdout.write(f"[{out.request_id:<6}] -- {out.finish_reason}, {out.completion_tokens} tokens, "
-                             f"{out.cached_tokens} prompt tokens from the prefix cache\n")
+            if out.error is not None:
+                errors[out.request_id] = out.error
+                sys.stdout.write(f"[{out.request_id:<6}] -- failed: {out.error}\n")
+            else:
+                sys.stdout.write(f"[{out.request_id:<6}] -- {out.finish_reason}, {out.completion_tokens} tokens, "
+                                 f"{out.cached_tokens} prompt tokens from the prefix cache\n")
         sys.stdout.flush()
 
     for rid, question in questions.items():
@@ -104,4 +109,12 @@ def run_in_process(args: argparse.Namespace) -> int:
     print(f"stats: {s.generated_tokens} tokens in {elapsed:.2f}s ({s.generated_tokens / elapsed:.1f} tokens/s), "
           f"KV blocks used {b.num_used} / cached {b.num_cached} / free {b.num_free} of {b.num_blocks}, "
           f"prefix-cache hits {b.prefix_hits}/{b.prefix_queries} blocks, preemptions {s.num_preemptions}")
-    return 0
+    return failed_line(errors, len(questions))
+
+
+def failed_line(errors: dict[str, str], asked: int) -> int:
+    """0 when every request was answered; else one line on stderr (the first error) and 1."""
+    if not errors:
+        return 0
+    print(f"kvfleet demo: {len(errors)} of {asked} requests failed: {next(iter(errors.values()))}", file=sys.stderr)
+    return 1

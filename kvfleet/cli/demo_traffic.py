@@ -59,15 +59,19 @@ class LinePrinter:
         self.pending = ""
 
 
-async def demo_requests(router: str, max_tokens: int = 48, out=sys.stdout) -> list[dict]:
+async def demo_requests(router: str, max_tokens: int = 48, out=sys.stdout) -> tuple[list[dict], dict[str, str]]:
     """Send ``DEMO_REQUESTS`` concurrently (the first of each tenant first, so that the others find
-    the shared system prompt cached) and return each one's figures in finishing order."""
+    the shared system prompt cached); each answered one's figures in finishing order, and the
+    error of each that failed (its tag → ``CODE: details``)."""
     import asyncio
+
+    import grpc
 
     from kvfleet.core import rpc
     from kvfleet.v1 import inference_pb2, inference_pb2_grpc
 
     finished: list[dict] = []
+    errors: dict[str, str] = {}
     async with rpc.channel(router) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
 
@@ -77,11 +81,20 @@ async def demo_requests(router: str, max_tokens: int = 48, out=sys.stdout) -> li
             req = inference_pb2.GenerateRequest(
                 request_id=tag, chat=chat, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
             printer = LinePrinter(tag, out)
-            async for chunk in stub.Generate(req, metadata=[("authorization", f"Bearer {key}")]):
-                printer.push(chunk.text)
-                if first_token is not None:
+            try:
+                async for chunk in stub.Generate(req, metadata=[("authorization", f"Bearer {key}")]):
+                    printer.push(chunk.text)
+                    if first_token is not None:
+                        first_token.set()
+                    last = chunk
+            except grpc.RpcError as e:
+                printer.flush()
+                errors[tag] = f"{e.code().name}: {e.details()}"
+                print(f"[{tag:<6}] -- failed: {errors[tag]}", file=out, flush=True)
+                return
+            finally:
+                if first_token is not None:  # answered or failed: the others need not wait for it
                     first_token.set()
-                last = chunk
             printer.flush()
             u = last.usage
             finished.append(dict(tag=tag, node=last.node_id, prompt_tokens=u.prompt_tokens,
@@ -93,4 +106,4 @@ async def demo_requests(router: str, max_tokens: int = 48, out=sys.stdout) -> li
         leaders = [asyncio.create_task(one(*DEMO_REQUESTS[i], firsts[DEMO_REQUESTS[i][1]])) for i in (0, 1)]
         await asyncio.gather(*(e.wait() for e in firsts.values()))  # their prompts are in the cache
         await asyncio.gather(*leaders, *(one(*r) for r in DEMO_REQUESTS[2:]))
-    return finished
+    return finished, errors

@@ -52,6 +52,7 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "UNAVAILABLE": (503, "service_unavailable_error"),
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
+    "INTERNAL": (500, "server_error"),                     # an engine step raised: its one-line summary
 }
 
 

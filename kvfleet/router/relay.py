@@ -113,8 +113,11 @@ class Relay:
         with tracer.start_as_current_span("route") as span:
             ready = in_group([n for n in self.nodes.ready() if n.node_id not in progress.excluded], group)
             if not ready:
-                tried = f"; tried {sorted(progress.excluded)}" if progress.excluded else ""
-                raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no READY compute node{tried}")
+                if progress.excluded:
+                    raise RelayError(grpc.StatusCode[progress.given_up_status()],
+                                     f"request {req.request_id} failed on {sorted(progress.excluded)}, no READY "
+                                     f"compute node left; last: {progress.last_failure}")
+                raise RelayError(grpc.StatusCode.UNAVAILABLE, "no READY compute node")
             prefill, serving = prefill_nodes(ready), serving_nodes(ready)
             cached: dict[str, PrefixHit] = {}
             if len(ready) > 1:  # one candidate is the answer whatever is cached where
@@ -178,19 +181,20 @@ class Relay:
                     handed_at = time.monotonic()
                     trace.get_current_span().add_event("handover", {"kvfleet.node_id": node.node_id})
                     continue
-                failure = "stream ended without a finish"
+                failure, status = "stream ended without a finish", ""
             except NodeFailure as e:
-                failure = self._classify(e)
+                failure, status = self._classify(e), e.code.name
             except NodeStalled as e:
-                failure = str(e)
-            progress.failed(node.node_id)
-            self.nodes.mark_failed(node.node_id)
+                failure, status = str(e), ""
+            progress.failed(node.node_id, failure, status)
+            if status != "INTERNAL":  # its engine raised on this request: the node itself answers, it stays routable
+                self.nodes.mark_failed(node.node_id)
             log.warning("request %s: node %s failed after %d tokens (%s); %s", req.request_id, node.node_id,
                         len(progress.sent), failure, "resuming" if progress.sent else "retrying")
             trace.get_current_span().add_event("node_failed", {"kvfleet.node_id": node.node_id,
                                                                "kvfleet.tokens_sent": len(progress.sent)})
             if progress.attempts >= self.max_attempts:
-                raise RelayError(grpc.StatusCode.UNAVAILABLE,
+                raise RelayError(grpc.StatusCode[progress.given_up_status()],
                                  f"request {req.request_id} failed on {progress.attempts} nodes; last: {failure}")
 
     @staticmethod

@@ -32,6 +32,8 @@ class Progress:
     excluded: set[str] = field(default_factory=set)  # nodes that failed this request
     attempts: int = 0                              # attempts ended so far (failed, or handed over)
     source: str = ""                               # the prefill node holding the prompt's KV, once handed over
+    last_failure: str = ""                         # what the last failed node said, for the client's error
+    last_status: str = ""                          # its gRPC status name ("" when its stream broke or stalled)
 
     @property
     def remaining(self) -> int:
@@ -57,6 +59,12 @@ class Progress:
         self.source = node_id
         self.attempts += 1
 
-    def failed(self, node_id: str) -> None:
+    def failed(self, node_id: str, failure: str = "", status: str = "") -> None:
         self.excluded.add(node_id)
         self.attempts += 1
+        self.last_failure, self.last_status = failure, status
+
+    def given_up_status(self) -> str:
+        """The status a client gets when no node is left to try: INTERNAL when the last node's
+        engine raised (the error is the engine's, and it is in the message), else UNAVAILABLE."""
+        return "INTERNAL" if self.last_status == "INTERNAL" else "UNAVAILABLE"

@@ -60,12 +60,14 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engine, caplo
         assert aengine.is_alive()
     finally:
         aengine.shutdown()
-    for outs in failed:  # one output each: finished, with the failure that sends them elsewhere
-        assert len(outs) == 1 and outs[0].finished and not outs[0].new_token_ids
-        assert outs[0].failure == "engine step failed on node local" and outs[0].error == outs[0].failure
+    for outs in failed:  # one output each: finished with reason "error" and the exception's one-line summary
+        assert len(outs) == 1 and outs[0].finished and not outs[0].new_token_ids and outs[0].finish_reason == "error"
+        assert outs[0].failure == "engine step failed on node local: RuntimeError: injected fault in the forward pass"
+        assert outs[0].error == outs[0].failure
     assert [[t for o in outs for t in o.new_token_ids] for outs in again] == expected
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and errors[0].exc_info is not None and "failing its 2 requests" in errors[0].getMessage()
+    assert len(errors) == 1 and errors[0].exc_info is not None and "ending its 2 requests" in errors[0].getMessage()
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats.blocks.num_used == 0  # the failed requests' blocks went back
+    assert stats.num_step_failures == 1

@@ -148,6 +148,15 @@ def test_every_node_failing_is_unavailable():
         run(table({}))
 
 
+def test_an_engine_error_on_every_node_reaches_the_client_as_internal_with_its_summary():
+    raised = failure(grpc.StatusCode.INTERNAL, "engine step failed: AttributeError: no paged_prefill")
+    nodes = table({"a": [([], raised)], "b": [([], raised)]})
+    with pytest.raises(RelayError) as info:
+        run(nodes)
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert "AttributeError: no paged_prefill" in str(info.value) and "['a', 'b']" in str(info.value)
+
+
 def test_a_silent_node_counts_as_failed_and_is_cancelled():
     nodes = table({"a": [([10], None)], "b": [([11, 12, 13, 14], LENGTH)]})
     nodes.nodes["b"].active_blocks = 1

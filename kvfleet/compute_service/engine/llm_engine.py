@@ -49,6 +49,15 @@ from kvfleet.core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+SUMMARY_CHARS = 300  # of an exception's message, in what a failed request's client reads
+
+
+def summary(exc: BaseException) -> str:
+    """``exc`` in one line a client can read: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 3] + "..."
+
 
 def kv_memory_per_token(mc: ModelConfig, chosen: str) -> str:
     """``'1088 B/token (float32 4096, bfloat16 2048, float16 2048, fp8_e4m3 1088)'``: what a token
@@ -123,6 +132,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generated = self._prompt_computed = 0
         self._busy = 0.0
+        self.num_step_failures = 0
         self.prefill_rate = PrefillRate()  # measured on its own steps (the warm-up's first)
         self.phases = RequestPhases()
         self.stalled = False  # the last step scheduled nothing: every sequence waits for blocks
@@ -207,15 +217,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; the outputs of every request that progressed.
 
-        A step that raises fails the requests it concerns (``_fail_step``), not the engine: the
-        next step runs the others."""
+        A step that raises ends the requests it concerns with the error (``_fail_step``), not the
+        engine: the next step runs the others."""
         if self.thread_probe is not None:
             self.thread_probe.maybe_probe()
         self.allocator.begin_step()
         try:
             return self._step()
-        except Exception:
-            return self._fail_step()
+        except Exception as exc:
+            return self._fail_step(exc)
         finally:
             self.allocator.end_step()
 
@@ -225,17 +235,19 @@ class LLMEngine:
         if request is not None:
             self._finish(request, "abort", [], failure=reason)
 
-    def _fail_step(self) -> list[RequestOutput]:
+    def _fail_step(self, exc: Exception) -> list[RequestOutput]:
         """A step raised part-way: the sequences it touched (every one not waiting: running, or
         taken from the queue when it failed) may hold half-updated state, so they are finished
-        with a failure (their blocks released) and the router moves them to another node. The
-        waiting ones never ran this step and stay."""
+        with finish reason ``error`` and the exception's one-line summary as their failure (their
+        blocks released); the node answers them INTERNAL and the router may try another node. The
+        waiting ones never ran this step and stay. One ERROR line with the traceback in the log."""
         waiting = {seq.seq_id for seq in self.scheduler.waiting}
         failed = [r for r in self.requests.values() if r.seq.seq_id not in waiting]
-        log.exception("engine step failed; failing its %d requests so that they move to another node", len(failed))
+        log.exception("engine step failed; ending its %d requests with the error", len(failed))
         self.stalled = False
-        reason = f"engine step failed on node {self.config.node_id}"
-        return [self._finish(r, "abort", [], failure=reason) for r in failed]
+        self.num_step_failures += 1
+        reason = f"engine step failed on node {self.config.node_id}: {summary(exc)}"
+        return [self._finish(r, "error", [], failure=reason) for r in failed]
 
     def _step(self) -> list[RequestOutput]:
         if self.tiers is not None:
@@ -295,7 +307,8 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs_live=self.scheduler.num_seqs_cap,
             generated_tokens=self._generated, prompt_tokens_computed=self._prompt_computed,
-            num_preemptions=self.scheduler.num_preemptions, busy_seconds=self._busy,
+            num_preemptions=self.scheduler.num_preemptions, num_step_failures=self.num_step_failures,
+            busy_seconds=self._busy,
             blocks=self.allocator.stats(), lookups=replace(self.kv.lookups),
             tiers=self.tiers.counts() if self.tiers is not None else None, num_swapped=self.scheduler.num_swapped,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s or 0.0,

@@ -15,12 +15,12 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     finished: bool = False
-    finish_reason: str | None = None     # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" (a step raised) once finished
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0               # prompt tokens served from the prefix cache
     refusal: Refusal | None = None       # why the engine aborted it: blocks refused (pool or quota)
-    failure: str | None = None           # why the node gave it up (a step failed): another node may serve it
+    failure: str | None = None           # why the node gave it up (a step raised, or the node's own trouble)
 
     @property
     def error(self) -> str | None:

@@ -26,6 +26,7 @@ class EngineStats:
     lookups: PrefixLookups = field(default_factory=PrefixLookups)  # admission lookups: hot, host, disk, miss
     tiers: TierCounts | None = None   # lower tiers' capacity and use (None: no host tier)
     num_swapped: int = 0              # preemptions swapped out instead of recomputed
+    num_step_failures: int = 0        # steps that raised (their requests ended with finish reason "error")
     prefill_tokens_per_s: float = 0.0  # measured on mostly-prefill steps, kept current (0: none yet)
     intra_op_threads: int = 0         # torch's thread count now (thread_governor.py); 0 off CPU
     queue_time: HistogramSnapshot | None = None    # per request: arrival → first step (request_phases.py)

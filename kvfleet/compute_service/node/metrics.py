@@ -58,6 +58,8 @@ def families(s: NodeSample) -> Iterator[Metric]:
                                                           ("free", b.num_free))])
     yield from _prefix_cache_families(s)
     yield counter("num_preemptions", "Running sequences preempted to free blocks", node, [(key, e.num_preemptions)])
+    yield counter("engine_step_failures", "Engine steps that raised; their requests ended INTERNAL with the error",
+                  node, [(key, e.num_step_failures)])
     yield counter("node_generation_tokens", "Tokens the node's engine generated (warm-up included)", node,
                   [(key, e.generated_tokens)])
     yield counter("node_prompt_tokens_computed", "Prompt tokens the node prefilled (cache hits excluded)", node,

@@ -149,6 +149,9 @@ class RequestStream:
         if out.refusal is not None:
             self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error, out.refusal.reason)
             return
+        if out.finish_reason == "error":  # a step raised: the engine's own error, the router may try elsewhere
+            self.fail(grpc.StatusCode.INTERNAL, out.failure)
+            return
         if out.failure is not None:  # the node's trouble, not the request's: the router fails it over
             self.fail(grpc.StatusCode.UNAVAILABLE, out.failure)
             return
