@@ -11,9 +11,10 @@
 Everything kvfleet ships imports as ``kvfleet.<part>``: nothing at the repository root is a package
 under another name (a generic one, ``kernels`` or ``router``, would shadow a distribution of the same
 name installed beside kvfleet, or be shadowed by it). An import may only point to a lower floor or
-inside its own package; packages on the same floor do not import each other. Every import counts, the lazy ones inside functions too, and the modules of
-the project import one another without a cycle. The pure modules (policy, page table, parsers)
-reach neither torch nor grpc, not even through what they import.
+inside its own package; packages on the same floor do not import each other. Every import counts,
+the lazy ones inside functions too, and the modules of the project import one another without a
+cycle. The pure modules (policy, page table, parsers) reach neither torch nor grpc, not even through
+what they import.
 """
 
 from __future__ import annotations
