@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Everything else is a step they run.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,16 +10,48 @@ KERNELS := $(VENV)/.kvfleet-kernels-built
 # the demo's and the tests' real model (kvfleet models pull smollm2); random-weights models are made by tests
 REAL_MODEL := models/smollm2-135m-instruct
 
-.PHONY: setup protos model demo test test-fast bench bench-peers image deploy-check clean partition-tools
+.PHONY: setup lock deps-latest protos model demo test test-fast bench bench-peers image deploy-check clean partition-tools
 
 setup: $(STAMP) $(KERNELS)
 
-# torch first, pinned: on a CPU-only machine pip then takes the local CPU wheel instead of a CUDA build.
-$(STAMP): pyproject.toml
+# What CI tested, exactly: requirements-lock.txt (made by `make lock` from pyproject.toml's ranges, torch
+# pinned to the CPU wheel). torch first, pinned: on a CPU-only machine pip then takes the local CPU wheel
+# instead of a CUDA build; then the lock as it is, then kvfleet itself with nothing more; pip check last.
+TORCH := torch==2.13.0
+LOCK := requirements-lock.txt
+PIP := $(PY) -m pip -q --disable-pip-version-check
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,convert]'
+	$(PIP) install $(TORCH)
+	$(PIP) install -r $(LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# regenerate the lock from pyproject.toml's ranges (the newest versions that satisfy them today, torch
+# pinned), with pip-tools in a throwaway venv; commit the result with the change that needed it
+LOCK_VENV := .venv-lock
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || ($(PYTHON) -m venv $(LOCK_VENV) && \
+		$(LOCK_VENV)/bin/python -m pip install -q --disable-pip-version-check pip-tools)
+	echo '$(TORCH)' > $(LOCK_VENV)/torch.in
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --strip-extras --allow-unsafe \
+		--no-emit-index-url --no-emit-find-links --extra test --extra convert --upgrade \
+		-o $(LOCK) pyproject.toml $(LOCK_VENV)/torch.in
+
+# the next drift, seen before users see it: the newest versions pyproject.toml allows (torch pinned), in a
+# throwaway venv, and the fast tier on them. .ci/run runs it after `make test` and only warns when it fails.
+LATEST_VENV := .venv-latest
+deps-latest: protos
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[test,convert]'
+	$(LATEST_VENV)/bin/python -m pip check
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude kvfleet > $(LATEST_VENV)/versions.txt
+	@echo "versions that differ from $(LOCK):"; diff <(grep -E '^[A-Za-z]' $(LOCK) | sed 's/ .*//' | sort -f) \
+		<(sort -f $(LATEST_VENV)/versions.txt) | grep '^[<>]' || echo "  none"
+	KVFLEET_TESTS=fast $(LATEST_VENV)/bin/python -m pytest -q -n auto -p no:cacheprovider -m "$(IN_PROCESS)"
 
 # the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:
 # the engine then falls back to the torch reference with a warning
@@ -110,4 +143,4 @@ deploy-check: setup protos
 	$(PY) deploy/deploy_check.py
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) kvfleet/v1 models build
+	rm -rf $(VENV) $(PEERS_VENV) $(LOCK_VENV) $(LATEST_VENV) kvfleet/v1 models build
