@@ -27,7 +27,7 @@ PARENT = textwrap.dedent("""
     from kvfleet.core import parent_death
     env = parent_death.child_env(os.environ)
     wrapped = subprocess.Popen(parent_death.wrap(["sleep", "600"]), env=env)
-    armed = subprocess.Popen([sys.executable, "-c", "from kvfleet import parent_death; parent_death.arm(); "
+    armed = subprocess.Popen([sys.executable, "-c", "from kvfleet.core import parent_death; parent_death.arm(); "
                               "print('armed', flush=True); import time; time.sleep(600)"], env=env)
     print("pids", wrapped.pid, armed.pid, flush=True)
     time.sleep(600)
