@@ -48,9 +48,10 @@ deps-latest: protos
 	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
 	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[test,convert]'
 	$(LATEST_VENV)/bin/python -m pip check
-	$(LATEST_VENV)/bin/python -m pip freeze --exclude kvfleet > $(LATEST_VENV)/versions.txt
-	@echo "versions that differ from $(LOCK):"; diff <(grep -E '^[A-Za-z]' $(LOCK) | sed 's/ .*//' | sort -f) \
-		<(sort -f $(LATEST_VENV)/versions.txt) | grep '^[<>]' || echo "  none"
+	$(LATEST_VENV)/bin/python -m pip freeze --all --exclude kvfleet --exclude pip > $(LATEST_VENV)/versions.txt
+	@echo "versions that differ from $(LOCK) (< locked, > newest):"; \
+		diff <(grep -E '^[A-Za-z]' $(LOCK) | sed 's/ .*//' | tr 'A-Z_' 'a-z-' | sort) \
+		<(tr 'A-Z_' 'a-z-' < $(LATEST_VENV)/versions.txt | sort) | grep '^[<>]' || echo "  none"
 	KVFLEET_TESTS=fast $(LATEST_VENV)/bin/python -m pytest -q -n auto -p no:cacheprovider -m "$(IN_PROCESS)"
 
 # the native CPU kernels compile once (cached under ~/.cache/kvfleet); a failure is not fatal:

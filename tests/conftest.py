@@ -29,6 +29,7 @@ from kvfleet.core import tls
 # fixture name -> the markers every test using it gets
 FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "etcd": ("process",),                    # a real etcd server (tests/cluster, block_service election/replicas)
+    "wheel": ("process",),                   # tests/test_wheel.py: the wheel, built by pip in a subprocess
     "service": ("process",),                 # `kvfleet block-service` in a subprocess (test_block_service_process)
     "replicas": ("process",),                # block_service replicas in subprocesses (test_replicas)
     "start_cluster": ("process", "cluster"),  # tests/cluster/conftest.py: a LocalCluster per test
