@@ -76,6 +76,12 @@ class RelayError(Exception):
         self.code = code
 
 
+def given_up(req: ParsedRequest, progress: Progress, why: str) -> RelayError:
+    """The client's answer once no node is left to try: what happened, and what the last node said."""
+    return RelayError(grpc.StatusCode[progress.given_up_status()],
+                      f"request {req.request_id} {why}; last: {progress.last_failure}")
+
+
 class NodeStalled(Exception):
     """A node sent nothing for too long: treated like a node that died."""
 
@@ -114,9 +120,7 @@ class Relay:
             ready = in_group([n for n in self.nodes.ready() if n.node_id not in progress.excluded], group)
             if not ready:
                 if progress.excluded:
-                    raise RelayError(grpc.StatusCode[progress.given_up_status()],
-                                     f"request {req.request_id} failed on {sorted(progress.excluded)}, no READY "
-                                     f"compute node left; last: {progress.last_failure}")
+                    raise given_up(req, progress, f"failed on {sorted(progress.excluded)}, no READY compute node left")
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, "no READY compute node")
             prefill, serving = prefill_nodes(ready), serving_nodes(ready)
             cached: dict[str, PrefixHit] = {}
@@ -194,8 +198,7 @@ class Relay:
             trace.get_current_span().add_event("node_failed", {"kvfleet.node_id": node.node_id,
                                                                "kvfleet.tokens_sent": len(progress.sent)})
             if progress.attempts >= self.max_attempts:
-                raise RelayError(grpc.StatusCode[progress.given_up_status()],
-                                 f"request {req.request_id} failed on {progress.attempts} nodes; last: {failure}")
+                raise given_up(req, progress, f"failed on {progress.attempts} nodes")
 
     @staticmethod
     def _classify(e: NodeFailure) -> str:
